@@ -1,0 +1,127 @@
+"""`meshlm.load` and the loaded model: the one front door for the CLI, the server and the evaluator."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from meshlm import checkpoint, model
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.formats import hf
+from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+
+SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
+
+
+def detect_format(path: str | Path) -> str:
+    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder), from the files in `path`."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise ConfigError(f"{path}: expected a checkpoint folder, got a file")
+    if checkpoint.is_checkpoint(path):
+        return "meshlm"
+    if (path / "config.json").exists():
+        return "hf"
+    if (path / "shard_0").is_dir():
+        return "mtj"
+    raise ConfigError(
+        f"{path}: not a checkpoint meshlm can read (expected meshlm.json, a Hugging Face config.json, "
+        "or the seed's shard_0/ folder)"
+    )
+
+
+class LanguageModel:
+    """A GPT-J model placed on a mesh, with the parameters it was loaded with."""
+
+    def __init__(self, config: ModelConfig, params: model.Params, mesh: Mesh, dtype: str = "float32"):
+        self.config = config
+        self.params = params
+        self.mesh = mesh
+        self.dtype = dtype
+        self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LanguageModel({c.n_layer} layers, d_model {c.d_model}, {c.num_params():,} params, "
+            f"{self.dtype}, {describe(self.mesh)})"
+        )
+
+    @cached_property
+    def _forward(self):
+        cfg, policy = self.config, self.policy
+        tokens_sharding = named_sharding(self.mesh, ("batch", "seq"))
+
+        @jax.jit
+        def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
+            tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
+            return model.forward(params, tokens, cfg, policy)
+
+        return fwd
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
+        B, T = tokens.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's context ({self.config.max_seq_len})")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        # Causal attention makes right padding harmless: pad to a few shapes, then cut the padding off.
+        ways = batch_ways(self.mesh)
+        padded_b = -(-B // ways) * ways
+        padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len)
+        padded = np.zeros((padded_b, padded_t), np.int32)
+        padded[:B, :T] = tokens
+        with jax.set_mesh(self.mesh):
+            out = self._forward(self.params, jnp.asarray(padded))
+        return np.asarray(out)[:B, :T]
+
+    def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
+        """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""
+        params = self.params
+        if dtype is not None:
+            target = model.dtype_of(dtype)
+            params = jax.tree.map(lambda x: x.astype(target), params)
+        if format == "meshlm":
+            checkpoint.save_params(path, params, self.config)
+        elif format == "hf":
+            hf.save(path, params, self.config, dtype=dtype or self.dtype)
+        else:
+            raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
+
+
+def load(path: str | Path, mesh: str | Mesh | None = None, dtype: str = "float32") -> LanguageModel:
+    """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
+
+    `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
+    """
+    model.dtype_of(dtype)
+    fmt = detect_format(path)
+    device_mesh = make_mesh(mesh)
+    if fmt == "meshlm":
+        cfg, params = checkpoint.restore_params(path, device_mesh, dtype)
+    elif fmt == "hf":
+        cfg, params = hf.load(path, device_mesh, dtype)
+    else:
+        raise ConfigError(f"{path}: reading the seed's step_N checkpoints is not supported yet")
+    return LanguageModel(cfg, params, device_mesh, dtype)
+
+
+def from_config(
+    cfg: ModelConfig, mesh: str | Mesh | None = None, dtype: str = "float32", seed: int = 0
+) -> LanguageModel:
+    """A randomly initialised model, created shard by shard directly on `mesh`."""
+    device_mesh = make_mesh(mesh)
+    shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
+    params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
+    return LanguageModel(cfg, params, device_mesh, dtype)

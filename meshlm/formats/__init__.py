@@ -1,0 +1,1 @@
+"""Readers and writers for the checkpoint formats meshlm's users hold."""

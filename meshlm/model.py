@@ -1,0 +1,276 @@
+"""GPT-J as pure functions over a parameter pytree.
+
+Reads top to bottom like the architecture: token embedding, `n_layer` blocks with a parallel residual
+(`x + attn(ln(x)) + mlp(ln(x))`), final LayerNorm, untied LM head. Every parameter is declared once in
+`param_table` with its shape, its logical axis names and its initialiser; `meshlm.sharding` maps those
+names to mesh axes, so nothing here knows about devices. The layers are stacked on a leading axis
+and run with `lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.sharding import constrain
+
+Params = dict[str, Any]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; allowed: {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to run the model: parameter storage dtype, compute dtype and what to rematerialise."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        dtype_of(self.param_dtype)
+        dtype_of(self.compute_dtype)
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"unknown remat policy {self.remat!r}; allowed: {sorted(REMAT_POLICIES)}")
+
+
+class Param(NamedTuple):
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # one logical axis name per dimension
+    init: str  # "normal", "zeros" or "ones"
+    std: float = 0.0
+
+
+def param_table(cfg: ModelConfig) -> Params:
+    """Every parameter of the model: shape, logical axes, initialiser. Layer weights carry a leading
+    `layers` axis; q/k/v/out keep heads as their own axis so tensor parallelism splits whole heads."""
+    L, D, H, K, F, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_ff, cfg.vocab_size
+    std = 0.02
+    resid_std = std / math.sqrt(2 * L)  # GPT-2's scaling of the projections that write the residual
+    return {
+        "embed": {"w": Param((V, D), ("vocab", "embed"), "normal", std)},
+        "layers": {
+            "ln": {
+                "scale": Param((L, D), ("layers", "norm"), "ones"),
+                "bias": Param((L, D), ("layers", "norm"), "zeros"),
+            },
+            "attn": {
+                "q": Param((L, D, H, K), ("layers", "embed", "heads", "head_dim"), "normal", std),
+                "k": Param((L, D, H, K), ("layers", "embed", "heads", "head_dim"), "normal", std),
+                "v": Param((L, D, H, K), ("layers", "embed", "heads", "head_dim"), "normal", std),
+                "out": Param((L, H, K, D), ("layers", "heads", "head_dim", "embed"), "normal", resid_std),
+            },
+            "mlp": {
+                "fc_in": {
+                    "w": Param((L, D, F), ("layers", "embed", "mlp"), "normal", std),
+                    "b": Param((L, F), ("layers", "mlp"), "zeros"),
+                },
+                "fc_out": {
+                    "w": Param((L, F, D), ("layers", "mlp", "embed"), "normal", resid_std),
+                    "b": Param((L, D), ("layers", "norm"), "zeros"),
+                },
+            },
+        },
+        "ln_f": {
+            "scale": Param((D,), ("norm",), "ones"),
+            "bias": Param((D,), ("norm",), "zeros"),
+        },
+        "head": {
+            "w": Param((D, V), ("embed", "vocab"), "normal", std),
+            "b": Param((V,), ("vocab",), "zeros"),
+        },
+    }
+
+
+def _is_param(x: Any) -> bool:
+    return isinstance(x, Param)
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """The pytree of logical axis names, same structure as the parameters."""
+    return jax.tree.map(lambda p: p.axes, param_table(cfg), is_leaf=_is_param)
+
+
+def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
+    """Random parameters. Under `jax.jit` with `out_shardings`, each device creates only its shard."""
+    table = param_table(cfg)
+    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_param)
+    keys = jax.random.split(key, len(leaves))
+    dt = dtype_of(dtype)
+
+    def make(p: Param, k: jax.Array) -> jax.Array:
+        if p.init == "zeros":
+            return jnp.zeros(p.shape, dt)
+        if p.init == "ones":
+            return jnp.ones(p.shape, dt)
+        return (p.std * jax.random.normal(k, p.shape, jnp.float32)).astype(dt)
+
+    return jax.tree.unflatten(treedef, [make(p, k) for p, k in zip(leaves, keys, strict=True)])
+
+
+def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
+    """ShapeDtypeStructs of the parameters, computed without allocating anything."""
+    return jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forward pass
+
+
+def layer_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_tables(positions: jax.Array, rotary_dim: int) -> tuple[jax.Array, jax.Array]:
+    """sin and cos for each position, each frequency repeated for its (even, odd) pair: [B, T, rotary_dim]."""
+    inv_freq = 1.0 / (10000 ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.repeat(jnp.sin(angles), 2, axis=-1), jnp.repeat(jnp.cos(angles), 2, axis=-1)
+
+
+def rotate_every_two(x: jax.Array) -> jax.Array:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    pairs = jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1)
+    return pairs.reshape(x.shape)
+
+
+def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate the first `rotary_dim` dims of each head of x [B, T, H, K]; the rest pass through."""
+    rot = sin.shape[-1]
+    if rot == 0:
+        return x
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    x_rot = x[..., :rot].astype(jnp.float32)
+    x_rot = (x_rot * cos + rotate_every_two(x_rot) * sin).astype(x.dtype)
+    return jnp.concatenate([x_rot, x[..., rot:]], axis=-1)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax attention with fp32 scores. q [B, T, H, K], k/v [B, S, H, K], allowed [B, T, S]."""
+    scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    scores = jnp.where(allowed[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs, v)
+
+
+def attention(h: jax.Array, p: Params, sin: jax.Array, cos: jax.Array, allowed: jax.Array) -> jax.Array:
+    q = apply_rotary(jnp.einsum("btd,dhk->bthk", h, p["q"].astype(h.dtype)), sin, cos)
+    k = apply_rotary(jnp.einsum("btd,dhk->bthk", h, p["k"].astype(h.dtype)), sin, cos)
+    v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(h.dtype))
+    q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
+    out = attend(q, k, v, allowed)
+    return jnp.einsum("bthk,hkd->btd", out, p["out"].astype(h.dtype))
+
+
+def mlp(h: jax.Array, p: Params) -> jax.Array:
+    up = jnp.einsum("btd,df->btf", h, p["fc_in"]["w"].astype(h.dtype)) + p["fc_in"]["b"].astype(h.dtype)
+    up = constrain(jax.nn.gelu(up, approximate=True), ("batch", "seq", "act_mlp"))
+    return jnp.einsum("btf,fd->btd", up, p["fc_out"]["w"].astype(h.dtype)) + p["fc_out"]["b"].astype(h.dtype)
+
+
+def block(
+    x: jax.Array, layer: Params, cfg: ModelConfig, sin: jax.Array, cos: jax.Array, allowed: jax.Array
+) -> jax.Array:
+    h = layer_norm(x, layer["ln"], cfg.layer_norm_eps)
+    x = x + attention(h, layer["attn"], sin, cos, allowed) + mlp(h, layer["mlp"])
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+
+def causal_mask(mask: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """[B, T, T] booleans: query t may see key s when s <= t and s is not padding."""
+    allowed = jnp.tril(jnp.ones((length, length), bool))[None]
+    if mask is not None:
+        allowed = allowed & mask.astype(bool)[:, None, :]
+    return jnp.broadcast_to(allowed, (batch, length, length))
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy = Policy(),
+    *,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [B, T, vocab_size] in float32 for tokens [B, T].
+
+    `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the rotary
+    positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows).
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    dt = dtype_of(policy.compute_dtype)
+    sin, cos = rotary_tables(positions, cfg.rotary_dim)
+    allowed = causal_mask(mask, B, T)
+
+    x = jnp.take(params["embed"]["w"], tokens, axis=0).astype(dt)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    def step(x: jax.Array, layer: Params) -> tuple[jax.Array, None]:
+        return block(x, layer, cfg, sin, cos, allowed), None
+
+    remat = REMAT_POLICIES[policy.remat]
+    if policy.remat != "none":
+        step = jax.checkpoint(step, policy=remat, prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, params["layers"])
+
+    x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
+    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
+    logits = logits + params["head"]["b"].astype(jnp.float32)
+    return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def loss(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy = Policy(),
+    *,
+    loss_mask: jax.Array | None = None,
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross-entropy over tokens [B, T+1] (inputs tokens[:, :-1], targets tokens[:, 1:]).
+
+    `loss_mask` [B, T] weights each target (0 for padding). `z_loss` adds z_loss * logsumexp^2, which
+    keeps the softmax normaliser near 1 in low-precision training. Returns (loss, metrics).
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = forward(params, inputs, cfg, policy)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = log_z - target_logit
+    weights = jnp.ones_like(nll) if loss_mask is None else loss_mask.astype(jnp.float32)
+    n = jnp.maximum(weights.sum(), 1.0)
+    ce = (nll * weights).sum() / n
+    total = ce + z_loss * (jnp.square(log_z) * weights).sum() / n
+    return total, {"ce": ce, "tokens": weights.sum()}

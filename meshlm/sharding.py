@@ -1,0 +1,166 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Mesh axes:
+  data   pure data parallelism: the batch is split, parameters are replicated
+  fsdp   ZeRO-3: the batch is split AND parameters / optimizer state are sharded
+  model  Megatron tensor parallelism: heads, d_ff and vocabulary are split
+
+Changing the parallelism means editing `RULES`, never the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from meshlm.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "model")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # parameters
+    "vocab": "model",
+    "heads": "model",
+    "mlp": "model",
+    "embed": "fsdp",
+    "layers": None,
+    "head_dim": None,
+    "norm": None,
+    # activations
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "model",
+    "act_mlp": "model",
+    "act_vocab": "model",
+    "cache_seq": None,
+}
+
+
+def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
+    """ "data=2,fsdp=2,model=2" -> sizes per axis. Omitted axes are 1, except that `data` takes the
+    devices left over when it is omitted; one axis may be -1 to take the rest."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
+        if not m:
+            raise ConfigError(f"mesh spec {spec!r}: cannot read {part!r}; expected e.g. 'data=2,fsdp=2,model=2'")
+        name, size = m.group(1), int(m.group(2))
+        if name not in MESH_AXES:
+            raise ConfigError(f"mesh spec {spec!r}: unknown axis {name!r}; axes are {list(MESH_AXES)}")
+        if name in sizes:
+            raise ConfigError(f"mesh spec {spec!r}: axis {name!r} given twice")
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh spec {spec!r}: axis {name!r} must be a positive size or -1")
+        sizes[name] = size
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"mesh spec {spec!r}: at most one axis may be -1")
+    if -1 not in sizes.values() and "data" not in sizes:
+        sizes["data"] = -1
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if n_devices % known:
+        raise ConfigError(f"mesh spec {spec!r} needs a multiple of {known} devices; {n_devices} are visible")
+    sizes = {a: (n_devices // known if s == -1 else s) for a, s in sizes.items()}
+    if math.prod(sizes.values()) != n_devices:
+        raise ConfigError(
+            f"mesh spec {spec!r} uses {math.prod(sizes.values())} devices; {n_devices} are visible "
+            "(make the sizes multiply to the device count, or set one axis to -1)"
+        )
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mesh | None = None, devices: list[Any] | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, model) over `devices` (default: all visible devices).
+
+    `None` means one device. Axis types are Auto: shardings of parameters and a few activation
+    constraints are declared, and XLA propagates the rest.
+    """
+    if isinstance(spec, Mesh):
+        missing = [a for a in MESH_AXES if a not in spec.axis_names]
+        if missing:
+            raise ConfigError(f"mesh must have axes {list(MESH_AXES)}; missing {missing}")
+        return spec
+    devices = list(devices if devices is not None else jax.devices())
+    if spec is None:
+        devices, spec = devices[:1], "data=1"
+    sizes = parse_mesh_spec(spec, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def spec_for(axes: Iterable[str | None]) -> PartitionSpec:
+    """PartitionSpec for a tuple of logical axis names, through RULES."""
+    out = []
+    for name in axes:
+        if name is not None and name not in RULES:
+            raise ConfigError(f"logical axis {name!r} has no sharding rule; known: {sorted(RULES)}")
+        out.append(None if name is None else RULES[name])
+    return PartitionSpec(*out)
+
+
+def _mesh_axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else rule
+
+
+def named_sharding(mesh: Mesh, axes: Iterable[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(axes))
+
+
+def param_shardings(logical: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree of logical-axis tuples (e.g. `model.logical_axes(cfg)`)."""
+    return jax.tree.map(lambda axes: named_sharding(mesh, axes), logical, is_leaf=_is_axes)
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def check_divisible(shapes: Any, logical: Any, mesh: Mesh) -> None:
+    """Raise a ConfigError naming the first parameter whose dimension a mesh axis does not divide.
+
+    `shapes` is a pytree of arrays or ShapeDtypeStructs with the structure of `logical`.
+    """
+    flat_axes = jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_axes)[0]
+    for (path, axes), leaf in zip(flat_axes, jax.tree.leaves(shapes), strict=True):
+        for dim, (size, name) in enumerate(zip(leaf.shape, axes, strict=True)):
+            mesh_axes = _mesh_axes(RULES.get(name)) if name else ()
+            ways = math.prod(mesh.shape[a] for a in mesh_axes)
+            if size % ways:
+                raise ConfigError(
+                    f"parameter {jax.tree_util.keystr(path, simple=True, separator='.')} dimension {dim} "
+                    f"({name}={size}) is not divisible by mesh axis {'x'.join(mesh_axes)} "
+                    f"(size {ways}); choose a mesh whose sizes divide the model's shapes"
+                )
+
+
+def plan(abstract: Any, logical: Any, mesh: Mesh) -> Any:
+    """Checked NamedShardings for parameters: `abstract` gives the shapes, `logical` the axis names."""
+    check_divisible(abstract, logical, mesh)
+    return param_shardings(logical, mesh)
+
+
+def batch_ways(mesh: Mesh) -> int:
+    """How many ways the batch dimension is split."""
+    return math.prod(mesh.shape[a] for a in _mesh_axes(RULES["batch"]))
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context (`jax.set_mesh`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for(axes))
+
+
+def describe(mesh: Mesh) -> str:
+    sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    platform = mesh.devices.flat[0].platform
+    return f"mesh({sizes}) over {mesh.devices.size} {platform} device(s)"

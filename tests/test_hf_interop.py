@@ -1,0 +1,135 @@
+"""Logits parity with transformers' GPT-J through import and export, and clear errors for bad folders."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import meshlm
+from meshlm import ConfigError
+from tests import oracle
+
+CONFIGS = {
+    "rotary<d_head": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=512, n_positions=64),
+    "rotary=d_head": dict(n_embd=48, n_layer=3, n_head=3, rotary_dim=16, vocab_size=300, n_positions=64),
+    "one-head,n_inner": dict(n_embd=32, n_layer=1, n_head=1, rotary_dim=4, vocab_size=128, n_inner=80,
+                             n_positions=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_import_and_export_match_transformers_logits(name, tmp_path):
+    ref = oracle.make_hf_model(tmp_path / "hf", seed=len(name), **CONFIGS[name])
+    tokens = np.random.default_rng(1).integers(0, CONFIGS[name]["vocab_size"], (3, 17))
+    expected = ref.logits(tokens)
+
+    lm = meshlm.load(ref.path)
+    np.testing.assert_allclose(lm.logits(tokens), expected, atol=1e-4, rtol=0)
+
+    lm.save(tmp_path / "export", format="hf")
+    exported = oracle.load_hf(tmp_path / "export")
+    with torch.no_grad():
+        back = exported(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(back, expected, atol=1e-4, rtol=0)
+
+
+def test_export_in_half_precision_loads_in_transformers(hf_tiny, tmp_path):
+    lm = meshlm.load(hf_tiny.path)
+    tokens = np.arange(24).reshape(2, 12)
+    for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        lm.save(tmp_path / dtype, format="hf", dtype=dtype)
+        m = oracle.load_hf(tmp_path / dtype)
+        assert json.loads((tmp_path / dtype / "config.json").read_text())["torch_dtype"] == dtype
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / dtype / "model.safetensors"), framework="pt") as f:
+            assert f.get_tensor("lm_head.weight").dtype == torch_dtype
+        with torch.no_grad():
+            got = m(torch.as_tensor(tokens)).logits.numpy()
+        # Rounding every weight to 8 (bf16) or 11 (fp16) mantissa bits moves logits by a few 1e-2 at most.
+        np.testing.assert_allclose(got, hf_tiny.logits(tokens), atol=0.1 if dtype == "bfloat16" else 0.02)
+
+
+def test_sharded_safetensors_export_and_import(hf_tiny, tmp_path):
+    lm = meshlm.load(hf_tiny.path)
+    from meshlm.formats import hf
+
+    hf.save(tmp_path / "sharded", lm.params, lm.config, max_shard_bytes=100_000)
+    files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 3
+    tokens = np.arange(30).reshape(1, 30)
+    np.testing.assert_allclose(oracle.load_hf(tmp_path / "sharded")(torch.as_tensor(tokens)).logits.detach().numpy(),
+                               hf_tiny.logits(tokens), atol=1e-4)
+    again = meshlm.load(tmp_path / "sharded", mesh="model=4,fsdp=2")
+    np.testing.assert_allclose(again.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
+
+
+def test_pytorch_model_bin_folder_imports(tmp_path):
+    ref = oracle.make_hf_model(tmp_path / "bin", safe_serialization=False, **CONFIGS["rotary<d_head"])
+    assert (ref.path / "pytorch_model.bin").exists()
+    tokens = np.arange(20).reshape(2, 10)
+    np.testing.assert_allclose(meshlm.load(ref.path).logits(tokens), ref.logits(tokens), atol=1e-4)
+
+
+def test_meshlm_checkpoint_round_trip_onto_another_mesh(hf_tiny, tmp_path):
+    tokens = np.arange(40).reshape(2, 20)
+    meshlm.load(hf_tiny.path, mesh="fsdp=8").save(tmp_path / "ckpt")
+    lm = meshlm.load(tmp_path / "ckpt", mesh="data=2,model=4")
+    assert lm.params["layers"]["attn"]["q"].sharding.spec[2] == "model"
+    np.testing.assert_allclose(lm.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
+
+
+def test_not_gptj_folder_is_refused(hf_tiny, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(hf_tiny.path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type is 'gpt2', not 'gptj'"):
+        meshlm.load(folder)
+
+
+def test_folder_without_weights_is_refused(hf_tiny, tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    shutil.copy(hf_tiny.path / "config.json", folder)
+    with pytest.raises(ConfigError, match="no model.safetensors"):
+        meshlm.load(folder)
+
+
+def test_weights_that_do_not_match_the_config_are_refused(hf_tiny, tmp_path):
+    folder = tmp_path / "mismatch"
+    shutil.copytree(hf_tiny.path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "n_inner": 128}))
+    with pytest.raises(ConfigError, match=r"mlp.fc_in.bias has shape \[256\], config.json implies \[128\]"):
+        meshlm.load(folder)
+
+
+def test_missing_tensor_is_named(hf_tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "missing"
+    shutil.copytree(hf_tiny.path, folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["lm_head.bias"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"lacks tensor\(s\) \['lm_head.bias'\]"):
+        meshlm.load(folder)
+
+
+def test_truncated_safetensors_is_refused(hf_tiny, tmp_path):
+    folder = tmp_path / "truncated"
+    shutil.copytree(hf_tiny.path, folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        meshlm.load(folder)
+
+
+def test_path_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        meshlm.load(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="not a checkpoint meshlm can read"):
+        meshlm.load(tmp_path)

@@ -7,17 +7,24 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests import oracle  # noqa: E402
-
+from tests import oracle
 
 
 @pytest.fixture(scope="session")
 def hf_tiny(tmp_path_factory) -> oracle.HFModel:
     """A random tiny GPT-J saved as a Hugging Face folder, with its torch model for reference logits."""
-    return oracle.make_hf_model(tmp_path_factory.mktemp("hf_tiny"), n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
-                                vocab_size=512, n_positions=128, seed=0)
+    return oracle.make_hf_model(
+        tmp_path_factory.mktemp("hf_tiny"),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=8,
+        vocab_size=512,
+        n_positions=128,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="session")

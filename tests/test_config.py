@@ -56,8 +56,17 @@ def test_hf_config_round_trip():
     [
         ({"model_type": "gpt2", "n_embd": 8}, "model_type is 'gpt2', not 'gptj'"),
         ({"model_type": "gptj", "n_embd": 64, "n_head": 4}, r"missing key\(s\) \['n_layer', 'vocab_size'\]"),
-        ({"model_type": "gptj", "n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 10,
-          "activation_function": "relu"}, "activation_function 'relu' is not supported"),
+        (
+            {
+                "model_type": "gptj",
+                "n_embd": 64,
+                "n_head": 4,
+                "n_layer": 1,
+                "vocab_size": 10,
+                "activation_function": "relu",
+            },
+            "activation_function 'relu' is not supported",
+        ),
     ],
 )
 def test_non_gptj_hf_config_is_refused(hf, message):

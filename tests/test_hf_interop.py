@@ -14,8 +14,7 @@ from tests import oracle
 CONFIGS = {
     "rotary<d_head": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=512, n_positions=64),
     "rotary=d_head": dict(n_embd=48, n_layer=3, n_head=3, rotary_dim=16, vocab_size=300, n_positions=64),
-    "one-head,n_inner": dict(n_embd=32, n_layer=1, n_head=1, rotary_dim=4, vocab_size=128, n_inner=80,
-                             n_positions=64),
+    "one-head,n_inner": dict(n_embd=32, n_layer=1, n_head=1, rotary_dim=4, vocab_size=128, n_inner=80, n_positions=64),
 }
 
 
@@ -60,8 +59,11 @@ def test_sharded_safetensors_export_and_import(hf_tiny, tmp_path):
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 3
     tokens = np.arange(30).reshape(1, 30)
-    np.testing.assert_allclose(oracle.load_hf(tmp_path / "sharded")(torch.as_tensor(tokens)).logits.detach().numpy(),
-                               hf_tiny.logits(tokens), atol=1e-4)
+    np.testing.assert_allclose(
+        oracle.load_hf(tmp_path / "sharded")(torch.as_tensor(tokens)).logits.detach().numpy(),
+        hf_tiny.logits(tokens),
+        atol=1e-4,
+    )
     again = meshlm.load(tmp_path / "sharded", mesh="model=4,fsdp=2")
     np.testing.assert_allclose(again.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
 

@@ -7,10 +7,18 @@ import pytest
 import meshlm
 from meshlm import ConfigError, model, sharding
 
-MESHES = ["data=8", "fsdp=8", "model=4,data=2", "data=2,model=4", "data=2,fsdp=2,model=2", "fsdp=4,model=2",
-          "model=2,fsdp=2,data=2"]
-CFG = meshlm.ModelConfig(n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=256,
-                         n_vocab_used=250, max_seq_len=64)
+MESHES = [
+    "data=8",
+    "fsdp=8",
+    "model=4,data=2",
+    "data=2,model=4",
+    "data=2,fsdp=2,model=2",
+    "fsdp=4,model=2",
+    "model=2,fsdp=2,data=2",
+]
+CFG = meshlm.ModelConfig(
+    n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=256, n_vocab_used=250, max_seq_len=64
+)
 TOKENS = np.random.default_rng(0).integers(0, 250, (8, 33))
 
 
@@ -52,8 +60,9 @@ def test_parameters_are_sharded_as_the_rules_say():
         "head.b": ("model",),
         "ln_f.scale": (None,),
     }
-    flat = {jax.tree_util.keystr(k, simple=True, separator="."): v for k, v in
-            jax.tree_util.tree_flatten_with_path(p)[0]}
+    flat = {
+        jax.tree_util.keystr(k, simple=True, separator="."): v for k, v in jax.tree_util.tree_flatten_with_path(p)[0]
+    }
     for name, spec in expect.items():
         assert tuple(flat[name].sharding.spec) == spec, name
     q = p["layers"]["attn"]["q"]  # [L, D, H, K] = [2, 64, 4, 16]: D split 2 ways (fsdp), H split 2 ways (model)
@@ -62,8 +71,11 @@ def test_parameters_are_sharded_as_the_rules_say():
 
 
 def test_shape_a_mesh_does_not_divide_is_named_at_configuration_time():
-    with pytest.raises(ConfigError, match=r"parameter layers.attn.k dimension 2 \(heads=4\) is not divisible by mesh "
-                                          r"axis model \(size 8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter layers.attn.k dimension 2 \(heads=4\) is not divisible by mesh "
+        r"axis model \(size 8\)",
+    ):
         meshlm.from_config(CFG, mesh="model=8")
 
 

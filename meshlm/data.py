@@ -1,0 +1,119 @@
+"""Prepared training data: packed token sequences in compact uint16 shards with a small JSON index.
+
+Layout of a prepared dataset folder:
+
+    index.json        {"format": "meshlm-tokens", "version": 1, "seq_len": S, "dtype": "uint16",
+                       "eos_id": 50256, "splits": {"train": {"files": [...], "sequences": [...]}, ...}}
+    train/00000.bin   raw little-endian uint16, row-major [n, S + 1] (inputs and the shifted targets)
+
+Each row holds `seq_len + 1` tokens so that one row gives `seq_len` next-token predictions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshlm.config import ConfigError
+
+FORMAT = "meshlm-tokens"
+FORMAT_VERSION = 1
+INDEX = "index.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def read_index(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{folder}: not a prepared dataset (no {INDEX}); create one with `meshlm prepare`") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
+        raise ConfigError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} index")
+    if index.get("dtype") not in DTYPES:
+        raise ConfigError(f"{path}: unsupported token dtype {index.get('dtype')!r}; expected one of {sorted(DTYPES)}")
+    return index
+
+
+class TokenDataset:
+    """Random access to the rows of one split, memory-mapped: nothing is read until a row is asked for."""
+
+    def __init__(self, folder: str | Path, split: str = "train"):
+        self.folder = Path(folder)
+        index = read_index(self.folder)
+        if split not in index["splits"]:
+            raise ConfigError(f"{self.folder}: no split {split!r}; available: {sorted(index['splits'])}")
+        self.split = split
+        self.seq_len: int = index["seq_len"]
+        self.eos_id: int = index.get("eos_id", 50256)
+        dtype = DTYPES[index["dtype"]]
+        row = self.seq_len + 1
+        info = index["splits"][split]
+        self._shards: list[np.memmap] = []
+        for fname, n in zip(info["files"], info["sequences"], strict=True):
+            path = self.folder / fname
+            if not path.is_file():
+                raise ConfigError(f"{self.folder}: {INDEX} lists {fname}, which is missing")
+            expected = n * row * dtype.itemsize
+            if path.stat().st_size != expected:
+                raise ConfigError(
+                    f"{path}: holds {path.stat().st_size} bytes, {INDEX} implies {expected} "
+                    f"({n} rows of {row} {index['dtype']} tokens); the file is damaged or of another dtype"
+                )
+            if n:
+                self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(n, row)))
+        self._offsets = np.cumsum([0] + [len(s) for s in self._shards])
+        if len(self) == 0:
+            raise ConfigError(f"{self.folder}: split {split!r} holds no sequences")
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def __getitem__(self, rows: np.ndarray | list[int]) -> np.ndarray:
+        """Rows [k, seq_len + 1] as int32, in the order asked."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"row index out of range [0, {len(self)})")
+        shard = np.searchsorted(self._offsets, rows, side="right") - 1
+        out = np.empty((len(rows), self.seq_len + 1), np.int32)
+        for s in np.unique(shard):
+            pick = shard == s
+            out[pick] = self._shards[s][rows[pick] - self._offsets[s]]
+        return out
+
+
+def write_split(folder: Path, split: str, rows: list[np.ndarray], seq_len: int, dtype: str = "uint16") -> dict:
+    """Write row blocks [n_i, seq_len + 1] as shards of `split`; returns that split's index entry."""
+    (folder / split).mkdir(parents=True, exist_ok=True)
+    files, counts = [], []
+    for i, block in enumerate(rows):
+        if block.ndim != 2 or block.shape[1] != seq_len + 1:
+            raise ValueError(f"row block has shape {block.shape}, expected [n, {seq_len + 1}]")
+        fname = f"{split}/{i:05d}.bin"
+        block.astype(DTYPES[dtype]).tofile(folder / fname)
+        files.append(fname)
+        counts.append(int(block.shape[0]))
+    return {"files": files, "sequences": counts}
+
+
+def write_index(
+    folder: Path, seq_len: int, splits: dict[str, dict], dtype: str = "uint16", eos_id: int = 50256, **extra: Any
+) -> None:
+    """Write index.json last, atomically: a folder without it is never read as a dataset."""
+    index = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "eos_id": eos_id,
+        "splits": splits,
+        **extra,
+    }
+    tmp = folder / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=2))
+    tmp.replace(folder / INDEX)

@@ -7,15 +7,14 @@ from functools import cached_property
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats import hf
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, load_tokenizer
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
@@ -68,14 +67,11 @@ class LanguageModel:
     @cached_property
     def _forward(self):
         cfg, policy = self.config, self.policy
-        tokens_sharding = named_sharding(self.mesh, ("batch", "seq"))
+        return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
 
-        @jax.jit
-        def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
-            tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
-            return model.forward(params, tokens, cfg, policy)
-
-        return fwd
+    @cached_property
+    def _tokens_sharding(self) -> NamedSharding:
+        return named_sharding(self.mesh, ("batch", "seq"))
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
@@ -94,8 +90,8 @@ class LanguageModel:
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
         with jax.set_mesh(self.mesh):
-            out = self._forward(self.params, jnp.asarray(padded))
-        return np.asarray(out)[:B, :T]
+            out = self._forward(self.params, from_host(padded, self._tokens_sharding))
+        return to_host(out)[:B, :T]
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from meshlm import model
 from meshlm.config import ModelConfig
-from meshlm.sharding import batch_ways, constrain
+from meshlm.sharding import batch_ways, constrain, from_host, named_sharding, to_host
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_IDS = 8  # stop token ids per row
@@ -326,7 +326,8 @@ class Generator:
             if len(prompt):
                 tokens[i, length - len(prompt) :] = prompt
                 mask[i, length - len(prompt) :] = True
-        settings = settings_for(params, n_rows)
+        tokens, mask = self._from_host(tokens), self._from_host(mask)
+        settings = jax.tree.map(self._from_host, settings_for(params, n_rows))
         with jax.set_mesh(self.mesh):
             rows, out = _prefill(
                 self.params, tokens, mask, settings, cfg=self.cfg, policy=self.policy, cache_len=cache_len
@@ -344,24 +345,31 @@ class Generator:
         index = np.full(new.token.shape[0], rows.token.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
         with jax.set_mesh(self.mesh):
-            return _insert(rows, new, index)
+            return _insert(rows, new, self._replicated(index))
 
     def finish(self, rows: Rows, finished: np.ndarray) -> Rows:
         """Mark rows done from the host (stop strings, cancelled requests) so they stop decoding."""
-        if np.asarray(rows.done)[finished].all():
+        if to_host(rows.done)[finished].all():
             return rows
         with jax.set_mesh(self.mesh):
-            return rows._replace(done=rows.done | jnp.asarray(finished))
+            return rows._replace(done=rows.done | self._from_host(finished))
 
     def empty(self, n_rows: int, cache_len: int) -> Rows:
         """A batch of `n_rows` free slots (all done)."""
         rows, _ = self.prefill([[0]], [SamplingParams(max_new_tokens=0)], n_rows, cache_len)
         return rows
 
+    def _from_host(self, x: np.ndarray) -> jax.Array:
+        """A host array split over the batch axes (the same on every process when there are several)."""
+        return from_host(np.asarray(x), named_sharding(self.mesh, ("batch",) + (None,) * (np.ndim(x) - 1)))
+
+    def _replicated(self, x: np.ndarray) -> jax.Array:
+        return from_host(np.asarray(x), named_sharding(self.mesh, (None,) * np.ndim(x)))
+
     @staticmethod
     def _to_host(out: tuple[jax.Array, ...], rows: Rows) -> Step:
-        token, logprob, top_ids, top_logprobs, emitted = jax.device_get(out)
-        return Step(token, logprob, top_ids, top_logprobs, emitted, np.asarray(rows.done))
+        token, logprob, top_ids, top_logprobs, emitted = (to_host(x) for x in out)
+        return Step(token, logprob, top_ids, top_logprobs, emitted, to_host(rows.done))
 
 
 # ---------------------------------------------------------------------------------------------------

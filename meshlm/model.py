@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.sharding import constrain
+from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
 
@@ -290,7 +290,7 @@ def _run(
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(positions, cfg.rotary_dim)
 
-    x = jnp.take(params["embed"]["w"], tokens, axis=0).astype(dt)
+    x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     def step(carry: tuple[jax.Array, KVCache | None], xs: tuple[Params, jax.Array]):

@@ -69,6 +69,7 @@ class Engine:
         self.slots: list[Row | None] = [None] * self.max_batch
         self.wake = threading.Condition()
         self.stopped = False
+        self.tokens_generated = 0
         self.rows = self.gen.empty(self.max_batch, self.cache_len)
         self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
 
@@ -166,7 +167,9 @@ class Engine:
             self.slots[slot] = None
             return
         with row.lock:
+            before = len(row.seq.tokens)
             row.seq.add(step, index)
+            self.tokens_generated += len(row.seq.tokens) - before
         if row.seq.finished:
             self.slots[slot] = None
         row.notify()
@@ -262,7 +265,13 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "active": engine.active, "queued": len(engine.pending)}
+        return {
+            "status": "ok",
+            "active": engine.active,
+            "queued": len(engine.pending),
+            "max_batch": engine.max_batch,
+            "tokens_generated": engine.tokens_generated,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -104,7 +104,7 @@ def test_legacy_complete_endpoint(server, client):
 
 def test_sixteen_concurrent_requests_are_batched(server, client):
     def body(i: int) -> dict:
-        return dict(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=48, temperature=0.9, seed=i)
+        return dict(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=48, temperature=0)
 
     start = time.perf_counter()
     one_by_one = [client.completions.create(**body(i)).choices[0].text for i in range(16)]
@@ -118,7 +118,7 @@ def test_sixteen_concurrent_requests_are_batched(server, client):
     start = time.perf_counter()
     concurrent = asyncio.run(together())
     elapsed = time.perf_counter() - start
-    assert concurrent == one_by_one  # seeded rows give the same text alone or batched with others
+    assert concurrent == one_by_one  # a row gives the same text alone or batched with others
     assert elapsed < sequential / 2, (elapsed, sequential)
 
 
@@ -166,8 +166,9 @@ def test_a_cancelled_stream_stops_its_row(server):
 def test_a_full_queue_answers_503_with_retry_after(server):
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as c:
-            payload = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0}
-            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=payload) for _ in range(64)))
+            payload = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0}
+            requests = MAX_BATCH + MAX_QUEUE + 8  # more than the slots and the queue hold
+            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=payload) for _ in range(requests)))
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]

@@ -137,7 +137,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     the seed's /complete, with requests batched together as they arrive."""
     from pathlib import Path
 
-    from meshlm import api, server
+    from meshlm import api
+
+    try:
+        from meshlm import server
+    except ImportError as e:
+        raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
     lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
     _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available

@@ -263,7 +263,7 @@ def _prefill(
     B = tokens.shape[0]
     tokens = constrain(tokens, ("batch", "seq"))
     cache = model.init_cache(cfg, B, cache_len, policy.compute_dtype)
-    logits, cache = model.decode(params, tokens, cache, cfg, policy, mask=mask)
+    logits, cache = model.decode(params, tokens, cache, cfg, policy, mask=mask, last_only=True)
     seen = jnp.zeros((B, cfg.vocab_size), bool).at[jnp.arange(B)[:, None], tokens].max(mask)
     zeros = jnp.zeros((B,), jnp.int32)
     rows = Rows(cache, zeros, seen, zeros, settings.max_new <= 0, settings)

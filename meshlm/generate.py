@@ -259,15 +259,21 @@ def _prefill(
     policy: model.Policy,
     cache_len: int,
 ) -> tuple[Rows, tuple[jax.Array, ...]]:
-    """Fresh rows from left-padded prompts [B, P], with each row's first token chosen."""
+    """Fresh rows from right-padded prompts [B, P], with each row's first token chosen.
+
+    Right padding: a row's generated tokens take the slots right after its prompt (overwriting the
+    padding, which is never attended to), so a row needs only len(prompt) + max_new_tokens slots and
+    the prompt's bucket does not depend on how much will be generated."""
     B = tokens.shape[0]
     tokens = constrain(tokens, ("batch", "seq"))
+    lengths = mask.sum(-1, dtype=jnp.int32)
     cache = model.init_cache(cfg, B, cache_len, policy.compute_dtype)
-    logits, cache = model.decode(params, tokens, cache, cfg, policy, mask=mask, last_only=True)
+    logits, cache = model.decode(params, tokens, cache, cfg, policy, mask=mask, at=jnp.maximum(lengths - 1, 0))
+    cache = cache._replace(index=lengths)
     seen = jnp.zeros((B, cfg.vocab_size), bool).at[jnp.arange(B)[:, None], tokens].max(mask)
     zeros = jnp.zeros((B,), jnp.int32)
     rows = Rows(cache, zeros, seen, zeros, settings.max_new <= 0, settings)
-    out = choose(logits[:, -1], rows, cfg.n_vocab_used)
+    out = choose(logits[:, 0], rows, cfg.n_vocab_used)
     return advance(rows, cache, out[0]), (*(o[:, None] for o in out), ~rows.done[:, None])
 
 
@@ -326,8 +332,8 @@ class Generator:
         b = _bucket(n)
         return -(-b // self.batch_ways) * self.batch_ways
 
-    def prompt_bucket(self, n: int, cache_len: int, max_new: int) -> int:
-        return max(n, min(_bucket(n, MIN_PROMPT_BUCKET), cache_len - max_new))
+    def prompt_bucket(self, n: int, cache_len: int) -> int:
+        return min(_bucket(n, MIN_PROMPT_BUCKET), cache_len)
 
     def cache_bucket(self, n: int) -> int:
         return min(_bucket(n, 2 * MIN_PROMPT_BUCKET), self.cfg.max_seq_len)
@@ -345,19 +351,19 @@ class Generator:
     def prefill(
         self, prompts: Seq[Seq[int]], params: Seq[SamplingParams], n_rows: int, cache_len: int
     ) -> tuple[Rows, Step]:
-        """Run the prompts (left-padded to a common bucketed length) and choose each row's first token."""
-        max_new = max(p.max_new_tokens for p in params)
-        for prompt in prompts:
-            self.check_fits(len(prompt), max_new)
-            if len(prompt) > cache_len - max_new:
-                raise ValueError(f"prompt of {len(prompt)} tokens does not fit a cache of {cache_len}")
-        length = self.prompt_bucket(max(len(p) for p in prompts), cache_len, max_new)
+        """Run the prompts (right-padded to a common bucketed length) and choose each row's first token."""
+        for prompt, sp in zip(prompts, params, strict=True):
+            if not len(prompt):
+                raise ValueError("a prompt must have at least one token")
+            self.check_fits(len(prompt), sp.max_new_tokens)
+            if len(prompt) + sp.max_new_tokens > cache_len:
+                raise ValueError(f"{len(prompt)} prompt tokens + {sp.max_new_tokens} new exceed a cache of {cache_len}")
+        length = self.prompt_bucket(max(len(p) for p in prompts), cache_len)
         tokens = np.zeros((n_rows, length), np.int32)
         mask = np.zeros((n_rows, length), bool)
         for i, prompt in enumerate(prompts):
-            if len(prompt):
-                tokens[i, length - len(prompt) :] = prompt
-                mask[i, length - len(prompt) :] = True
+            tokens[i, : len(prompt)] = prompt
+            mask[i, : len(prompt)] = True
         tokens, mask = self._from_host(tokens), self._from_host(mask)
         settings = jax.tree.map(self._from_host, settings_for(params, n_rows))
         with jax.set_mesh(self.mesh):
@@ -512,7 +518,7 @@ def run(
     max_new = max(p.max_new_tokens for p in params)
     longest = max(len(p) for p in prompts)
     generator.check_fits(longest, max_new)
-    cache_len = max(generator.cache_bucket(_bucket(longest, MIN_PROMPT_BUCKET) + max_new), longest + max_new)
+    cache_len = generator.cache_bucket(longest + max_new)
     rows, step = generator.prefill(prompts, params, generator.batch_bucket(len(prompts)), cache_len)
     while True:
         for i, seq in enumerate(seqs):

@@ -285,10 +285,10 @@ def _run(
     cfg: ModelConfig,
     policy: Policy,
     cache: KVCache | None,
-    last_only: bool = False,
+    at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """Embedding, the blocks (scanned over the stacked layers) and the LM head: float32 logits (of the
-    last position only with `last_only`, which spares a long prompt's prefill a [B, T, vocab] array)."""
+    """Embedding, the blocks (scanned over the stacked layers) and the LM head: float32 logits (only at
+    position `at[b]` of each row when given, which spares a long prompt's prefill a [B, T, vocab] array)."""
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(positions, cfg.rotary_dim)
 
@@ -305,8 +305,8 @@ def _run(
         step = jax.checkpoint(step, policy=remat, prevent_cse=False)
     (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.n_layer)))
 
-    if last_only:
-        x = x[:, -1:]
+    if at is not None:
+        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
     x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
     logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
     logits = logits + params["head"]["b"].astype(jnp.float32)
@@ -342,10 +342,10 @@ def decode(
     policy: Policy = Policy(),
     *,
     mask: jax.Array | None = None,
-    last_only: bool = False,
+    at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run tokens [B, T] after what `cache` holds: logits [B, T, vocab_size] (or [B, 1, vocab_size] for the
-    last position with `last_only`) and the cache advanced by T.
+    """Run tokens [B, T] after what `cache` holds: logits [B, T, vocab_size] (or [B, 1, vocab_size] at
+    position `at[b]` of each row, e.g. a prompt's last real token) and the cache advanced by T.
 
     The same blocks as `forward`; a prompt is one call (prefill), each new token another. `mask` [B, T]
     marks real tokens; padding takes a slot but is never attended to and does not advance positions,
@@ -360,7 +360,7 @@ def decode(
     valid = jax.vmap(lambda v, m, i: jax.lax.dynamic_update_slice(v, m, (i,)))(cache.valid, mask, cache.index)
     allowed = valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
     cache = cache._replace(valid=valid)
-    logits, cache = _run(params, tokens, positions, allowed, cfg, policy, cache, last_only)
+    logits, cache = _run(params, tokens, positions, allowed, cfg, policy, cache, at)
     return logits, cache._replace(index=cache.index + T)
 
 

@@ -125,21 +125,20 @@ class Engine:
                 self._fail_all(message)
 
     def _take_pending(self) -> list[Row]:
-        """Queued rows for the free slots, as many as share one prefill that fits the cache."""
-        free = self.max_batch - self.active
+        """Queued rows for the free slots."""
         batch: list[Row] = []
-        longest = max_new = 0
-        while self.pending and len(batch) < free:
-            row = self.pending[0]
-            if row.cancelled:
-                self.pending.popleft()
-                continue
-            n, m = max(longest, len(row.prompt)), max(max_new, row.seq.sampling.max_new_tokens)
-            if batch and n + m > self.cache_len:
-                break
-            longest, max_new = n, m
-            batch.append(self.pending.popleft())
+        while self.pending and len(batch) < self.max_batch - self.active:
+            row = self.pending.popleft()
+            if not row.cancelled:
+                batch.append(row)
         return batch
+
+    def _prefill_rows(self, n: int) -> int:
+        """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""
+        rows = 1
+        while rows < n:
+            rows *= 4
+        return min(self.gen.batch_bucket(rows), self.max_batch)
 
     def _admit(self, batch: list[Row]) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None][: len(batch)]

@@ -16,6 +16,7 @@ so new prompt lengths rarely compile anything new.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Callable, Iterator
@@ -69,7 +70,7 @@ class SamplingParams:
         check(self.seed is None or _is_int(self.seed), "seed must be an integer")
 
     def replace(self, **changes: object) -> SamplingParams:
-        return type(self)(**{**self.__dict__, **changes})
+        return dataclasses.replace(self, **changes)
 
 
 def _is_int(x: object) -> bool:

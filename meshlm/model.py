@@ -194,14 +194,18 @@ class KVCache(NamedTuple):
     valid: jax.Array  # [B, S] bool
     index: jax.Array  # [B] int32: the slot the row's next token is written to
 
+    def slots(self, length: int) -> jax.Array:
+        """[B, length] cache slots of the next `length` tokens of each row."""
+        return self.index[:, None] + jnp.arange(length, dtype=jnp.int32)
+
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-        """Store k/v [B, T, H, K] of `layer` at slots index..index+T-1 of each row."""
-
-        def put(buf: jax.Array, new: jax.Array) -> jax.Array:
-            row = lambda b, n, i: jax.lax.dynamic_update_slice(b, n[None].astype(b.dtype), (layer, i, 0, 0))
-            return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(buf, new, self.index)
-
-        return self._replace(k=put(self.k, k), v=put(self.v, v))
+        """Store k/v [B, T, H, K] of `layer` at slots index..index+T-1 of each row (beyond the end: dropped).
+        One scatter, which XLA updates in place; per-row dynamic_update_slice was ten times slower on CPU."""
+        rows, slots = jnp.arange(k.shape[0])[:, None], self.slots(k.shape[1])
+        return self._replace(
+            k=self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop"),
+        )
 
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "act_heads", "head_dim")
@@ -356,8 +360,8 @@ def decode(
     S = cache.valid.shape[1]
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     positions = cache.valid.sum(-1, dtype=jnp.int32)[:, None] + jnp.cumsum(mask, -1, dtype=jnp.int32) - 1
-    slots = cache.index[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    valid = jax.vmap(lambda v, m, i: jax.lax.dynamic_update_slice(v, m, (i,)))(cache.valid, mask, cache.index)
+    slots = cache.slots(T)
+    valid = cache.valid.at[jnp.arange(B)[:, None], slots].set(mask, mode="drop")
     allowed = valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
     cache = cache._replace(valid=valid)
     logits, cache = _run(params, tokens, positions, allowed, cfg, policy, cache, at)

@@ -31,6 +31,14 @@ from meshlm.generate import SamplingParams, Sequence
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
+# OpenAI fields meshlm does not implement, with the values that mean "off"; anything else is refused
+UNSUPPORTED = {
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+}
 
 
 class QueueFull(Exception):
@@ -121,7 +129,7 @@ class Engine:
                 traceback.print_exc()
                 message = f"generation failed: {type(e).__name__}: {e}"
                 for row in batch:
-                    self._finish(row, message)
+                    self._fail(row, message)
                 self._fail_all(message)
 
     def _take_pending(self) -> list[Row]:
@@ -142,12 +150,8 @@ class Engine:
 
     def _admit(self, batch: list[Row]) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None][: len(batch)]
-        new, step = self.gen.prefill(
-            [r.prompt for r in batch],
-            [r.seq.sampling for r in batch],
-            self.gen.batch_bucket(len(batch)),
-            self.cache_len,
-        )
+        prompts, params = [r.prompt for r in batch], [r.seq.sampling for r in batch]
+        new, step = self.gen.prefill(prompts, params, self._prefill_rows(len(batch)), self.cache_len)
         self.rows = self.gen.insert(self.rows, new, free)
         for i, (slot, row) in enumerate(zip(free, batch, strict=True)):
             self.slots[slot] = row
@@ -173,14 +177,14 @@ class Engine:
             self.slots[slot] = None
         row.notify()
 
-    def _finish(self, row: Row, error: str) -> None:
+    def _fail(self, row: Row, error: str) -> None:
         row.error = error
         row.notify()
 
     def _fail_all(self, error: str) -> None:
         for slot, row in enumerate(self.slots):
             if row is not None:
-                self._finish(row, error)
+                self._fail(row, error)
                 self.slots[slot] = None
         self.rows = self.gen.empty(self.max_batch, self.cache_len)
 
@@ -192,7 +196,7 @@ class Engine:
 class CompletionRequest(BaseModel):
     """POST /v1/completions, as OpenAI defines it (plus top_k and repetition_penalty)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # other fields (user, ...) are ignored
 
     prompt: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
@@ -351,6 +355,9 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        for name, value in (body.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo together with logprobs (prompt scoring) is not supported", param="echo")
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):

@@ -38,11 +38,13 @@ def write_random_model(folder: str) -> None:
     GPTJForCausalLM(config).eval().save_pretrained(folder)
 
 
-def start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(checkpoint: str, max_batch: int, max_len: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": repo}
     cmd = [sys.executable, "-m", "meshlm", "serve", checkpoint, "--port", str(port), "--max-batch", str(max_batch)]
+    if max_len:
+        cmd += ["--max-len", str(max_len)]
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -95,6 +97,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per level at most")
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=None, help="server --max-len (default: the model's context)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
@@ -102,7 +105,7 @@ def main() -> None:
         if checkpoint is None:
             write_random_model(folder)
             checkpoint = folder
-        proc, url = start_server(checkpoint, args.max_batch)
+        proc, url = start_server(checkpoint, args.max_batch, args.max_len)
         try:
             results = {}
             for n in args.clients:
@@ -112,7 +115,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=30)
 
-    print(f"\n{args.max_tokens} tokens per request, greedy, server --max-batch {args.max_batch}, loopback")
+    print(
+        f"\n{args.max_tokens} tokens per request, greedy, server --max-batch {args.max_batch} "
+        f"--max-len {args.max_len or 'context'}, loopback"
+    )
     print(f"{'clients':>8} {'requests':>9} {'req/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p99 s':>7} {'vs 1 client':>12}")
     base = results[args.clients[0]]["req_s"]
     for n, r in results.items():

@@ -155,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         chunk=args.chunk,
         model_name=name,
+        max_len=args.max_len,
     )
 
 
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most before 503 (default 64)")
     p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")
+    p.add_argument(
+        "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"
+    )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
     _add_mesh_dtype(p)

@@ -66,13 +66,17 @@ class Row:
 class Engine:
     """The decode loop: a fixed batch of `max_batch` slots on the devices that rows join and leave."""
 
-    def __init__(self, lm: LanguageModel, max_batch: int = 8, max_queue: int = 64, chunk: int = 4):
+    def __init__(
+        self, lm: LanguageModel, max_batch: int = 8, max_queue: int = 64, chunk: int = 4, max_len: int | None = None
+    ):
         self.lm = lm
         self.gen = lm.generator
         self.max_batch = self.gen.batch_bucket(max_batch) if max_batch % self.gen.batch_ways else max_batch
         self.max_queue = max_queue
         self.chunk = chunk
-        self.cache_len = lm.config.max_seq_len
+        if max_len is not None and not 0 < max_len <= lm.config.max_seq_len:
+            raise ValueError(f"max_len must be in [1, {lm.config.max_seq_len}] (the model's context), got {max_len}")
+        self.cache_len = max_len or lm.config.max_seq_len  # every decode step reads all of it: smaller is faster
         self.pending: deque[Row] = deque()
         self.slots: list[Row | None] = [None] * self.max_batch
         self.wake = threading.Condition()
@@ -241,7 +245,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
     app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
     tok = lm.tokenizer
-    ctx = lm.config.max_seq_len
+    ctx = engine.cache_len
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -474,11 +478,12 @@ def serve(
     max_queue: int = 64,
     chunk: int = 4,
     model_name: str = "meshlm",
+    max_len: int | None = None,
 ) -> None:
     """Compile, then serve until interrupted."""
     import uvicorn
 
-    engine = Engine(lm, max_batch=max_batch, max_queue=max_queue, chunk=chunk)
+    engine = Engine(lm, max_batch=max_batch, max_queue=max_queue, chunk=chunk, max_len=max_len)
     print(f"meshlm serve: compiling for a batch of {engine.max_batch} x {engine.cache_len} tokens ...", flush=True)
     engine.warm_up()
     engine.start()

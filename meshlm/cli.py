@@ -61,6 +61,27 @@ def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     print(tokenizer.fetch_from_pypi())
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train or fine-tune a GPT-J (resuming from the run folder's latest checkpoint, if any).
+
+    With no CONFIG, trains a small demo model on text every Python install carries (about five minutes
+    on a CPU), then prints a greedy sample.
+    """
+    from meshlm import config, train
+
+    overrides = list(args.set or [])
+    if args.init_from:
+        overrides.append(f"init_from={args.init_from}")
+    if args.mesh:
+        overrides.append(f"mesh={args.mesh}")
+    if args.out_dir:
+        overrides.append(f"out_dir={args.out_dir}")
+    cfg = config.load_train_config(args.config, overrides)
+    result = train.train(cfg, progress=not args.no_progress)
+    print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -77,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"])
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_convert)
+
+    p = sub.add_parser(
+        "train",
+        help="train or fine-tune a GPT-J model (no CONFIG: a five-minute CPU demo)",
+        description=cmd_train.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML/JSON config (meshlm's keys or the seed's JSON); see configs/")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. lr=1e-4 or model.n_layer=2"
+    )
+    p.add_argument("--init-from", help="fine-tune from a checkpoint meshlm.load reads (HF GPT-J folder, meshlm)")
+    p.add_argument("--mesh", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: the config\'s, else one device)')
+    p.add_argument("--out-dir", help="run folder for checkpoints and metrics (default: the config's out_dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)

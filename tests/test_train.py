@@ -96,7 +96,12 @@ def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
 # The step: accumulation and meshes
 
 
-def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Path):
+@pytest.fixture(scope="module")
+def init_params():
+    return jax.tree.map(np.asarray, jax.jit(lambda k: model.init(CFG8, k))(jax.random.key(1)))
+
+
+def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Path, init_params):
     """n optimizer steps straight through `make_train_step`; returns (losses, params, state)."""
     mesh = make_mesh(mesh_spec)
     opt = train.make_optimizer(cfg, cfg.model)
@@ -105,7 +110,7 @@ def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Pa
     loader = TrainLoader(data.TokenDataset(dataset), cfg.batch_size, cfg.micro_batches, seed=cfg.seed)
     batch_sharding = meshlm.sharding.named_sharding(mesh, (None, "batch", "seq"))
     with jax.set_mesh(mesh):
-        params = jax.jit(lambda k: model.init(cfg.model, k), out_shardings=shardings.params)(jax.random.key(1))
+        params = jax.device_put(init_params, shardings.params)
         opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
         state = train.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
         losses = []
@@ -121,24 +126,24 @@ def smooth(cfg: TrainConfig) -> TrainConfig:
     return cfg.replace(eps=1.0, lr=1.0, end_lr=1.0)
 
 
-def test_k_micro_batches_equal_one_batch_k_times_larger(dataset, tmp_path):
-    one = smooth(tiny_config(dataset, tmp_path, micro_batches=1))
-    losses_1, params_1, _ = run_steps(one, None, 2, dataset)
-    losses_4, params_4, _ = run_steps(one.replace(micro_batches=4), None, 2, dataset)
+@pytest.fixture(scope="module")
+def single_device_run(dataset, tmp_path_factory, init_params):
+    return run_steps(smooth(tiny_config(dataset, tmp_path_factory.mktemp("ref"))), None, 3, dataset, init_params)
+
+
+def test_k_micro_batches_equal_one_batch_k_times_larger(dataset, single_device_run, init_params, tmp_path):
+    losses_1, params_1, _ = single_device_run
+    cfg = smooth(tiny_config(dataset, tmp_path, micro_batches=4))
+    losses_4, params_4, _ = run_steps(cfg, None, 3, dataset, init_params)
     np.testing.assert_allclose(losses_4, losses_1, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(params_4), jax.tree.leaves(params_1), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def single_device_run(dataset, tmp_path_factory):
-    return run_steps(smooth(tiny_config(dataset, tmp_path_factory.mktemp("ref"))), None, 3, dataset)
-
-
 @pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=2,model=2", "fsdp=8", "model=8"])
-def test_training_on_a_mesh_tracks_the_single_device_run(mesh_spec, dataset, single_device_run, tmp_path):
+def test_training_on_a_mesh_tracks_the_single_device_run(mesh_spec, dataset, single_device_run, init_params, tmp_path):
     ref_losses, ref_params, _ = single_device_run
-    losses, params, state = run_steps(smooth(tiny_config(dataset, tmp_path)), mesh_spec, 3, dataset)
+    losses, params, state = run_steps(smooth(tiny_config(dataset, tmp_path)), mesh_spec, 3, dataset, init_params)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
@@ -163,7 +168,7 @@ def memorised(tmp_path_factory):
     write_dataset(folder / "data", rows, rows)
     cfg = tiny_config(
         folder / "data", folder / "run", total_steps=120, warmup_steps=10, anneal_steps=110, weight_decay=0.0,
-        val_every=60, ckpt_every=60, mesh="data=2,fsdp=2,model=2",
+        val_every=60, ckpt_every=60,
     )  # fmt: skip
     return train.train(cfg, progress=False)
 
@@ -216,8 +221,9 @@ def metrics_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
-def start_run(config: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start_run(config: Path, cache: Path) -> subprocess.Popen:
+    # A persistent compilation cache: the resumed processes reuse the first one's executables.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache)}
     cmd = [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -232,34 +238,34 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
 
 def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(dataset, tmp_path):
     values = dict(
-        model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=150, lr=1e-2, end_lr=1e-3,
-        warmup_steps=5, anneal_steps=100, val_every=0, ckpt_every=3, keep_last=2, log_every=1000, sample_tokens=0,
+        model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=60, lr=1e-2, end_lr=1e-3,
+        warmup_steps=5, anneal_steps=50, val_every=0, ckpt_every=3, keep_last=2, log_every=1000, sample_tokens=0,
     )  # fmt: skip
     reference = train.train(TrainConfig.from_dict({**values, "out_dir": str(tmp_path / "ref")}), progress=False)
     run_dir = tmp_path / "run"
     config = tmp_path / "run.json"
     config.write_text(json.dumps({**values, "out_dir": str(run_dir)}))
 
-    proc = start_run(config)
-    wait_for_steps(proc, run_dir, 20)
+    proc = start_run(config, tmp_path / "jax_cache")
+    wait_for_steps(proc, run_dir, 10)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     stopped_at = metrics_losses(run_dir)[-1][0]
     assert f"stopped by signal {int(signal.SIGTERM)} at step {stopped_at}" in out
-    assert stopped_at < 150
+    assert stopped_at < 60
 
-    proc = start_run(config)
-    wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 20)
+    proc = start_run(config, tmp_path / "jax_cache")
+    wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 10)
     time.sleep(np.random.default_rng().uniform(0, 0.2))  # an arbitrary moment, checkpoints every 3 steps
     proc.kill()
     proc.wait()
 
-    proc = start_run(config)
+    proc = start_run(config, tmp_path / "jax_cache")
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     logged = metrics_losses(run_dir)
-    assert {s for s, _ in logged} == set(range(1, 151))
+    assert {s for s, _ in logged} == set(range(1, 61))
     for step, loss in logged:  # every step, including those run twice around the kill, reproduces exactly
         assert loss == reference.losses[step], step
 

@@ -284,7 +284,7 @@ def _split_spec(spec: str) -> tuple[str, str]:
 def open_datasets(cfg: TrainConfig, out_dir: Path) -> tuple[TokenDataset, dict[str, TokenDataset]]:
     """The training split and the named validation sets (the data folder's `val` split by default)."""
     if cfg.data is None:
-        from meshlm.corpus import prepare_demo_corpus
+        from meshlm.demo_corpus import prepare_demo_corpus
 
         folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128)
         return TokenDataset(folder, "train"), {"val": TokenDataset(folder, "val")}

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from meshlm.config import GPT2_VOCAB, ConfigError
-from meshlm.tokenizer import EOT_ID, load_tokenizer
+from meshlm.tokenizer import EOT_ID, Tokenizer, load_tokenizer
 
 FORMAT = "meshlm-tokens"
 FORMAT_VERSION = 1
@@ -139,6 +139,8 @@ class ShardWriter:
         self.end_shard()
         for fname in self.files:
             (self.folder / fname).unlink(missing_ok=True)
+        if (self.folder / self.split).is_dir() and not any((self.folder / self.split).iterdir()):
+            (self.folder / self.split).rmdir()
 
 
 def write_split(folder: Path, split: str, rows: list[np.ndarray], seq_len: int, dtype: str = "uint16") -> dict:
@@ -205,6 +207,10 @@ def prepare(
     out = Path(out_dir)
     if (out / INDEX).exists():
         raise ConfigError(f"{out}: already holds a prepared dataset; choose another --out or delete it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: exists and is not a folder")
+    if isinstance(inputs, str | Path):
+        inputs = [inputs]
     sources = {"train": corpus.expand(inputs)}
     if val_inputs:
         sources["val"] = corpus.expand(val_inputs)
@@ -212,9 +218,8 @@ def prepare(
         raise ConfigError("no input files given")
     needs_text = any(kind != "tfrecord" for files in sources.values() for _, kind in files)
     tok = load_tokenizer(tokenizer) if needs_text else None
-    vocab = tok.vocab_size if tok else GPT2_VOCAB
     eos = tok.eot_id if tok else EOT_ID
-    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    dtype = "uint16" if (tok.vocab_size if tok else GPT2_VOCAB) <= 1 << 16 else "uint32"
     if shard_rows is None:
         shard_rows = max(1, SHARD_BYTES // ((seq_len + 1) * DTYPES[dtype].itemsize))
 
@@ -224,7 +229,7 @@ def prepare(
     start = time.perf_counter()
     try:
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", smoothing=0.1) as bar:
-            tokens = _TokenStream(tokenizer, dtype, eos, vocab, text_field, workers, bar.update)
+            tokens = _TokenStream(tok, tokenizer, dtype, eos, text_field, workers, bar.update)
             if val_inputs:
                 for name in ("train", "val"):
                     for ids, end in tokens(sources[name]):
@@ -255,6 +260,8 @@ def prepare(
     except BaseException:
         for packer in packers.values():
             packer.writer.discard()
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
         raise
     seconds = time.perf_counter() - start
     n_tokens = sum(s["tokens"] for s in splits.values())
@@ -306,21 +313,22 @@ class _TokenStream:
 
     def __init__(
         self,
+        tok: Tokenizer | None,
         tokenizer: str | Path | None,
         dtype: str,
         eos: int,
-        vocab: int,
         text_field: str,
         workers: int,
         progress: Callable[[int], Any],
     ):
-        self.init_args = (tokenizer, dtype, eos)
-        self.vocab, self.text_field, self.workers, self.progress = vocab, text_field, workers, progress
+        self.tok, self.init_args = tok, (tokenizer, dtype, eos)
+        self.vocab = tok.vocab_size if tok else GPT2_VOCAB
+        self.text_field, self.workers, self.progress = text_field, workers, progress
         self.dtype = DTYPES[dtype]
 
     def __call__(self, files: list[tuple[Path, str]]) -> Iterator[tuple[np.ndarray, bool]]:
-        if self.workers == 1:
-            _init_worker(*self.init_args)
+        if self.workers == 1 or self.tok is None:  # in this process (no text to tokenize: no workers needed)
+            _WORKER.update(tokenizer=self.tok, dtype=self.dtype, eos=self.init_args[2])
             for item in self._work(files):
                 yield from item if isinstance(item, list) else _encode(*item)
             return

@@ -330,7 +330,7 @@ class _TokenStream:
         if self.workers == 1 or self.tok is None:  # in this process (no text to tokenize: no workers needed)
             _WORKER.update(tokenizer=self.tok, dtype=self.dtype, eos=self.init_args[2])
             for item in self._work(files):
-                yield from item if isinstance(item, list) else _encode(*item)
+                yield from item if isinstance(item, list) else _segments(*_encode(*item))
             return
         ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(self.workers, initializer=_init_worker, initargs=self.init_args) as pool:
@@ -371,7 +371,11 @@ class _TokenStream:
 
 
 def _result(item: Any) -> list[tuple[np.ndarray, bool]]:
-    return item if isinstance(item, list) else item.get()
+    return item if isinstance(item, list) else _segments(*item.get())
+
+
+def _segments(ids: np.ndarray, lengths: np.ndarray, ends: list[bool]) -> list[tuple[np.ndarray, bool]]:
+    return list(zip(np.split(ids, np.cumsum(lengths)[:-1]), ends, strict=True))
 
 
 _WORKER: dict[str, Any] = {}
@@ -381,13 +385,16 @@ def _init_worker(tokenizer: str | Path | None, dtype: str, eos: int) -> None:
     _WORKER.update(tokenizer=load_tokenizer(tokenizer), dtype=DTYPES[dtype], eos=eos)
 
 
-def _encode(texts: list[str], ends: list[bool]) -> list[tuple[np.ndarray, bool]]:
-    """Tokenize text pieces; a document's last piece gets the end-of-text id after it."""
-    tok, dtype, eos = _WORKER["tokenizer"], _WORKER["dtype"], _WORKER["eos"]
-    out = []
-    for text, end in zip(texts, ends, strict=True):
-        ids = tok.encode(text)
+def _encode(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+    """Tokenize text pieces; a document's last piece gets the end-of-text id after it. Returns the ids of all
+    pieces in one array (one array pickles far faster than thousands) with each piece's length."""
+    tok, eos = _WORKER["tokenizer"], _WORKER["eos"]
+    ids: list[int] = []
+    lengths = np.empty(len(texts), np.int64)
+    for i, (text, end) in enumerate(zip(texts, ends, strict=True)):
+        piece = tok.encode(text)
+        lengths[i] = len(piece) + end
+        ids += piece
         if end:
             ids.append(eos)
-        out.append((np.array(ids, dtype), end))
-    return out
+    return np.array(ids, _WORKER["dtype"]), lengths, ends

@@ -92,13 +92,13 @@ def documents(path: Path, kind: str, text_field: str, progress: Callable[[int], 
         progress(raw.tell() - done)
 
 
-def split_text(text: str, last: bool = True) -> Iterator[Piece]:
-    """`text` in pieces of about READ_CHARS characters, cut only where the tokenization is unaffected."""
+def split_text(text: str) -> Iterator[Piece]:
+    """One document's `text` in pieces of about READ_CHARS characters, cut where the tokenization is unaffected."""
     while len(text) > READ_CHARS:
         cut = _last_cut(text, READ_CHARS) or _last_cut(text, min(len(text), MAX_PIECE_CHARS)) or MAX_PIECE_CHARS
         yield text[:cut], False
         text = text[cut:]
-    yield text, last
+    yield text, True
 
 
 def _last_cut(text: str, end: int) -> int:

@@ -6,14 +6,13 @@ from functools import cached_property
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats import hf
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
@@ -57,14 +56,11 @@ class LanguageModel:
     @cached_property
     def _forward(self):
         cfg, policy = self.config, self.policy
-        tokens_sharding = named_sharding(self.mesh, ("batch", "seq"))
+        return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
 
-        @jax.jit
-        def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
-            tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
-            return model.forward(params, tokens, cfg, policy)
-
-        return fwd
+    @cached_property
+    def _tokens_sharding(self) -> NamedSharding:
+        return named_sharding(self.mesh, ("batch", "seq"))
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
@@ -83,8 +79,8 @@ class LanguageModel:
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
         with jax.set_mesh(self.mesh):
-            out = self._forward(self.params, jnp.asarray(padded))
-        return np.asarray(out)[:B, :T]
+            out = self._forward(self.params, from_host(padded, self._tokens_sharding))
+        return to_host(out)[:B, :T]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

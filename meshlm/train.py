@@ -29,7 +29,7 @@ from meshlm import api, checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, to_host
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer
@@ -399,7 +399,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
                 t = _global_batch(tokens, rows, (cfg.micro_batch_size, ds.seq_len + 1))
                 w = _global_batch(weights, weights_sharding, (cfg.micro_batch_size,))
                 s, c = eval_fn(state.params, t, w)
-                total, count = total + float(s), count + float(c)
+                total, count = total + _scalar(s), count + _scalar(c)
             values[f"val/{name}"] = total / count
         result.val_losses[step] = values
         log.write(step, values)
@@ -412,7 +412,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
 
     def record(step: int, metrics: dict[str, jax.Array]) -> None:
         nonlocal last_time
-        values = {k: float(v) for k, v in metrics.items()}
+        values = {k: _scalar(v) for k, v in metrics.items()}
         now = time.perf_counter()
         dt, last_time = now - last_time, now
         values["tokens_per_s"] = tokens_per_step / dt
@@ -430,7 +430,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
 
     step = start
     with _stop_on_signals() as signals, jax.set_mesh(mesh):
-        while step < cfg.total_steps and not signals:
+        while step < cfg.total_steps and not _any_process(bool(signals)):
             batch = _global_batch(next(loader), batch_sharding, global_shape)
             state, metrics = step_fn(state, batch)
             step += 1
@@ -453,13 +453,28 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
         ckpts.close()
         log.close()
     result.step = step
-    result.stopped_by_signal = bool(signals)
-    if signals:
-        print(f"meshlm train: stopped by signal {signals[0]} at step {step}; checkpoint saved in {ckpts.folder}")
+    result.stopped_by_signal = step < cfg.total_steps
+    if result.stopped_by_signal:
+        why = f"signal {signals[0]}" if signals else "a signal to another process"
+        print(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
     result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
-    if sample and cfg.sample_tokens and not signals and cfg.data is None:
+    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result
+
+
+def _scalar(x: jax.Array) -> float:
+    """A replicated scalar's value, read from this process's own copy (works across hosts)."""
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def _any_process(flag: bool) -> bool:
+    """True on every process when any process has it: a signal to one host stops all of them together."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
 def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
@@ -474,7 +489,7 @@ def greedy(lm: api.LanguageModel, prompt: list[int], n: int) -> list[int]:
     fwd = jax.jit(lambda p, t: model.forward(p, t, lm.config, lm.policy))
     with jax.set_mesh(lm.mesh):
         for pos in range(len(prompt), length):
-            logits = np.asarray(fwd(lm.params, buf))[0, pos - 1, : lm.config.n_vocab_used]
+            logits = to_host(fwd(lm.params, buf))[0, pos - 1, : lm.config.n_vocab_used]
             buf[0, pos] = int(logits.argmax())
     return buf[0, len(prompt) :].tolist()
 

@@ -86,6 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     With no CONFIG, trains a small demo model on text every Python install carries (about five minutes
     on a CPU), then prints a greedy sample.
     """
+    import jax
+
     from meshlm import config, train
 
     overrides = list(args.set or [])
@@ -97,7 +99,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"out_dir={args.out_dir}")
     cfg = config.load_train_config(args.config, overrides)
     result = train.train(cfg, progress=not args.no_progress)
-    print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")
+    if jax.process_index() == 0:
+        print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")
     return 0
 
 
@@ -147,17 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="train or fine-tune a GPT-J model (no CONFIG: a five-minute CPU demo)",
-        description=cmd_train.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train or fine-tune a GPT-J, resuming from the run folder's latest checkpoint if there is one. "
+        "With no CONFIG, trains a small demo model on text every Python install carries (about five minutes on a "
+        "CPU), then prints a greedy sample. SIGTERM/Ctrl-C save a final checkpoint and exit. See docs/finetune.md.",
     )
     p.add_argument("config", nargs="?", help="YAML/JSON config (meshlm's keys or the seed's JSON); see configs/")
     p.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. lr=1e-4 or model.n_layer=2"
     )
-    p.add_argument("--init-from", help="fine-tune from a checkpoint meshlm.load reads (HF GPT-J folder, meshlm)")
-    p.add_argument("--mesh", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: the config\'s, else one device)')
-    p.add_argument("--out-dir", help="run folder for checkpoints and metrics (default: the config's out_dir)")
+    p.add_argument("--init-from", metavar="PATH", help="fine-tune from anything meshlm.load reads (HF GPT-J, ...)")
+    p.add_argument("--mesh", metavar="SPEC", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: one device)')
+    p.add_argument("--out-dir", metavar="DIR", help="run folder: checkpoints, metrics (default: the config's out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    _add_distributed(p)
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser(

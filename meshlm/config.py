@@ -195,11 +195,11 @@ class TrainConfig:
     seq_len: int | None = None  # demo corpus only; a prepared dataset carries its own
     batch_size: int = 8  # sequences per optimizer step, over all micro-batches and devices
     micro_batches: int = 1  # gradient accumulation steps inside one jitted step
-    total_steps: int = 300
-    lr: float = 1e-3
-    end_lr: float = 1e-4
+    total_steps: int = 200
+    lr: float = 2e-3
+    end_lr: float = 2e-4
     warmup_steps: int = 20
-    anneal_steps: int = 280
+    anneal_steps: int = 180
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.999
@@ -209,15 +209,15 @@ class TrainConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    val_every: int = 100
+    val_every: int = 50
     val_batches: int = 8
-    ckpt_every: int = 100  # 0: only at the end (and on SIGTERM/SIGINT)
+    ckpt_every: int = 50  # 0: only at the end (and on SIGTERM/SIGINT)
     keep_last: int = 2
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     log_every: int = 10
     noise_scale_alpha: float = 0.01  # EMA weight of the gradient-noise-scale estimate
-    sample_prompt: str = "def "
-    sample_tokens: int = 48  # greedy sample printed at the end; 0: none
+    sample_prompt: str = "Return the"
+    sample_tokens: int = 32  # greedy sample printed at the end; 0: none
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "micro_batches", "total_steps", "anneal_steps", "val_batches", "keep_last"):

@@ -11,6 +11,7 @@ shardings, so with an `fsdp` axis it is sharded ZeRO-3 style.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from meshlm import api, checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, to_host
+from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for, to_host
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer
@@ -169,6 +170,24 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params + 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
 
 
+def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
+    """Bytes of training state on one device, from shapes and the sharding rules alone (no devices needed).
+
+    The default 16 bytes per parameter is fp32 weights (4) + fp32 gradients (4) + Adam's two fp32
+    moments (8); gradients and moments are sharded exactly like the weights. Activations come on top.
+    """
+    total = 0
+    abstract = jax.tree.leaves(model.abstract_params(model_cfg))
+    axes = jax.tree.leaves(model.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    for leaf, names in zip(abstract, axes, strict=True):
+        shard = 1
+        for size, rule in zip(leaf.shape, spec_for(names), strict=True):
+            mesh_axes = () if rule is None else (rule,) if isinstance(rule, str) else rule
+            shard *= -(-size // math.prod(mesh_sizes.get(a, 1) for a in mesh_axes))
+        total += shard
+    return total * bytes_per_param
+
+
 # Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p": 459e12, "v5": 197e12}
 PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
@@ -291,6 +310,11 @@ def open_datasets(cfg: TrainConfig, out_dir: Path) -> tuple[TokenDataset, dict[s
     if not Path(cfg.data).exists():
         raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`")
     train_ds = TokenDataset(cfg.data, "train")
+    if cfg.seq_len is not None and cfg.seq_len != train_ds.seq_len:
+        raise ConfigError(
+            f"seq_len {cfg.seq_len} is set, but {cfg.data} was prepared with seq_len {train_ds.seq_len} "
+            "(seq_len applies to the built-in corpus only; leave it unset)"
+        )
     specs = dict(cfg.val_data)
     if not specs and "val" in _splits(cfg.data):
         specs = {"val": f"{cfg.data}:val"}
@@ -403,10 +427,13 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
             values[f"val/{name}"] = total / count
         result.val_losses[step] = values
         log.write(step, values)
-        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
-    print(f"meshlm train: {model_cfg.num_params():,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
-    bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not progress)
+    main = jax.process_index() == 0  # only process 0 prints
+    show = print if main else lambda *_: None
+    say = tqdm.write if main else lambda *_: None
+    show(f"meshlm train: {model_cfg.num_params():,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
+    bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not (progress and main))
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time = time.perf_counter()
 
@@ -423,7 +450,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
         bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
         bar.update(1)
         if step % cfg.log_every == 0:
-            bar.write(
+            say(
                 f"step {step}: loss {values['loss']:.4f}, lr {values['lr']:.3e}, grad norm {values['grad_norm']:.3f}, "
                 f"{values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"
             )
@@ -456,9 +483,9 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
     result.stopped_by_signal = step < cfg.total_steps
     if result.stopped_by_signal:
         why = f"signal {signals[0]}" if signals else "a signal to another process"
-        print(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
+        show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
     result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
-    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None:
+    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result
 

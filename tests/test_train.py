@@ -303,6 +303,20 @@ def test_yaml_config_and_overrides_feed_the_same_dataclass(tmp_path):
     assert (cfg.lr, cfg.micro_batch_size, cfg.total_steps) == (3e-4, 4, 7)
 
 
+def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
+    assert load_train_config(REPO / "configs" / "demo-tiny.yaml") == TrainConfig()
+    ft = load_train_config(REPO / "configs" / "gptj-6b-finetune.yaml")
+    assert (ft.compute_dtype, ft.remat, ft.mesh, ft.init_from) == ("bfloat16", "full", "fsdp=-1", "gpt-j-6b")
+
+
+def test_training_state_per_device_follows_the_sharding_rules():
+    n = meshlm.preset("gptj-6b").num_params()
+    assert train.state_bytes_per_device(meshlm.preset("gptj-6b"), {}) == 16 * n
+    # fsdp splits every weight matrix along its embed axis; only the small biases and norms stay whole
+    per_device = train.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})
+    assert 16 * n / 8 < per_device < 16 * n / 8 * 1.01
+
+
 def run_cli_error(capsys, *argv) -> str:
     assert cli.main(["train", *argv]) == 1
     err = capsys.readouterr().err.strip()

@@ -406,11 +406,15 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
     log = MetricsLog(out_dir)
     result = TrainResult(out_dir, start)
 
+    last_saved = start
+
     def save(step: int) -> None:
+        nonlocal last_saved
         desc = checkpoint.description(
             model_cfg, state.params, step=step, loader=loader.state.to_dict(), train_config=_jsonable(cfg)
         )
         ckpts.save(step, state.params, state.opt_state, desc)
+        last_saved = step
 
     def validate(step: int) -> None:
         values = {}
@@ -471,9 +475,10 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
                     validate(step)
                 if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
+                last_time = time.perf_counter()  # throughput counts training only
         if pending:
             record(*pending)
-        if step != ckpts.latest_step() and step > start:
+        if step != last_saved:
             save(step)
         bar.close()
         ckpts.wait()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import cli, data, model, train
+from meshlm import checkpoint, cli, data, model, train
 from meshlm.config import ModelConfig, TrainConfig, load_train_config
-from meshlm.loader import TrainLoader
+from meshlm.loader import LoaderState, TrainLoader
 from meshlm.sharding import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,6 +197,21 @@ def test_checkpoint_saved_on_one_mesh_gives_the_same_logits_on_another(memorised
         np.asarray(slim.params["layers"]["attn"]["q"]),
         np.asarray(memorised.lm.params["layers"]["attn"]["q"].astype(jnp.bfloat16)),
     )
+
+
+def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorised, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(memorised.out_dir, run)
+    desc = checkpoint.read_description(checkpoint.resolve(run))
+    saved = TrainConfig.from_dict(desc["train_config"])
+    resumed = train.train(saved.replace(out_dir=str(run), total_steps=121, mesh="fsdp=4,model=2"), progress=False)
+    assert list(resumed.losses) == [121]
+    loader = TrainLoader(data.TokenDataset(saved.data), 8, seed=0, state=LoaderState.from_dict(desc["loader"]))
+    next_batch = next(loader)[0]
+    want = jax.jit(lambda p, t: model.loss(p, t, CFG8)[0])(memorised.lm.params, next_batch)
+    assert resumed.losses[121] == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    fc_in = resumed.lm.params["layers"]["mlp"]["fc_in"]["w"]
+    assert tuple(fc_in.sharding.spec) == (None, "fsdp", "model")
 
 
 def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):

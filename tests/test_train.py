@@ -93,6 +93,16 @@ def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
         np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6, atol=1e-7)
 
 
+def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
+    """With per-example gradients of mean G and total variance S, E|g_B|^2 = |G|^2 + S/B for a batch of B."""
+    g2, s = 3.0, 40.0
+    noise = train.NoiseScale(b_small=2, b_big=8, alpha=0.5)
+    out = noise.update(micro_grad_sq=g2 + s / 2, grad_norm=np.sqrt(g2 + s / 8))
+    assert out["noise/G2"] == pytest.approx(g2) and out["noise/S"] == pytest.approx(s)
+    assert out["noise/B_simple"] == pytest.approx(s / g2)
+    assert train.NoiseScale(b_small=8, b_big=8, alpha=0.5).update(1.0, 1.0) == {}
+
+
 # ---------------------------------------------------------------------------------------------------
 # The step: accumulation and meshes
 
@@ -255,7 +265,8 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
 def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(dataset, tmp_path):
     values = dict(
         model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=60, lr=1e-2, end_lr=1e-3,
-        warmup_steps=5, anneal_steps=50, val_every=0, ckpt_every=3, keep_last=2, log_every=1000, sample_tokens=0,
+        warmup_steps=5, anneal_steps=50, val_every=0, ckpt_every=3, keep_last=2, keep_every=30, log_every=1000,
+        sample_tokens=0,
     )  # fmt: skip
     reference = train.train(TrainConfig.from_dict({**values, "out_dir": str(tmp_path / "ref")}), progress=False)
     run_dir = tmp_path / "run"
@@ -284,6 +295,8 @@ def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(
     assert {s for s, _ in logged} == set(range(1, 61))
     for step, loss in logged:  # every step, including those run twice around the kill, reproduces exactly
         assert loss == reference.losses[step], step
+    kept = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [30, 57, 60]  # the last two, plus every multiple of keep_every
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import cached_property
+import functools
 from pathlib import Path
 
 import jax
@@ -41,6 +41,19 @@ def detect_format(path: str | Path) -> str:
     )
 
 
+@functools.cache
+def _compiled_forward(cfg: ModelConfig, policy: model.Policy, mesh: Mesh):
+    """One jitted forward per (config, policy, mesh), shared by every model loaded with them."""
+    tokens_sharding = named_sharding(mesh, ("batch", "seq"))
+
+    @jax.jit
+    def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
+        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
+        return model.forward(params, tokens, cfg, policy)
+
+    return fwd
+
+
 class LanguageModel:
     """A GPT-J model placed on a mesh, with the parameters it was loaded with."""
 
@@ -58,17 +71,9 @@ class LanguageModel:
             f"{self.dtype}, {describe(self.mesh)})"
         )
 
-    @cached_property
+    @property
     def _forward(self):
-        cfg, policy = self.config, self.policy
-        tokens_sharding = named_sharding(self.mesh, ("batch", "seq"))
-
-        @jax.jit
-        def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
-            tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
-            return model.forward(params, tokens, cfg, policy)
-
-        return fwd
+        return _compiled_forward(self.config, self.policy, self.mesh)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""

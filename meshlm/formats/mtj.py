@@ -165,8 +165,12 @@ class Member:
         """The member as an array: memory-mapped when possible, else read whole."""
         order = "F" if self.fortran else "C"
         if self.data_offset is not None:
-            if not self.shape or 0 in self.shape:
+            if 0 in self.shape:  # nothing to map
                 return np.zeros(self.shape, self.dtype)
+            if not self.shape:  # a step or count: read its few bytes
+                with self.files.open(self.chunk) as f:
+                    f.seek(self.data_offset)
+                    return np.frombuffer(f.read(self.dtype.itemsize), self.dtype).reshape(())
             return np.memmap(
                 self.files.join(self.chunk), self.dtype, "r", offset=self.data_offset, shape=self.shape, order=order
             )
@@ -306,6 +310,7 @@ class SeedCheckpoint:
     def __init__(self, path: str | Path, seed_config: str | Path | None = None, **arch: int):
         files = _resolve_step(Files(path))
         self.files = files
+        self._maps: dict[Member, np.ndarray] = {}
         self.shards = self._count_shards(files)
         self.leaves = [self._index_shard(files.child(f"shard_{s}")) for s in range(self.shards)]
         self.layout = Layout.from_count(len(self.leaves[0]), f"{files}/shard_0")
@@ -421,6 +426,14 @@ class SeedCheckpoint:
                             f"vocab {c.vocab_size} in {S} shards"
                         )
 
+    def _array(self, member: Member) -> np.ndarray:
+        """Memory maps are kept (they cost address space, not memory); arrays read whole are not."""
+        if member.data_offset is None:
+            return member.array()
+        if member not in self._maps:
+            self._maps[member] = member.array()
+        return self._maps[member]
+
     def scalar(self, position: int) -> int:
         m = self.leaves[0][position]
         if m.shape:
@@ -444,7 +457,7 @@ class SeedCheckpoint:
         """
         module, param, how, heads = SEED_NAMES[key]
         name = ROOT + module.format(layer) + "/" + param
-        parts = [self.member(tree, name, s).array() for s in range(self.shards)]
+        parts = [self._array(self.member(tree, name, s)) for s in range(self.shards)]
         seed_index = _seed_index(index, shape, heads)
         if how == FIRST or (how == SUM and tree != "params"):
             out = np.asarray(parts[0][seed_index], np.float32)
@@ -453,7 +466,7 @@ class SeedCheckpoint:
         else:
             out = _read_concat(parts, 0 if how == ROWS else len(seed_index) - 1, seed_index)
         if key == "embed.w" and tree == "params":
-            biases = [self.member(tree, ROOT + "/".join(EMBED_BIAS), s).array() for s in range(self.shards)]
+            biases = [self._array(self.member(tree, ROOT + "/".join(EMBED_BIAS), s)) for s in range(self.shards)]
             out += np.sum([np.asarray(b[index[1]], np.float32) for b in biases], axis=0, dtype=np.float32)
         return out.reshape(tuple(s.stop - s.start for s in index))
 

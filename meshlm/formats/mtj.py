@@ -89,6 +89,36 @@ def params_per_layer() -> int:
     return sum(len(p) for p in LAYER_MODULES.values())
 
 
+def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's per-shard shape, in the seed's order, for a GPT-J config split `shards` ways."""
+    S, D, F, V = shards, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    per_layer = {
+        "linear/w": (D, D // S),
+        "linear_1/w": (D, D // S),
+        "linear_2/w": (D, D // S),
+        "linear_3/w": (D // S, D),
+        "linear_4/w": (D, F // S),
+        "linear_4/b": (F // S,),
+        "linear_5/w": (F // S, D),
+        "linear_5/b": (D,),
+        "replicated_layer_norm/offset": (D,),
+        "replicated_layer_norm/scale": (D,),
+    }
+    top = {
+        "embedding_shard/~/linear/w": (V // S, D),
+        "embedding_shard/~/linear/b": (D,),
+        "projection_shard/~/linear/w": (D, V // S),
+        "projection_shard/~/linear/b": (V // S,),
+        "projection_shard/~/replicated_layer_norm/offset": (D,),
+        "projection_shard/~/replicated_layer_norm/scale": (D,),
+    }
+    out = {}
+    for name in param_names(cfg.n_layer):
+        short = name.removeprefix(ROOT)
+        out[name] = top[short] if short in top else per_layer[short.split("/~/", 1)[1]]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Files: local paths or fsspec URLs
 
@@ -374,36 +404,6 @@ class SeedCheckpoint:
         except ConfigError as e:
             raise ConfigError(f"{self}: the shapes fit no GPT-J config ({e})") from None
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's per-shard shape for this config and shard count."""
-        c, S = self.config, self.shards
-        D, F, V = c.d_model, c.d_ff, c.vocab_size
-        split = {
-            "linear/w": (D, D // S),
-            "linear_1/w": (D, D // S),
-            "linear_2/w": (D, D // S),
-            "linear_3/w": (D // S, D),
-            "linear_4/w": (D, F // S),
-            "linear_4/b": (F // S,),
-            "linear_5/w": (F // S, D),
-            "linear_5/b": (D,),
-            "replicated_layer_norm/offset": (D,),
-            "replicated_layer_norm/scale": (D,),
-        }
-        top = {
-            "embedding_shard/~/linear/w": (V // S, D),
-            "embedding_shard/~/linear/b": (D,),
-            "projection_shard/~/linear/w": (D, V // S),
-            "projection_shard/~/linear/b": (V // S,),
-            "projection_shard/~/replicated_layer_norm/offset": (D,),
-            "projection_shard/~/replicated_layer_norm/scale": (D,),
-        }
-        out = {}
-        for name in self.names:
-            short = name.removeprefix(ROOT)
-            out[name] = top.get(short) or split[short.split("/~/", 1)[1] if short.startswith("layer_") else short]
-        return out
-
     def _check_shapes(self) -> None:
         c, S = self.config, self.shards
         q = self._shape("layer_{}/~/linear", "w", 0)
@@ -415,7 +415,7 @@ class SeedCheckpoint:
         if c.d_model % S or c.d_ff % S or c.n_head % S:
             raise ConfigError(f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}")
         trees = ("params", "mu", "nu") if self.layout.full else ("params",)
-        for name, want in self.expected_shapes().items():
+        for name, want in shard_shapes(c, S).items():
             for s in range(S):
                 for tree in trees:
                     got = self.member(tree, name, s).shape
@@ -427,12 +427,16 @@ class SeedCheckpoint:
                         )
 
     def _array(self, member: Member) -> np.ndarray:
-        """Memory maps are kept (they cost address space, not memory); arrays read whole are not."""
+        """Memory maps are kept until `release` (the pages they touch count as this process's memory)."""
         if member.data_offset is None:
             return member.array()
         if member not in self._maps:
             self._maps[member] = member.array()
         return self._maps[member]
+
+    def release(self) -> None:
+        """Unmap what was read so far: called after each tensor, so resident memory stays one tensor."""
+        self._maps.clear()
 
     def scalar(self, position: int) -> int:
         m = self.leaves[0][position]
@@ -483,17 +487,19 @@ def _seed_index(index: Index, shape: tuple[int, ...], heads: str | None) -> Inde
 
 
 def _read_concat(parts: list[np.ndarray], axis: int, index: Index) -> np.ndarray:
-    """`index` of the concatenation of `parts` along `axis`, touching only the parts it overlaps."""
-    want, pieces, offset = index[axis], [], 0
+    """`index` of the concatenation of `parts` along `axis` in float32, touching only the parts it overlaps."""
+    want = index[axis]
+    out = np.empty(tuple(s.stop - s.start for s in index), np.float32)
+    offset = 0
     for part in parts:
         n = part.shape[axis]
         lo, hi = max(want.start, offset), min(want.stop, offset + n)
         if lo < hi:
-            local = list(index)
-            local[axis] = slice(lo - offset, hi - offset)
-            pieces.append(np.asarray(part[tuple(local)], np.float32))
+            local, dest = list(index), [slice(None)] * len(index)
+            local[axis], dest[axis] = slice(lo - offset, hi - offset), slice(lo - want.start, hi - want.start)
+            out[tuple(dest)] = part[tuple(local)]
         offset += n
-    return np.concatenate(pieces, axis)
+    return out
 
 
 def _full(shape: tuple[int, ...]) -> Index:
@@ -522,7 +528,9 @@ def _build(ckpt: SeedCheckpoint, mesh: jax.sharding.Mesh, dtype: str, tree: str)
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         read = _leaf_reader(ckpt, hf.path_name(path), leaf.shape, np_dtype, tree)
-        return jax.make_array_from_callback(leaf.shape, sharding, read)
+        array = jax.make_array_from_callback(leaf.shape, sharding, read)
+        ckpt.release()
+        return array
 
     return jax.tree_util.tree_map_with_path(build, abstract, shardings)
 
@@ -588,8 +596,9 @@ def iter_hf_tensors(ckpt: SeedCheckpoint, dtype: str) -> Iterator[tuple[str, np.
     def tensor(key: str, layer: int | None) -> tuple[str, np.ndarray]:
         template, layout = hf.HF_NAMES[key]
         shape = shapes[key][1:] if layer is not None else shapes[key]
-        ours = ckpt.read(key, layer, _full(shape), shape)
-        return template.format(layer), layout.to_hf(ours).astype(np_dtype)
+        ours = ckpt.read(key, layer, _full(shape), shape).astype(np_dtype, copy=False)
+        ckpt.release()
+        return template.format(layer), layout.to_hf(ours)  # cast first: the transpose then moves fewer bytes
 
     yield tensor("embed.w", None)
     layer_keys = [k for k in hf.HF_NAMES if k.startswith("layers.")]
@@ -605,7 +614,7 @@ def convert_to_hf(
     out: str | Path,
     dtype: str = "float32",
     seed_config: str | Path | None = None,
-    max_shard_bytes: int = 1 << 30,
+    max_shard_bytes: int = 512 << 20,
 ) -> ModelConfig:
     """Write a seed checkpoint as a Hugging Face folder in `dtype`, one tensor at a time (peak memory:
     one output shard plus a few copies of the largest tensor)."""

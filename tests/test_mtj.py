@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -140,6 +141,14 @@ def test_adam_moments_import_in_meshlm_layout(seed, tmp_path):
         got = getattr(state, name)
         assert got["layers"]["mlp"]["fc_in"]["w"].sharding.spec[2] == "model"
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, expected)
+
+    # How `meshlm train --resume-optimizer` continues the run: the moments go into an optax AdamW state.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.linear_schedule(0.0, 1e-4, 100)))
+    resumed = state.into(tx.init(state.mu))
+    assert optax.tree_utils.tree_get(resumed, "mu") is state.mu
+    assert optax.tree_utils.tree_get(resumed, "nu") is state.nu
+    counts = [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(resumed, "count")]
+    assert counts == [ck.adam_count, ck.adam_count]  # Adam's and the schedule's
 
 
 def test_slim_checkpoint_has_no_moments(seed):

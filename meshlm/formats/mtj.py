@@ -62,61 +62,50 @@ SEED_NAMES: dict[str, tuple[str, str, str, str | None]] = {
     "head.b": ("projection_shard/~/linear", "b", COLS, None),
 }
 EMBED_BIAS = ("embedding_shard/~/linear", "b")
-LAYER_MODULES = {
-    "linear": ("w",),
-    "linear_1": ("w",),
-    "linear_2": ("w",),
-    "linear_3": ("w",),
-    "linear_4": ("b", "w"),
-    "linear_5": ("b", "w"),
-    "replicated_layer_norm": ("offset", "scale"),
-}
 
 
-def param_names(n_layer: int) -> list[str]:
-    """The seed's parameter names ("module/param") in its flattening order: Haiku's dicts, keys sorted."""
-    modules = {
-        "embedding_shard/~/linear": ("b", "w"),
-        "projection_shard/~/linear": ("b", "w"),
-        "projection_shard/~/replicated_layer_norm": ("offset", "scale"),
+def _tables(d_model: int, d_ff: int, vocab: int, shards: int) -> tuple[dict, dict]:
+    """Per-shard shapes: of the top-level parameters, and of each layer's ("module/param")."""
+    S, D, F, V = shards, d_model, d_ff, vocab
+    top = {
+        "embedding_shard/~/linear/b": (D,),
+        "embedding_shard/~/linear/w": (V // S, D),
+        "projection_shard/~/linear/b": (V // S,),
+        "projection_shard/~/linear/w": (D, V // S),
+        "projection_shard/~/replicated_layer_norm/offset": (D,),
+        "projection_shard/~/replicated_layer_norm/scale": (D,),
     }
-    for i in range(n_layer):
-        modules.update({f"layer_{i}/~/{m}": params for m, params in LAYER_MODULES.items()})
-    return [f"{ROOT}{m}/{p}" for m, p in sorted((m, p) for m, params in modules.items() for p in params)]
-
-
-def params_per_layer() -> int:
-    return sum(len(p) for p in LAYER_MODULES.values())
-
-
-def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
-    """Every parameter's per-shard shape, in the seed's order, for a GPT-J config split `shards` ways."""
-    S, D, F, V = shards, cfg.d_model, cfg.d_ff, cfg.vocab_size
     per_layer = {
         "linear/w": (D, D // S),
         "linear_1/w": (D, D // S),
         "linear_2/w": (D, D // S),
         "linear_3/w": (D // S, D),
-        "linear_4/w": (D, F // S),
         "linear_4/b": (F // S,),
-        "linear_5/w": (F // S, D),
+        "linear_4/w": (D, F // S),
         "linear_5/b": (D,),
+        "linear_5/w": (F // S, D),
         "replicated_layer_norm/offset": (D,),
         "replicated_layer_norm/scale": (D,),
     }
-    top = {
-        "embedding_shard/~/linear/w": (V // S, D),
-        "embedding_shard/~/linear/b": (D,),
-        "projection_shard/~/linear/w": (D, V // S),
-        "projection_shard/~/linear/b": (V // S,),
-        "projection_shard/~/replicated_layer_norm/offset": (D,),
-        "projection_shard/~/replicated_layer_norm/scale": (D,),
-    }
-    out = {}
-    for name in param_names(cfg.n_layer):
-        short = name.removeprefix(ROOT)
-        out[name] = top[short] if short in top else per_layer[short.split("/~/", 1)[1]]
-    return out
+    return top, per_layer
+
+
+def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's per-shard shape, in the seed's flattening order (Haiku's dicts, keys sorted)."""
+    top, per_layer = _tables(cfg.d_model, cfg.d_ff, cfg.vocab_size, shards)
+    shapes = dict(top)
+    for i in range(cfg.n_layer):
+        shapes.update({f"layer_{i}/~/{name}": shape for name, shape in per_layer.items()})
+    # JAX sorts each dict level: modules first, then their parameters
+    return {ROOT + name: shapes[name] for name in sorted(shapes, key=lambda n: tuple(n.rsplit("/", 1)))}
+
+
+def param_names(n_layer: int) -> list[str]:
+    return list(shard_shapes(ModelConfig(n_layer=n_layer, d_model=1, n_head=1, d_ff=1, rotary_dim=0), 1))
+
+
+PARAMS_PER_LAYER = len(_tables(1, 1, 1, 1)[1])
+TOP_PARAMS = len(_tables(1, 1, 1, 1)[0])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,7 +298,7 @@ class Layout:
 
     @property
     def n_params(self) -> int:
-        return params_per_layer() * self.n_layer + 6
+        return PARAMS_PER_LAYER * self.n_layer + TOP_PARAMS
 
     @property
     def n_leaves(self) -> int:
@@ -323,7 +312,7 @@ class Layout:
 
     @classmethod
     def from_count(cls, n: int, where: str) -> Layout:
-        per_layer, fixed = params_per_layer(), 6
+        per_layer, fixed = PARAMS_PER_LAYER, TOP_PARAMS
         if (n - 1 - fixed) % per_layer == 0 and n - 1 - fixed > 0:
             return cls((n - 1 - fixed) // per_layer, full=False)
         if n % 3 == 0 and (n // 3 - 1 - fixed) % per_layer == 0 and n // 3 - 1 - fixed > 0:
@@ -516,7 +505,10 @@ def _leaf_reader(
         if not stacked:
             return ckpt.read(key, None, index, shape, tree).astype(dtype)
         layers = range(*index[0].indices(shape[0]))
-        return np.stack([ckpt.read(key, i, index[1:], shape[1:], tree).astype(dtype) for i in layers])
+        out = np.empty((len(layers), *(s.stop - s.start for s in index[1:])), dtype)
+        for j, i in enumerate(layers):  # filled layer by layer: one copy of the slice, not two
+            out[j] = ckpt.read(key, i, index[1:], shape[1:], tree)
+        return out
 
     return read
 
@@ -558,6 +550,19 @@ class SeedOptimizerState:
     nu: model.Params
     count: int  # Adam's update count (the seed's scale_by_schedule count equals it)
     step: int  # the checkpoint's training step
+
+    def into(self, opt_state: Any) -> Any:
+        """`opt_state` (from `tx.init(params)` of any optax chain with Adam) continuing this seed run:
+        every `mu`, `nu` and `count` in it replaced (so schedules resume at the seed's count too)."""
+        import jax.numpy as jnp
+        import optax
+
+        try:
+            return optax.tree_utils.tree_set(
+                opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
+            )
+        except KeyError as e:
+            raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
 
 
 def load_optimizer_moments(

@@ -6,14 +6,13 @@ import functools
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats import hf, mtj
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
@@ -42,16 +41,10 @@ def detect_format(path: str | Path) -> str:
 
 
 @functools.cache
-def _compiled_forward(cfg: ModelConfig, policy: model.Policy, mesh: Mesh):
-    """One jitted forward per (config, policy, mesh), shared by every model loaded with them."""
-    tokens_sharding = named_sharding(mesh, ("batch", "seq"))
-
-    @jax.jit
-    def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
-        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
-        return model.forward(params, tokens, cfg, policy)
-
-    return fwd
+def _compiled_forward(cfg: ModelConfig, policy: model.Policy):
+    """One jitted forward per (config, policy), shared by every model loaded with them: jit then
+    compiles once per input sharding, not once per loaded model."""
+    return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
 
 
 class LanguageModel:
@@ -73,7 +66,11 @@ class LanguageModel:
 
     @property
     def _forward(self):
-        return _compiled_forward(self.config, self.policy, self.mesh)
+        return _compiled_forward(self.config, self.policy)
+
+    @functools.cached_property
+    def _tokens_sharding(self) -> NamedSharding:
+        return named_sharding(self.mesh, ("batch", "seq"))
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
@@ -92,8 +89,8 @@ class LanguageModel:
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
         with jax.set_mesh(self.mesh):
-            out = self._forward(self.params, jnp.asarray(padded))
-        return np.asarray(out)[:B, :T]
+            out = self._forward(self.params, from_host(padded, self._tokens_sharding))
+        return to_host(out)[:B, :T]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""
@@ -153,7 +150,8 @@ def convert(
     if Path(dst).exists() and any(Path(dst).iterdir()):
         raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
     if to == "hf" and detect_format(src) == "mtj":
-        mtj.convert_to_hf(src, dst, out_dtype or dtype, seed_config=seed_config)
+        if jax.process_index() == 0:  # streamed on the host: other processes have nothing to do
+            mtj.convert_to_hf(src, dst, out_dtype or dtype, seed_config=seed_config)
         return
     lm = load(src, mesh=mesh, dtype=dtype, seed_config=seed_config)
     lm.save(dst, format=to, dtype=out_dtype)

@@ -17,22 +17,41 @@ def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multiple hosts (auto-detected on TPU pods, SLURM, Open MPI; else give all three)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="address of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Start N local processes of one multi-process job, to try a multi-host setup on one machine."""
+    from meshlm import distributed
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if command[:1] == ["meshlm"]:
+        command = [sys.executable, "-m", "meshlm", *command[1:]]
+    return distributed.launch_local(command, args.local, port=args.port, devices_per_process=args.devices_per_process)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     """Build a small GPT-J, shard it over every visible device, run it and show where everything lives."""
     import jax
     import numpy as np
 
-    from meshlm import api, config
+    from meshlm import api, config, distributed
+
+    show = print if distributed.is_main_process() else lambda *_: None
 
     cfg = config.preset(args.preset)
     n = len(jax.devices())
     mesh = args.mesh or ("model=2,fsdp=-1" if n % 2 == 0 and n > 1 else "data=1")
     lm = api.from_config(cfg, mesh=mesh, dtype=args.dtype)
-    print(lm)
+    show(lm)
     for path, leaf in jax.tree_util.tree_flatten_with_path(lm.params)[0]:
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         shard = leaf.addressable_shards[0].data.shape
-        print(f"  {name:<22} {leaf.shape!s:<22} spec {leaf.sharding.spec!s:<34} shard {shard}")
+        show(f"  {name:<22} {leaf.shape!s:<22} spec {leaf.sharding.spec!s:<34} shard {shard}")
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (lm.mesh.size, 64))
     start = time.perf_counter()
     logits = lm.logits(tokens)
@@ -40,7 +59,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lm.logits(tokens)
     again = time.perf_counter() - start
-    print(
+    show(
         f"forward of {tokens.shape} tokens -> logits {logits.shape}: {first:.2f}s with compilation, {again:.3f}s after"
     )
 
@@ -68,6 +87,30 @@ def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     print(tokenizer.fetch_from_pypi())
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
+    from meshlm import data
+
+    summary = data.prepare(
+        args.inputs,
+        args.out,
+        args.seq_len,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        val_inputs=args.val,
+        seed=args.seed,
+        workers=args.workers,
+        shard_rows=args.shard_rows,
+    )
+    for name, split in summary["splits"].items():
+        print(
+            f"{name}: {split['rows']} rows of {args.seq_len + 1} tokens from {split['documents']} documents "
+            f"({split['tokens']} tokens, {split['dropped_tokens']} dropped in the last partial row)"
+        )
+    print(f"wrote {summary['out']} in {summary['seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -75,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     p.add_argument("--preset", default="gptj-tiny")
     _add_mesh_dtype(p)
+    _add_distributed(p)
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
@@ -92,7 +136,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="the seed's run JSON (n_heads, pe_rotary_dims, seq) for a seed checkpoint that is not GPT-J-6B-shaped",
     )
     _add_mesh_dtype(p)
+    _add_distributed(p)
     p.set_defaults(handler=cmd_convert)
+
+    p = sub.add_parser(
+        "prepare",
+        help=cmd_prepare.__doc__,
+        description=cmd_prepare.__doc__
+        + " Documents are joined with the end-of-text token and cut into rows of SEQ_LEN + 1 tokens, kept in input"
+        " order; the output folder is what `meshlm train` reads. See docs/data.md.",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text file, directory (recursed), .jsonl, .jsonl.zst or the seed's .tfrecord(s) file",
+    )
+    p.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset already)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold one more)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument(
+        "--val-fraction", type=float, default=0.0, help="share of documents sent to the validation split (default 0)"
+    )
+    val.add_argument("--val", nargs="+", metavar="FILE", help="inputs that form the validation split instead")
+    p.add_argument("--text-field", default="text", help="JSONL field (or TFRecord feature) holding the text")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: GPT-2 BPE)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")
+    p.set_defaults(handler=cmd_prepare)
+
+    p = sub.add_parser(
+        "launch",
+        help=cmd_launch.__doc__,
+        description=cmd_launch.__doc__,
+        usage="meshlm launch --local N [--port PORT] [--devices-per-process K] -- COMMAND ...",
+    )
+    p.add_argument("--local", type=int, required=True, metavar="N", help="number of local processes")
+    p.add_argument("--port", type=int, default=12355, help="coordinator port on 127.0.0.1")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="simulated CPU devices per process (for trying meshes without accelerators)",
+    )
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command every process runs, after --")
+    p.set_defaults(handler=cmd_launch)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)
@@ -106,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "coordinator", None) is not None or hasattr(args, "process_id"):
+            from meshlm import distributed
+
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         return args.handler(args) or 0
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshlm {args.command}: error: {e}", file=sys.stderr)

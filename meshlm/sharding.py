@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshlm.config import ConfigError
@@ -187,6 +188,20 @@ def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
         in_specs=(PartitionSpec(RULES["vocab"], None), batch),
         out_specs=PartitionSpec(*batch, None),
     )(table, ids)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A (possibly sharded, possibly multi-host) array as one numpy array on this host."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def from_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a numpy array that every process holds in full."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def describe(mesh: Mesh) -> str:

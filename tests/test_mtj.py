@@ -122,7 +122,8 @@ def test_run_folder_loads_the_latest_step_named_in_meta_json(seed, tmp_path):
 
 
 def test_fsspec_url(seed):
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
+
     ck = seed(2, "bfloat16", False)
     fs = fsspec.filesystem("memory")
     fs.put(str(ck.step_dir), "/seedrun/step", recursive=True)

@@ -231,6 +231,12 @@ def test_unknown_head_count_asks_for_the_seed_config(seed):
         meshlm.load(ck.step_dir)
 
 
+def test_seed_config_of_another_model_is_refused(damaged):
+    seed_config = damaged.parent / "seed.json"
+    seed_config.write_text(json.dumps({**json.loads(seed_config.read_text()), "d_model": 64}))
+    assert "the seed config gives d_model 64, the checkpoint holds 32" in load_error(damaged)
+
+
 def test_cli_reports_a_one_line_error(damaged, capsys):
     (damaged / "shard_2" / "0.npz").unlink()
     assert cli.main(["convert", str(damaged), str(damaged.parent / "out"), "--to", "hf"]) == 1

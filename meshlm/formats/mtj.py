@@ -286,6 +286,8 @@ def read_seed_config(path: str | Path) -> dict[str, Any]:
     if "n_heads" not in seed:
         raise ConfigError(f"{path}: not a seed config (no 'n_heads' key)")
     out = {"n_head": seed["n_heads"], "rotary_dim": seed.get("pe_rotary_dims"), "max_seq_len": seed.get("seq")}
+    # what the weights do tell, to check that this JSON belongs to this checkpoint
+    out.update(n_layer=seed.get("layers"), d_model=seed.get("d_model"), vocab_size=seed.get("n_vocab"))
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -379,6 +381,16 @@ class SeedCheckpoint:
                 f"{self}: d_model {d_model} is not a multiple of GPT-J's head size {GPTJ_D_HEAD}; the number "
                 "of heads is not stored in the weights: pass the seed's run JSON (--seed-config)"
             )
+        q = self._shape("layer_{}/~/linear", "w", 0)
+        if len(q) == 2 and q[1] and d_model % q[1] == 0 and d_model // q[1] != S:
+            raise ConfigError(
+                f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
+                f"{d_model // q[1]} shards: is a shard_ folder missing?"
+            )
+        found = {"n_layer": self.layout.n_layer, "d_model": d_model, "vocab_size": vocab}
+        for key, value in found.items():
+            if key in given and given[key] != value:
+                raise ConfigError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
         try:
             return ModelConfig(
                 n_layer=self.layout.n_layer,
@@ -395,12 +407,6 @@ class SeedCheckpoint:
 
     def _check_shapes(self) -> None:
         c, S = self.config, self.shards
-        q = self._shape("layer_{}/~/linear", "w", 0)
-        if len(q) == 2 and q[1] and c.d_model % q[1] == 0 and c.d_model // q[1] != S:
-            raise ConfigError(
-                f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
-                f"{c.d_model // q[1]} shards: is a shard_ folder missing?"
-            )
         if c.d_model % S or c.d_ff % S or c.n_head % S:
             raise ConfigError(f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}")
         trees = ("params", "mu", "nu") if self.layout.full else ("params",)
@@ -416,15 +422,13 @@ class SeedCheckpoint:
                         )
 
     def _array(self, member: Member) -> np.ndarray:
-        """Memory maps are kept until `release` (the pages they touch count as this process's memory)."""
-        if member.data_offset is None:
-            return member.array()
+        """Members are kept until `release`: mapped (local files) or read whole (URLs)."""
         if member not in self._maps:
             self._maps[member] = member.array()
         return self._maps[member]
 
     def release(self) -> None:
-        """Unmap what was read so far: called after each tensor, so resident memory stays one tensor."""
+        """Drop what was read so far: called after each tensor, so resident memory stays one tensor."""
         self._maps.clear()
 
     def scalar(self, position: int) -> int:

@@ -119,9 +119,11 @@ def is_url(path: str | Path) -> bool:
 class Files:
     """The few file operations the reader needs, on a local folder or an fsspec URL."""
 
-    def __init__(self, root: str | Path):
-        self.url = is_url(root)
-        if self.url:
+    def __init__(self, root: str | Path, fs: Any = None):
+        self.url = fs is not None or is_url(root)
+        if fs is not None:
+            self.fs, self.root = fs, str(root)
+        elif self.url:
             try:
                 import fsspec
             except ImportError:
@@ -135,9 +137,7 @@ class Files:
         return "/".join([self.root, *parts]) if self.url else str(Path(self.root, *parts))
 
     def child(self, *parts: str) -> Files:
-        out = Files.__new__(Files)
-        out.url, out.fs, out.root = self.url, self.fs, self.join(*parts)
-        return out
+        return Files(self.join(*parts), self.fs)
 
     def is_dir(self, *parts: str) -> bool:
         return self.fs.isdir(self.join(*parts)) if self.url else Path(self.join(*parts)).is_dir()
@@ -328,7 +328,7 @@ class Layout:
 class SeedCheckpoint:
     """An indexed step_N folder: per shard, every leaf's location, shape and dtype."""
 
-    def __init__(self, path: str | Path, seed_config: str | Path | None = None, **arch: int):
+    def __init__(self, path: str | Path, seed_config: str | Path | None = None):
         files = _resolve_step(Files(path))
         self.files = files
         self._maps: dict[Member, np.ndarray] = {}
@@ -339,8 +339,8 @@ class SeedCheckpoint:
             if len(leaves) != len(self.leaves[0]):
                 raise ConfigError(f"{files}/shard_{s}: holds {len(leaves)} arrays, shard_0 {len(self.leaves[0])}")
         self.names = param_names(self.layout.n_layer)
-        given = {**(read_seed_config(seed_config) if seed_config else {}), **arch}
-        self.config = self._infer_config(given)
+        self._position = {name: i for i, name in enumerate(self.names)}
+        self.config = self._infer_config(read_seed_config(seed_config) if seed_config else {})
         self._check_shapes()
 
     def __str__(self) -> str:
@@ -360,7 +360,7 @@ class SeedCheckpoint:
         return [m for k in range(CHUNKS) for m in index_chunk(files, f"{k}.npz")]
 
     def member(self, tree: str, name: str, shard: int) -> Member:
-        return self.leaves[shard][self.layout.start(tree) + self.names.index(name)]
+        return self.leaves[shard][self.layout.start(tree) + self._position[name]]
 
     def _shape(self, module: str, param: str, layer: int | None = None) -> tuple[int, ...]:
         return self.member("params", ROOT + module.format(layer) + "/" + param, 0).shape

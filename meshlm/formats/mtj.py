@@ -238,11 +238,11 @@ def index_chunk(files: Files, chunk: str) -> list[Member]:
                             raise ConfigError(f"{where}: {info.filename} runs past the end of the file (truncated)")
                     members.append(Member(files, chunk, info.filename, shape, dtype, fortran, offset))
                 return members
+    except ConfigError:
+        raise
     except FileNotFoundError:
         raise ConfigError(f"{where}: missing (every shard needs 0.npz ... {CHUNKS - 1}.npz)") from None
     except (zipfile.BadZipFile, EOFError, ValueError, struct.error) as e:
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(f"{where}: not a complete npz file, perhaps truncated mid-write ({e})") from None
 
 

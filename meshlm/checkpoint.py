@@ -38,11 +38,14 @@ def _marker(path: Path) -> Path:
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    return _marker(resolve(path)).is_file()
+    return _marker(Path(resolve(path))).is_file()
 
 
-def resolve(path: str | Path) -> Path:
-    """A run folder or its `checkpoints/` folder stands for its latest complete step."""
+def resolve(path: str | Path) -> str | Path:
+    """A run folder or its `checkpoints/` folder stands for its latest complete step; anything else
+    (a checkpoint folder, a file, a URL) is returned as given."""
+    if not Path(path).is_dir():
+        return path
     path = Path(path)
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = [p for p in folder.glob("*") if p.name.isdigit() and (p / TRAIN_DESCRIPTION).is_file()]
@@ -88,7 +91,7 @@ def restore_params(
     path: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32"
 ) -> tuple[ModelConfig, model.Params]:
     """Restore a checkpoint's parameters onto `mesh` in `dtype`, whatever mesh saved them."""
-    path = resolve(path).absolute()
+    path = Path(resolve(path)).absolute()
     desc = read_description(path)
     cfg = ModelConfig.from_dict(desc["model"])
     abstract = model.abstract_params(cfg, dtype)

@@ -1,7 +1,8 @@
 """The built-in demo corpus: text every Python install carries, tokenized in-process with GPT-2 BPE.
 
 The Python reference's topic help (`pydoc_data.topics`) plus the docstrings of a few dozen standard
-library modules, indentation stripped: about 0.9 million characters of English technical prose and code.
+library modules, each paragraph reflowed onto one line: about 0.9 million characters of
+English technical prose and code.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def documents() -> list[str]:
 
 
 def tidy(text: str) -> str:
-    """Strip indentation and collapse blank runs: a small model then learns words rather than whitespace."""
-    lines = (" ".join(line.split()) for line in text.splitlines())
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    """Reflow each paragraph onto one line without indentation: a small model then learns words, not layout."""
+    paragraphs = (" ".join(p.split()) for p in re.split(r"\n\s*\n", text))
+    return "\n\n".join(p for p in paragraphs if p)
 
 
 def prepare_demo_corpus(folder: str | Path, seq_len: int, val_fraction: float = 0.05) -> Path:

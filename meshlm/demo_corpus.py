@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,10 @@ def documents() -> list[str]:
         except ImportError:
             continue
         parts = [inspect.getdoc(module) or ""]
-        for _, obj in sorted(inspect.getmembers(module, lambda o: inspect.isclass(o) or inspect.isfunction(o))):
+        with warnings.catch_warnings():  # e.g. typing.io, deprecated aliases that getmembers touches
+            warnings.simplefilter("ignore", DeprecationWarning)
+            members = inspect.getmembers(module, lambda o: inspect.isclass(o) or inspect.isfunction(o))
+        for _, obj in sorted(members):
             if getattr(obj, "__module__", None) != module.__name__:
                 continue
             parts.append(inspect.getdoc(obj) or "")

@@ -238,6 +238,17 @@ def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):
     assert meshlm.load(tmp_path / "run").config == meshlm.load(hf_tiny.path).config
 
 
+def test_built_in_demo_corpus_is_tokenized_python_documentation(gpt2_bpe_file, tmp_path):
+    from meshlm.demo_corpus import prepare_demo_corpus
+    from meshlm.tokenizer import load_tokenizer
+
+    folder = prepare_demo_corpus(tmp_path / "demo", seq_len=64)
+    train_rows, val_rows = data.TokenDataset(folder, "train"), data.TokenDataset(folder, "val")
+    assert len(train_rows) > 2000 and len(val_rows) > 100 and train_rows.eos_id == 50256
+    text = load_tokenizer(gpt2_bpe_file).decode(train_rows[list(range(5))].reshape(-1).tolist())
+    assert 'The "assert" statement' in text
+
+
 # ---------------------------------------------------------------------------------------------------
 # Interrupted runs
 

@@ -31,25 +31,28 @@ def documents() -> list[str]:
     from pydoc_data.topics import topics
 
     docs = [topics[k] for k in sorted(topics)]
-    for name in STDLIB_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        parts = [inspect.getdoc(module) or ""]
-        with warnings.catch_warnings():  # e.g. typing.io, deprecated aliases that getmembers touches
-            warnings.simplefilter("ignore", DeprecationWarning)
-            members = inspect.getmembers(module, lambda o: inspect.isclass(o) or inspect.isfunction(o))
-        for _, obj in sorted(members):
-            if getattr(obj, "__module__", None) != module.__name__:
-                continue
-            parts.append(inspect.getdoc(obj) or "")
-            if inspect.isclass(obj):
-                for _, member in sorted(vars(obj).items()):
-                    if inspect.isfunction(member) and member.__doc__:
-                        parts.append(inspect.getdoc(member) or "")
-        docs.append("\n\n".join(p for p in parts if p))
+    with warnings.catch_warnings():  # deprecated aliases such as typing.io warn when their docs are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        docs += [module_docs(name) for name in STDLIB_MODULES]
     return [tidy(d) for d in docs if d.strip()]
+
+
+def module_docs(name: str) -> str:
+    """The docstrings of a module and of its own classes, functions and methods."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return ""
+    parts = [inspect.getdoc(module) or ""]
+    for _, obj in sorted(inspect.getmembers(module, lambda o: inspect.isclass(o) or inspect.isfunction(o))):
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        parts.append(inspect.getdoc(obj) or "")
+        if inspect.isclass(obj):
+            for _, member in sorted(vars(obj).items()):
+                if inspect.isfunction(member) and member.__doc__:
+                    parts.append(inspect.getdoc(member) or "")
+    return "\n\n".join(p for p in parts if p)
 
 
 def tidy(text: str) -> str:

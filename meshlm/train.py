@@ -348,14 +348,30 @@ def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tupl
 
 def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
     """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT."""
-    from tqdm import tqdm
-
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
     train_ds, val_sets = open_datasets(cfg, out_dir)
     ckpts = checkpoint.TrainCheckpoints(out_dir / "checkpoints", cfg.keep_last, cfg.keep_every)
+    try:  # the manager's background threads must be stopped on every way out
+        return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample)
+    finally:
+        ckpts.close()
+
+
+def _train(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    train_ds: TokenDataset,
+    val_sets: dict[str, TokenDataset],
+    ckpts: checkpoint.TrainCheckpoints,
+    progress: bool,
+    sample: bool,
+) -> TrainResult:
+    from tqdm import tqdm
+
+    out_dir = Path(cfg.out_dir)
     latest = ckpts.latest_step()
 
     init_lm = None
@@ -369,7 +385,8 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     if train_ds.eos_id >= model_cfg.vocab_size:
         raise ConfigError(
-            f"data uses token ids up to {train_ds.eos_id}; the model's vocab_size is only {model_cfg.vocab_size}"
+            f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "
+            "the data was tokenized for another vocabulary"
         )
     cfg = cfg.replace(model=model_cfg)
 
@@ -482,7 +499,6 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
             save(step)
         bar.close()
         ckpts.wait()
-        ckpts.close()
         log.close()
     result.step = step
     result.stopped_by_signal = step < cfg.total_steps

@@ -378,6 +378,11 @@ def test_bad_inputs_each_give_one_clear_line(tmp_path, capsys, dataset):
     write_dataset(wrong, np.ones((4, SEQ + 1), int))
     np.ones((4, SEQ + 1), np.uint32).tofile(wrong / "train" / "00000.bin")  # uint32 where the index says uint16
     assert "holds 272 bytes, index.json implies 136" in run_cli_error(capsys, *base, "--set", f"data={wrong}")
+    gpt2 = tmp_path / "gpt2_ids"
+    gpt2.mkdir()
+    data.write_index(gpt2, SEQ, {"train": data.write_split(gpt2, "train", [np.ones((8, SEQ + 1), int)], SEQ)})
+    err = run_cli_error(capsys, *base, "--set", f"data={gpt2}", "--set", "batch_size=8")
+    assert "end-of-text id is 50256, beyond the model's vocab_size 512" in err
     assert "unknown key(s) ['bacth_size']" in run_cli_error(capsys, *base, "--set", "bacth_size=8")
     err = run_cli_error(capsys, *base, "--set", f"data={dataset}", "--set", "batch_size=12", "--mesh", "data=8")
     assert "12 sequences per micro-batch, not divisible by the mesh's batch axes data x fsdp = 8" in err

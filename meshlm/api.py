@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
-from functools import cached_property
 from pathlib import Path
 
 import jax
@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.formats import hf
+from meshlm.formats import hf, mtj
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, load_tokenizer
@@ -21,7 +21,11 @@ SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so f
 
 
 def detect_format(path: str | Path) -> str:
-    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder), from the files in `path`."""
+    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder or run folder), from the files in `path`."""
+    if mtj.is_url(path):
+        if mtj.is_seed_checkpoint(path):
+            return "mtj"
+        raise ConfigError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such file or directory")
@@ -31,12 +35,19 @@ def detect_format(path: str | Path) -> str:
         return "meshlm"
     if (path / "config.json").exists():
         return "hf"
-    if (path / "shard_0").is_dir():
+    if mtj.is_seed_checkpoint(path):
         return "mtj"
     raise ConfigError(
         f"{path}: not a checkpoint meshlm can read (expected meshlm.json, a Hugging Face config.json, "
         "or the seed's shard_0/ folder)"
     )
+
+
+@functools.cache
+def _compiled_forward(cfg: ModelConfig, policy: model.Policy):
+    """One jitted forward per (config, policy), shared by every model loaded with them: jit then
+    compiles once per input sharding, not once per loaded model."""
+    return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
 
 
 class LanguageModel:
@@ -64,12 +75,11 @@ class LanguageModel:
             f"{self.dtype}, {describe(self.mesh)})"
         )
 
-    @cached_property
+    @property
     def _forward(self):
-        cfg, policy = self.config, self.policy
-        return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
+        return _compiled_forward(self.config, self.policy)
 
-    @cached_property
+    @functools.cached_property
     def _tokens_sharding(self) -> NamedSharding:
         return named_sharding(self.mesh, ("batch", "seq"))
 
@@ -93,14 +103,14 @@ class LanguageModel:
             out = self._forward(self.params, from_host(padded, self._tokens_sharding))
         return to_host(out)[:B, :T]
 
-    @cached_property
+    @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The GPT-2 tokenizer: the one given to `load`, else `meshlm.tokenizer.load_tokenizer()`'s."""
         if self._tokenizer is None or isinstance(self._tokenizer, str | Path):
             return load_tokenizer(self._tokenizer)
         return self._tokenizer
 
-    @cached_property
+    @functools.cached_property
     def generator(self) -> Generator:
         """Compiled prefill/decode functions (compiled on first use, once per shape bucket)."""
         return Generator(self.params, self.config, self.policy, self.mesh)
@@ -205,15 +215,25 @@ class LanguageModel:
 
 
 def load(
-    path: str | Path, mesh: str | Mesh | None = None, dtype: str = "float32", tokenizer: str | Path | None = None
+    path: str | Path,
+    mesh: str | Mesh | None = None,
+    dtype: str = "float32",
+    *,
+    seed_config: str | Path | None = None,
+    tokenizer: str | Path | None = None,
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
 
+    A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
+
     `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
+    `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
+    dimensions that its weights do not record; GPT-J-6B's values are the default.
     `tokenizer` is a GPT-2 BPE file (.tiktoken or tokenizer.json) for text generation; by default
     `meshlm.tokenizer.load_tokenizer()` finds one when it is first needed.
     """
     model.dtype_of(dtype)
+    path = checkpoint.resolve(path)
     fmt = detect_format(path)
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm":
@@ -221,8 +241,34 @@ def load(
     elif fmt == "hf":
         cfg, params = hf.load(path, device_mesh, dtype)
     else:
-        raise ConfigError(f"{path}: reading the seed's step_N checkpoints is not supported yet")
+        cfg, params = mtj.load(path, device_mesh, dtype, seed_config=seed_config)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    dtype: str = "float32",
+    out_dtype: str | None = None,
+    mesh: str | Mesh | None = None,
+    seed_config: str | Path | None = None,
+) -> None:
+    """Convert a checkpoint to `to` ("meshlm" or "hf"), written in `out_dtype` (default: `dtype`).
+
+    A seed checkpoint goes to Hugging Face one tensor at a time, in memory bounded by the largest
+    tensor; every other conversion loads the model onto `mesh` in `dtype` and saves it.
+    """
+    if to not in ("meshlm", "hf"):
+        raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
+    if Path(dst).exists() and any(Path(dst).iterdir()):
+        raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
+    if to == "hf" and detect_format(src) == "mtj":
+        if jax.process_index() == 0:  # streamed on the host: other processes have nothing to do
+            mtj.convert_to_hf(src, dst, out_dtype or dtype, seed_config=seed_config)
+        return
+    lm = load(src, mesh=mesh, dtype=dtype, seed_config=seed_config)
+    lm.save(dst, format=to, dtype=out_dtype)
 
 
 def from_config(

@@ -65,11 +65,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """Convert between checkpoint formats (meshlm, Hugging Face GPT-J)."""
+    """Convert between checkpoint formats (meshlm, Hugging Face GPT-J, and the seed's step_N folders)."""
     from meshlm import api
 
-    lm = api.load(args.src, mesh=args.mesh, dtype=args.dtype)
-    lm.save(args.dst, format=args.to, dtype=args.out_dtype)
+    api.convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        dtype=args.dtype,
+        out_dtype=args.out_dtype,
+        mesh=args.mesh,
+        seed_config=args.seed_config,
+    )
     print(f"wrote {args.to} checkpoint to {args.dst}")
 
 
@@ -159,6 +166,54 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train or fine-tune a GPT-J (resuming from the run folder's latest checkpoint, if any).
+
+    With no CONFIG, trains a small demo model on text every Python install carries (about five minutes
+    on a CPU), then prints a greedy sample.
+    """
+    import jax
+
+    from meshlm import config, train
+
+    overrides = list(args.set or [])
+    if args.init_from:
+        overrides.append(f"init_from={args.init_from}")
+    if args.mesh:
+        overrides.append(f"mesh={args.mesh}")
+    if args.out_dir:
+        overrides.append(f"out_dir={args.out_dir}")
+    cfg = config.load_train_config(args.config, overrides)
+    result = train.train(cfg, progress=not args.no_progress)
+    if jax.process_index() == 0:
+        print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
+    from meshlm import data
+
+    summary = data.prepare(
+        args.inputs,
+        args.out,
+        args.seq_len,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        val_inputs=args.val,
+        seed=args.seed,
+        workers=args.workers,
+        shard_rows=args.shard_rows,
+    )
+    for name, split in summary["splits"].items():
+        print(
+            f"{name}: {split['rows']} rows of {args.seq_len + 1} tokens from {split['documents']} documents "
+            f"({split['tokens']} tokens, {split['dropped_tokens']} dropped in the last partial row)"
+        )
+    print(f"wrote {summary['out']} in {summary['seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -170,10 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
-    p.add_argument("src", help="source checkpoint folder (format detected from its files)")
-    p.add_argument("dst", help="destination folder (must not exist)")
+    p.add_argument(
+        "src",
+        help="source: a meshlm checkpoint, a Hugging Face GPT-J folder, or the seed's step_N folder "
+        "(or its run folder with meta.json; fsspec URLs accepted for seed checkpoints); format detected from its files",
+    )
+    p.add_argument("dst", help="destination folder (must not exist or be empty)")
     p.add_argument("--to", required=True, choices=["meshlm", "hf"])
-    p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: --dtype")
+    p.add_argument(
+        "--seed-config",
+        default=None,
+        help="the seed's run JSON (n_heads, pe_rotary_dims, seq) for a seed checkpoint that is not GPT-J-6B-shaped",
+    )
     _add_mesh_dtype(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_convert)
@@ -200,6 +264,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_serve)
+
+    p = sub.add_parser(
+        "train",
+        help="train or fine-tune a GPT-J model (no CONFIG: a five-minute CPU demo)",
+        description="Train or fine-tune a GPT-J, resuming from the run folder's latest checkpoint if there is one. "
+        "With no CONFIG, trains a small demo model on text every Python install carries (about five minutes on a "
+        "CPU), then prints a greedy sample. SIGTERM/Ctrl-C save a final checkpoint and exit. See docs/finetune.md.",
+    )
+    p.add_argument("config", nargs="?", help="YAML/JSON config (meshlm's keys or the seed's JSON); see configs/")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. lr=1e-4 or model.n_layer=2"
+    )
+    p.add_argument("--init-from", metavar="PATH", help="fine-tune from anything meshlm.load reads (HF GPT-J, ...)")
+    p.add_argument("--mesh", metavar="SPEC", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: one device)')
+    p.add_argument("--out-dir", metavar="DIR", help="run folder: checkpoints, metrics (default: the config's out_dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    _add_distributed(p)
+    p.set_defaults(handler=cmd_train)
+
+    p = sub.add_parser(
+        "prepare",
+        help=cmd_prepare.__doc__,
+        description=cmd_prepare.__doc__
+        + " Documents are joined with the end-of-text token and cut into rows of SEQ_LEN + 1 tokens, kept in input"
+        " order; the output folder is what `meshlm train` reads. See docs/data.md.",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text file, directory (recursed), .jsonl, .jsonl.zst or the seed's .tfrecord(s) file",
+    )
+    p.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset already)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold one more)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument(
+        "--val-fraction", type=float, default=0.0, help="share of documents sent to the validation split (default 0)"
+    )
+    val.add_argument("--val", nargs="+", metavar="FILE", help="inputs that form the validation split instead")
+    p.add_argument("--text-field", default="text", help="JSONL field (or TFRecord feature) holding the text")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: GPT-2 BPE)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")
+    p.set_defaults(handler=cmd_prepare)
 
     p = sub.add_parser(
         "launch",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from functools import cached_property
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,33 @@ def detect_format(path: str | Path) -> str:
     )
 
 
+def _logits(logits: jax.Array) -> jax.Array:
+    return logits
+
+
+def _target_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    return target_logprobs, jnp.argmax(logits, axis=-1) == targets
+
+
+@functools.cache
+def _compiled(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, head: Callable[..., Any]) -> Callable[..., Any]:
+    """`head(logits, *args)` on top of the forward pass, jitted with the batch split over the mesh.
+
+    Cached per (config, policy, mesh), so models that share them (e.g. one rebuilt around each new set
+    of training weights) reuse one compilation.
+    """
+    tokens_sharding = named_sharding(mesh, ("batch", "seq"))
+
+    @jax.jit
+    def run(params: model.Params, tokens: jax.Array, *args: jax.Array) -> Any:
+        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
+        return head(model.forward(params, tokens, cfg, policy), *args)
+
+    return run
+
+
 class LanguageModel:
     """A GPT-J model placed on a mesh, with the parameters it was loaded with."""
 
@@ -54,37 +83,51 @@ class LanguageModel:
             f"{self.dtype}, {describe(self.mesh)})"
         )
 
-    @cached_property
-    def _forward(self):
-        cfg, policy = self.config, self.policy
-        tokens_sharding = named_sharding(self.mesh, ("batch", "seq"))
-
-        @jax.jit
-        def fwd(params: model.Params, tokens: jax.Array) -> jax.Array:
-            tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
-            return model.forward(params, tokens, cfg, policy)
-
-        return fwd
-
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
+    def _check_tokens(self, tokens: np.ndarray, name: str = "tokens") -> np.ndarray:
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
-        B, T = tokens.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's context ({self.config.max_seq_len})")
+            raise ValueError(f"{name} must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
+        T, context = tokens.shape[1], self.config.max_seq_len
+        if T > context:
+            raise ValueError(f"sequence length {T} exceeds the model's context ({context})")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        # Causal attention makes right padding harmless: pad to a few shapes, then cut the padding off.
+            raise ValueError(f"{name}: token ids must lie in [0, {self.config.vocab_size})")
+        return tokens
+
+    def _padded(self, tokens: np.ndarray) -> jax.Array:
+        """Right-pad to a batch the mesh divides and a length that is a multiple of SEQ_BUCKET (few shapes
+        compile; causal attention makes right padding harmless)."""
+        B, T = tokens.shape
         ways = batch_ways(self.mesh)
         padded_b = -(-B // ways) * ways
         padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len)
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
+        return jnp.asarray(padded)
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
+        tokens = self._check_tokens(tokens)
+        B, T = tokens.shape
         with jax.set_mesh(self.mesh):
-            out = self._forward(self.params, jnp.asarray(padded))
+            out = _compiled(self.config, self.policy, self.mesh, _logits)(self.params, self._padded(tokens))
         return np.asarray(out)[:B, :T]
+
+    def token_logprobs(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """log p(targets[b, t] | tokens[b, :t+1]) as float32 [B, T], and whether each target is the argmax.
+
+        The log-softmax and the gather run on the devices, so only [B, T] numbers come back, not the
+        [B, T, vocab] logits; this is what scoring (evaluation, perplexity) needs.
+        """
+        tokens = self._check_tokens(tokens)
+        targets = self._check_tokens(targets, "targets")
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets shape {targets.shape} differs from tokens shape {tokens.shape}")
+        B, T = tokens.shape
+        with jax.set_mesh(self.mesh):
+            score = _compiled(self.config, self.policy, self.mesh, _target_logprobs)
+            logprobs, greedy = score(self.params, self._padded(tokens), self._padded(targets))
+        return np.asarray(logprobs)[:B, :T], np.asarray(greedy)[:B, :T]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

@@ -1,0 +1,117 @@
+"""lm-eval integration: the `meshlm` model against lm-eval's own `hf` backend on the same random GPT-J,
+and `meshlm eval --perplexity` against exp(mean NLL) from transformers' logits."""
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import meshlm
+from meshlm import evaluate, tokenizer
+from tests import oracle
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK_DIR = ROOT / "tests" / "lm_eval_tasks"
+TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext", "meshlm_test_gen"]
+CONTEXT = 128  # shorter than the longest task documents, so truncation and rolling windows are exercised
+
+
+@pytest.fixture(scope="module")
+def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
+    """A random GPT-J with GPT-J's padded vocabulary, saved with a tokenizer.json for the same BPE."""
+    folder = tmp_path_factory.mktemp("hf_gptj_eval")
+    config = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=50400, n_positions=CONTEXT)
+    model = oracle.random_gptj(seed=3, bos_token_id=50256, eos_token_id=50256, **config)
+    with torch.no_grad():
+        # As in GPT-J, the padded rows above the tokenizer's 50257 ids are never predicted.
+        model.lm_head.bias[meshlm.config.GPT2_VOCAB :] = -1e4
+    model.save_pretrained(folder)
+    tokenizer.save_hf_tokenizer(folder, gpt2_bpe_file)
+    return oracle.HFModel(folder, model)
+
+
+@contextlib.contextmanager
+def in_task_dir():
+    """The task YAMLs name their data files relative to their own folder."""
+    before = os.getcwd()
+    os.chdir(TASK_DIR)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def harness(model: str, model_args: str, batch_size: int) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    with in_task_dir():
+        return lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=TASKS,
+            batch_size=batch_size,
+            device="cpu",
+            task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+
+
+@pytest.fixture(scope="module")
+def hf_results(hf_gptj):
+    return harness("hf", f"pretrained={hf_gptj.path},dtype=float32", batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def meshlm_results(hf_gptj, gpt2_bpe_file):
+    # The mesh spec travels inside lm-eval's comma-separated model_args.
+    return harness(
+        "meshlm", f"pretrained={hf_gptj.path},tokenizer={gpt2_bpe_file},mesh=data=2,fsdp=2,model=2", batch_size=4
+    )
+
+
+def responses(results: dict, task: str) -> list:
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):
+    expected = evaluate.flatten_metrics(hf_results)
+    got = evaluate.flatten_metrics(meshlm_results)
+    assert set(got) == set(expected) and "meshlm_test_wikitext/word_perplexity" in got
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.parametrize("task", ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext"])
+def test_per_request_loglikelihoods_match_the_hf_backend(hf_results, meshlm_results, task):
+    expected, got = responses(hf_results, task), responses(meshlm_results, task)
+    assert len(got) == len(expected) > 0
+    for exp_doc, got_doc in zip(expected, got, strict=True):
+        for exp_req, got_req in zip(exp_doc, got_doc, strict=True):
+            exp_req = exp_req[0] if isinstance(exp_req, list | tuple) and len(exp_req) == 1 else exp_req
+            got_req = got_req[0] if isinstance(got_req, list | tuple) and len(got_req) == 1 else got_req
+            if task == "meshlm_test_wikitext":
+                # A whole document's log-likelihood is about -4000 for the 325-token one, where one float32 step
+                # is 2.4e-4 and the hf backend sums in float32: agreement to a few float32 steps.
+                assert got_req == pytest.approx(exp_req, rel=2e-7, abs=1e-4)
+            else:
+                assert got_req[0] == pytest.approx(exp_req[0], abs=1e-4)
+                assert got_req[1] == exp_req[1]
+
+
+def test_generate_until_matches_the_hf_backends_greedy_text(hf_results, meshlm_results):
+    expected = responses(hf_results, "meshlm_test_gen")
+    got = responses(meshlm_results, "meshlm_test_gen")
+    assert got == expected
+    assert all(len(r[0]) > 0 and "\n" not in r[0] and "." not in r[0] for r in got)

@@ -61,6 +61,47 @@ def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     print(tokenizer.fetch_from_pypi())
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Evaluate a checkpoint on lm-evaluation-harness tasks, or measure the perplexity of a text file."""
+    import json
+    from pathlib import Path
+
+    from meshlm import api, evaluate, tokenizer
+
+    if bool(args.tasks) == bool(args.perplexity):
+        raise ValueError("give exactly one of --tasks or --perplexity")
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
+    tok = tokenizer.load_tokenizer(args.tokenizer)
+    if args.perplexity:
+        documents = evaluate.read_documents(args.perplexity)
+        result = evaluate.perplexity(lm, documents, tok, stride=args.stride, batch_size=args.batch_size)
+        print(
+            f"perplexity {result['perplexity']:.4f}  (mean NLL {result['nll']:.4f} nats over "
+            f"{result['tokens']:,} tokens in {result['documents']} document(s))"
+        )
+    else:
+        from lm_eval.utils import handle_non_serializable, make_table
+
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        result = evaluate.run_tasks(
+            lm,
+            tasks,
+            num_fewshot=args.num_fewshot,
+            limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+            include_path=args.include_path,
+            log_samples=args.log_samples,
+            batch_size=args.batch_size,
+            tokenizer=tok,
+        )
+        print(make_table(result))
+        if result.get("groups"):
+            print(make_table(result, "groups"))
+        result = json.loads(json.dumps(result, default=handle_non_serializable))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -77,6 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"])
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_convert)
+
+    p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
+    p.add_argument("checkpoint", help="checkpoint folder (meshlm or Hugging Face GPT-J)")
+    p.add_argument("--tasks", help="comma-separated lm-eval task names, e.g. lambada_openai,piqa,hellaswag")
+    p.add_argument("--perplexity", metavar="FILE", help="a .txt file (one document) or .jsonl ({'text': ...} per line)")
+    p.add_argument("--stride", type=int, default=None, help="perplexity window step in tokens (default: the context)")
+    p.add_argument("--include-path", help="folder of extra lm-eval task YAMLs")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=float, default=None, help="only the first N documents (or a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default: 16)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: meshlm's GPT-2 BPE)")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON output")
+    p.add_argument("--output", help="write the results as JSON to this file")
+    _add_mesh_dtype(p)
+    p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)

@@ -9,6 +9,7 @@ fixed batch, so a whole evaluation compiles only a handful of shapes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -247,6 +248,23 @@ def greedy_generate(
     ]
 
 
+@functools.cache
+def task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
+    """An lm-eval TaskManager that knows `tasks`. Indexing lm-eval's ~15,000 built-in task files takes about
+    20 s, so when `include_path` alone holds every task, only it is indexed; managers are reused."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them (or pass --include-path)")
+    return manager
+
+
 def run_tasks(
     lm: LanguageModel | MeshLM,
     tasks: Sequence[str],
@@ -254,22 +272,19 @@ def run_tasks(
     num_fewshot: int | None = None,
     limit: int | float | None = None,
     include_path: str | Path | None = None,
-    batch_size: int | None = None,
     log_samples: bool = False,
     bootstrap_iters: int = 100_000,
     **model_args: Any,
 ) -> dict[str, Any]:
-    """Run lm-eval tasks on `lm` and return the harness's full results dict (what its CLI writes as JSON)."""
+    """Run lm-eval tasks on `lm` and return the harness's full results dict (what its CLI writes as JSON).
+    `model_args` (batch_size, tokenizer, max_length, ...) go to `MeshLM` when `lm` is a LanguageModel."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
+    tasks = tuple(tasks)
     if not tasks:
         raise ConfigError("no tasks given; name lm-eval tasks such as lambada_openai,piqa")
-    model = lm if isinstance(lm, MeshLM) else MeshLM(lm, batch_size=batch_size, **model_args)
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks and not Path(t).is_file()]
-    if unknown:
-        raise ConfigError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them (or pass --include-path)")
+    manager = task_manager(str(include_path) if include_path else None, tasks)
+    model = lm if isinstance(lm, MeshLM) else MeshLM(lm, **model_args)
     return lm_eval.simple_evaluate(
         model=model,
         tasks=list(tasks),

@@ -5,8 +5,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "tests" / "lm_eval_tasks"
 TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext", "meshlm_test_gen"]
+MESH = "data=2,fsdp=2,model=2"
 CONTEXT = 128  # shorter than the longest task documents, so truncation and rolling windows are exercised
 
 
@@ -41,10 +40,10 @@ def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
 
 
 @contextlib.contextmanager
-def in_task_dir():
-    """The task YAMLs name their data files relative to their own folder."""
+def in_repo_root():
+    """The task YAMLs name their data files relative to the repository root, as lm-eval reads them."""
     before = os.getcwd()
-    os.chdir(TASK_DIR)
+    os.chdir(ROOT)
     try:
         yield
     finally:
@@ -55,7 +54,7 @@ def harness(model: str, model_args: str, batch_size: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    with in_task_dir():
+    with in_repo_root():
         return lm_eval.simple_evaluate(
             model=model,
             model_args=model_args,
@@ -115,3 +114,83 @@ def test_generate_until_matches_the_hf_backends_greedy_text(hf_results, meshlm_r
     got = responses(meshlm_results, "meshlm_test_gen")
     assert got == expected
     assert all(len(r[0]) > 0 and "\n" not in r[0] and "." not in r[0] for r in got)
+
+
+def reference_nlls(hf: oracle.HFModel, tokens: list[int], context: int, stride: int) -> np.ndarray:
+    """Per-token NLLs straight from transformers' logits: token i (after a leading end-of-text) is scored
+    by the window that first reaches it, windows of `context` inputs moving `stride` tokens at a time."""
+    full = [tokenizer.EOT_ID, *tokens]
+    nlls, scored = [], 1
+    while scored < len(full):
+        end = min(scored + (context if scored == 1 else stride), len(full))
+        start = max(0, end - 1 - context)
+        logprobs = torch.log_softmax(torch.as_tensor(hf.logits(np.array([full[start : end - 1]]))[0]), -1).numpy()
+        targets = np.array(full[start + 1 : end])
+        window = -logprobs[np.arange(len(targets)), targets]
+        nlls.extend(window[-(end - scored) :])
+        scored = end
+    return np.array(nlls)
+
+
+def run_cli(*argv: str) -> int:
+    from meshlm import cli
+
+    return cli.main(list(argv))
+
+
+def test_perplexity_of_a_text_is_exp_mean_nll_from_transformers(hf_gptj, gpt2_bpe_file, tmp_path, capsys):
+    text = "The quick brown fox jumps over the lazy dog. It was not amused, and neither was the cat."
+    (tmp_path / "t.txt").write_text(text)
+    ids = tokenizer.load_tokenizer(gpt2_bpe_file).encode(text)
+    full = torch.as_tensor([[tokenizer.EOT_ID, *ids]])
+    with torch.no_grad():
+        logits = hf_gptj.torch_model(full).logits[0, :-1]
+    expected = math.exp(torch.nn.functional.cross_entropy(logits, full[0, 1:]).item())
+
+    out = tmp_path / "ppl.json"
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(tmp_path / "t.txt"), "--tokenizer", gpt2_bpe_file,
+                   "--mesh", MESH, "--batch-size", "4", "--output", str(out)) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["tokens"] == len(ids) and result["documents"] == 1
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    assert f"over {len(ids)} tokens in 1 document(s)" in capsys.readouterr().out
+
+
+def test_strided_perplexity_over_jsonl_documents(hf_gptj, gpt2_bpe_file, tmp_path):
+    docs = [json.loads(line)["text"] for line in (TASK_DIR / "data" / "docs.jsonl").read_text().splitlines()]
+    tok = tokenizer.load_tokenizer(gpt2_bpe_file)
+    stride = 48
+    nlls = np.concatenate([reference_nlls(hf_gptj, tok.encode(d), CONTEXT, stride) for d in docs])
+    assert len(nlls) > 2 * CONTEXT  # the long document needs several overlapping windows
+
+    lm = meshlm.load(hf_gptj.path, mesh=MESH)
+    result = evaluate.perplexity(lm, docs, tok, stride=stride, batch_size=4)
+    assert result["tokens"] == len(nlls)
+    assert result["nll"] == pytest.approx(nlls.mean(), abs=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nlls.mean()), rel=1e-5)
+
+
+def test_eval_cli_prints_the_table_and_writes_the_harness_json(hf_gptj, gpt2_bpe_file, hf_results, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    with in_repo_root():
+        code = run_cli("eval", str(hf_gptj.path), "--tasks", "meshlm_test_mc,meshlm_test_lambada",
+                       "--include-path", str(TASK_DIR), "--tokenizer", gpt2_bpe_file, "--mesh", MESH,
+                       "--batch-size", "4", "--output", str(out))  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "|meshlm_test_mc" in printed and "acc_norm" in printed
+    metrics = evaluate.flatten_metrics(json.loads(out.read_text()))
+    expected = evaluate.flatten_metrics(hf_results)
+    for key in ("meshlm_test_mc/acc", "meshlm_test_mc/acc_norm", "meshlm_test_lambada/perplexity"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5)
+
+
+def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
+    assert run_cli("eval", str(hf_gptj.path)) == 1
+    assert "meshlm eval: error: give exactly one of --tasks or --perplexity" in capsys.readouterr().err
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(tmp_path / "missing.txt")) == 1
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(bad)) == 1
+    assert 'bad.jsonl:2: expected an object with a "text" string' in capsys.readouterr().err

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats import hf
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan
+from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
@@ -51,16 +51,14 @@ def _target_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
 
 @functools.cache
 def _compiled(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, head: Callable[..., Any]) -> Callable[..., Any]:
-    """`head(logits, *args)` on top of the forward pass, jitted with the batch split over the mesh.
+    """`head(logits, *args)` on top of the forward pass, jitted (inputs arrive split over the mesh's batch axes).
 
     Cached per (config, policy, mesh), so models that share them (e.g. one rebuilt around each new set
     of training weights) reuse one compilation.
     """
-    tokens_sharding = named_sharding(mesh, ("batch", "seq"))
 
     @jax.jit
     def run(params: model.Params, tokens: jax.Array, *args: jax.Array) -> Any:
-        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)
         return head(model.forward(params, tokens, cfg, policy), *args)
 
     return run
@@ -103,7 +101,7 @@ class LanguageModel:
         padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len)
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
-        return jnp.asarray(padded)
+        return from_host(padded, named_sharding(self.mesh, ("batch", "seq")))
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
@@ -111,7 +109,7 @@ class LanguageModel:
         B, T = tokens.shape
         with jax.set_mesh(self.mesh):
             out = _compiled(self.config, self.policy, self.mesh, _logits)(self.params, self._padded(tokens))
-        return np.asarray(out)[:B, :T]
+        return to_host(out)[:B, :T]
 
     def token_logprobs(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """log p(targets[b, t] | tokens[b, :t+1]) as float32 [B, T], and whether each target is the argmax.
@@ -127,7 +125,7 @@ class LanguageModel:
         with jax.set_mesh(self.mesh):
             score = _compiled(self.config, self.policy, self.mesh, _target_logprobs)
             logprobs, greedy = score(self.params, self._padded(tokens), self._padded(targets))
-        return np.asarray(logprobs)[:B, :T], np.asarray(greedy)[:B, :T]
+        return to_host(logprobs)[:B, :T], to_host(greedy)[:B, :T]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

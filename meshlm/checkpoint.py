@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from meshlm import model
 from meshlm.config import ConfigError, ModelConfig
@@ -47,6 +48,8 @@ def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra:
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
+    if jax.process_count() > 1:  # every process has looked before any of them writes
+        multihost_utils.sync_global_devices(f"meshlm save {path}")
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "params", params)
     checkpointer.wait_until_finished()

@@ -17,22 +17,41 @@ def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multiple hosts (auto-detected on TPU pods, SLURM, Open MPI; else give all three)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="address of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Start N local processes of one multi-process job, to try a multi-host setup on one machine."""
+    from meshlm import distributed
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if command[:1] == ["meshlm"]:
+        command = [sys.executable, "-m", "meshlm", *command[1:]]
+    return distributed.launch_local(command, args.local, port=args.port, devices_per_process=args.devices_per_process)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     """Build a small GPT-J, shard it over every visible device, run it and show where everything lives."""
     import jax
     import numpy as np
 
-    from meshlm import api, config
+    from meshlm import api, config, distributed
+
+    show = print if distributed.is_main_process() else lambda *_: None
 
     cfg = config.preset(args.preset)
     n = len(jax.devices())
     mesh = args.mesh or ("model=2,fsdp=-1" if n % 2 == 0 and n > 1 else "data=1")
     lm = api.from_config(cfg, mesh=mesh, dtype=args.dtype)
-    print(lm)
+    show(lm)
     for path, leaf in jax.tree_util.tree_flatten_with_path(lm.params)[0]:
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         shard = leaf.addressable_shards[0].data.shape
-        print(f"  {name:<22} {leaf.shape!s:<22} spec {leaf.sharding.spec!s:<34} shard {shard}")
+        show(f"  {name:<22} {leaf.shape!s:<22} spec {leaf.sharding.spec!s:<34} shard {shard}")
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (lm.mesh.size, 64))
     start = time.perf_counter()
     logits = lm.logits(tokens)
@@ -40,7 +59,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lm.logits(tokens)
     again = time.perf_counter() - start
-    print(
+    show(
         f"forward of {tokens.shape} tokens -> logits {logits.shape}: {first:.2f}s with compilation, {again:.3f}s after"
     )
 
@@ -109,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     p.add_argument("--preset", default="gptj-tiny")
     _add_mesh_dtype(p)
+    _add_distributed(p)
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
@@ -117,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=["meshlm", "hf"])
     p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"])
     _add_mesh_dtype(p)
+    _add_distributed(p)
     p.set_defaults(handler=cmd_convert)
 
     p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
@@ -132,7 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON output")
     p.add_argument("--output", help="write the results as JSON to this file")
     _add_mesh_dtype(p)
+    _add_distributed(p)
     p.set_defaults(handler=cmd_eval)
+
+    p = sub.add_parser(
+        "launch",
+        help=cmd_launch.__doc__,
+        description=cmd_launch.__doc__,
+        usage="meshlm launch --local N [--port PORT] [--devices-per-process K] -- COMMAND ...",
+    )
+    p.add_argument("--local", type=int, required=True, metavar="N", help="number of local processes")
+    p.add_argument("--port", type=int, default=12355, help="coordinator port on 127.0.0.1")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="simulated CPU devices per process (for trying meshes without accelerators)",
+    )
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command every process runs, after --")
+    p.set_defaults(handler=cmd_launch)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)
@@ -146,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "coordinator", None) is not None or hasattr(args, "process_id"):
+            from meshlm import distributed
+
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         return args.handler(args) or 0
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshlm {args.command}: error: {e}", file=sys.stderr)

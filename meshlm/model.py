@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.sharding import constrain
+from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
 
@@ -233,7 +233,7 @@ def forward(
     sin, cos = rotary_tables(positions, cfg.rotary_dim)
     allowed = causal_mask(mask, B, T)
 
-    x = jnp.take(params["embed"]["w"], tokens, axis=0).astype(dt)
+    x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     def step(x: jax.Array, layer: Params) -> tuple[jax.Array, None]:

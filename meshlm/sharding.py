@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshlm.config import ConfigError
@@ -158,6 +160,48 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, spec_for(axes))
+
+
+def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`table[ids]` for a table whose rows ("vocab") are split over `model`, Megatron-style.
+
+    Each model shard looks up the ids that fall in its slice of the vocabulary (zeros elsewhere) and
+    one all-reduce over `model` sums the pieces, instead of XLA gathering the whole table first.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    vocab_axes = _mesh_axes(RULES["vocab"])
+    if mesh.empty or math.prod(mesh.shape[a] for a in vocab_axes) == 1:
+        return jnp.take(table, ids, axis=0)
+    batch_split = math.prod(mesh.shape[a] for a in _mesh_axes(RULES["batch"]))
+    batch = spec_for(("batch", "seq")) if ids.shape[0] % batch_split == 0 else PartitionSpec(None, None)
+
+    def local_lookup(shard: jax.Array, local_ids: jax.Array) -> jax.Array:
+        rows = shard.shape[0]
+        offset = jax.lax.axis_index(vocab_axes) * rows
+        local = local_ids - offset
+        hit = (local >= 0) & (local < rows)
+        x = jnp.take(shard, jnp.where(hit, local, 0), axis=0) * hit[..., None].astype(shard.dtype)
+        return jax.lax.psum(x, vocab_axes)
+
+    return jax.shard_map(
+        local_lookup,
+        in_specs=(PartitionSpec(RULES["vocab"], None), batch),
+        out_specs=PartitionSpec(*batch, None),
+    )(table, ids)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A (possibly sharded, possibly multi-host) array as one numpy array on this host."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def from_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a numpy array that every process holds in full."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def describe(mesh: Mesh) -> str:

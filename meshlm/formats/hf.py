@@ -19,7 +19,7 @@ import numpy as np
 
 from meshlm import model
 from meshlm.config import ConfigError, ModelConfig, load_hf_config, to_hf_config
-from meshlm.sharding import plan
+from meshlm.sharding import plan, to_host
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -287,22 +287,13 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
 # Writing
 
 
-def _host(x: jax.Array) -> np.ndarray:
-    """A (possibly sharded, possibly multi-host) array gathered to this host."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def iter_hf_tensors(params: model.Params, cfg: ModelConfig, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) for every tensor, layer by layer, gathering one layer slice at a time."""
     np_dtype = NP_DTYPES[dtype]
     flat = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
     def convert(key: str, value: jax.Array) -> np.ndarray:
-        return HF_NAMES[key][1].to_hf(_host(value).astype(np.float32)).astype(np_dtype)
+        return HF_NAMES[key][1].to_hf(to_host(value).astype(np.float32)).astype(np_dtype)
 
     yield HF_NAMES["embed.w"][0], convert("embed.w", flat["embed.w"])
     layer_keys = [k for k in HF_NAMES if k.startswith("layers.")]

@@ -1,0 +1,110 @@
+"""Multi-process runs (2 processes x 4 simulated CPU devices on 127.0.0.1) equal one process x 8 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(processes: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`meshlm launch` (or one plain process) over 8 simulated devices in all."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = ""  # each process gets its own device count below
+    worker = [sys.executable, "-m", "tests.multihost_worker", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "launch",
+        "--local",
+        str(processes),
+        "--port",
+        str(free_port()),
+        "--devices-per-process",
+        str(8 // processes),
+        "--",
+        *worker,
+    ]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One process, then two processes, then one again, handing checkpoints across."""
+    root = tmp_path_factory.mktemp("multihost")
+    for name in ("one", "two", "back"):
+        (root / name).mkdir()
+    ok(run(1, str(root / "one"), "grads", f"save={root / 'ckpt1'}"))
+    ok(run(2, str(root / "two"), "grads", f"restore={root / 'ckpt1'}", f"save={root / 'ckpt2'}"))
+    ok(run(1, str(root / "back"), f"restore={root / 'ckpt2'}"))
+    return root
+
+
+def test_two_processes_give_the_single_process_gradients(runs):
+    one, two = np.load(runs / "one" / "grads.npz"), np.load(runs / "two" / "grads.npz")
+    assert set(one.files) == set(two.files) and len(one.files) > 10
+    for name in one.files:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5 * np.abs(one[name]).max(), rtol=0, err_msg=name)
+
+
+def test_checkpoint_saved_by_one_process_restores_in_two(runs):
+    np.testing.assert_array_equal(
+        np.load(runs / "two" / "restored_logits.npy"), np.load(runs / "one" / "saved_logits.npy")
+    )
+
+
+def test_checkpoint_saved_by_two_processes_restores_in_one(runs):
+    saved = np.load(runs / "two" / "saved_logits.npy")
+    assert not np.allclose(saved, np.load(runs / "one" / "saved_logits.npy"))  # a different model was saved
+    np.testing.assert_array_equal(np.load(runs / "back" / "restored_logits.npy"), saved)
+
+
+def test_a_dying_process_stops_the_job_with_a_clear_message(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    script = (
+        "import os, sys, time; from meshlm import distributed; distributed.initialize(heartbeat_timeout_s=5);"
+        "import jax; jax.devices();"
+        "os._exit(7) if jax.process_index() == 1 else time.sleep(120)"
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "launch",
+            "--local",
+            "2",
+            "--port",
+            str(free_port()),
+            "--",
+            sys.executable,
+            "-c",
+            script,
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 7
+    assert "process 1 exited with code 7; stopping the others" in result.stderr
+    assert time.monotonic() - start < 60

@@ -39,29 +39,35 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-def _logits(logits: jax.Array) -> jax.Array:
-    return logits
+def _logits(params: model.Params, tokens: jax.Array, cfg: ModelConfig, policy: model.Policy) -> jax.Array:
+    return model.forward(params, tokens, cfg, policy)
 
 
-def _target_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _target_logprobs(
+    params: model.Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    targets: jax.Array,
+    at: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """log p(targets) and argmax == targets, with the LM head run only at the positions `at` [B, K]: for
+    scoring a short continuation after a long context this skips most of the head's vocab-sized matmul."""
+    x = model.hidden_states(params, tokens, cfg, policy)
+    logits = model.unembed(params, jnp.take_along_axis(x, at[..., None], axis=1))
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     return target_logprobs, jnp.argmax(logits, axis=-1) == targets
 
 
 @functools.cache
-def _compiled(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, head: Callable[..., Any]) -> Callable[..., Any]:
-    """`head(logits, *args)` on top of the forward pass, jitted (inputs arrive split over the mesh's batch axes).
+def _compiled(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(params, tokens, cfg, policy, *args)` jitted (inputs arrive split over the mesh's batch axes).
 
     Cached per (config, policy, mesh), so models that share them (e.g. one rebuilt around each new set
     of training weights) reuse one compilation.
     """
-
-    @jax.jit
-    def run(params: model.Params, tokens: jax.Array, *args: jax.Array) -> Any:
-        return head(model.forward(params, tokens, cfg, policy), *args)
-
-    return run
+    return jax.jit(lambda params, tokens, *args: fn(params, tokens, cfg, policy, *args))
 
 
 class LanguageModel:
@@ -92,13 +98,13 @@ class LanguageModel:
             raise ValueError(f"{name}: token ids must lie in [0, {self.config.vocab_size})")
         return tokens
 
-    def _padded(self, tokens: np.ndarray) -> jax.Array:
-        """Right-pad to a batch the mesh divides and a length that is a multiple of SEQ_BUCKET (few shapes
-        compile; causal attention makes right padding harmless)."""
+    def _padded(self, tokens: np.ndarray, pad_seq: bool = True) -> jax.Array:
+        """Right-pad to a batch the mesh divides and (with `pad_seq`) a length that is a multiple of
+        SEQ_BUCKET, so few shapes compile; causal attention makes right padding harmless."""
         B, T = tokens.shape
         ways = batch_ways(self.mesh)
         padded_b = -(-B // ways) * ways
-        padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len)
+        padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len) if pad_seq else T
         padded = np.zeros((padded_b, padded_t), np.int32)
         padded[:B, :T] = tokens
         return from_host(padded, named_sharding(self.mesh, ("batch", "seq")))
@@ -111,21 +117,29 @@ class LanguageModel:
             out = _compiled(self.config, self.policy, self.mesh, _logits)(self.params, self._padded(tokens))
         return to_host(out)[:B, :T]
 
-    def token_logprobs(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """log p(targets[b, t] | tokens[b, :t+1]) as float32 [B, T], and whether each target is the argmax.
+    def token_logprobs(
+        self, tokens: np.ndarray, targets: np.ndarray, at: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """log p(targets[b, j] | tokens[b, : at[b, j] + 1]) as float32 [B, K], and whether each target is
+        the argmax there. `at` [B, K] (default: every position, K = T) picks the positions to score.
 
-        The log-softmax and the gather run on the devices, so only [B, T] numbers come back, not the
-        [B, T, vocab] logits; this is what scoring (evaluation, perplexity) needs.
+        The LM head, log-softmax and gather run on the devices at those positions only, so only [B, K]
+        numbers come back; this is what scoring (evaluation, perplexity) needs. Each distinct K compiles.
         """
         tokens = self._check_tokens(tokens)
-        targets = self._check_tokens(targets, "targets")
-        if targets.shape != tokens.shape:
-            raise ValueError(f"targets shape {targets.shape} differs from tokens shape {tokens.shape}")
         B, T = tokens.shape
+        if at is None:
+            at = np.broadcast_to(np.arange(T), (B, T))
+        at, targets = np.asarray(at), self._check_tokens(targets, "targets")
+        if at.shape != targets.shape or at.shape[0] != B:
+            raise ValueError(f"targets {targets.shape} and positions {at.shape} must both be [{B}, K]")
+        if at.size and (at.min() < 0 or at.max() >= T):
+            raise ValueError(f"positions must lie in [0, {T})")
         with jax.set_mesh(self.mesh):
             score = _compiled(self.config, self.policy, self.mesh, _target_logprobs)
-            logprobs, greedy = score(self.params, self._padded(tokens), self._padded(targets))
-        return to_host(logprobs)[:B, :T], to_host(greedy)[:B, :T]
+            at_, targets_ = (self._padded(a, pad_seq=False) for a in (at, targets))
+            logprobs, greedy = score(self.params, self._padded(tokens), targets_, at_)
+        return to_host(logprobs)[:B], to_host(greedy)[:B]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

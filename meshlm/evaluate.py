@@ -29,6 +29,7 @@ from meshlm.sharding import MESH_AXES, batch_ways
 from meshlm.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_BATCH_SIZE = 16
+SCORE_BUCKET = 16  # continuations up to this many tokens are scored through one [batch, 16] LM-head call
 
 Pair = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 
@@ -68,16 +69,20 @@ def score_pairs(
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             length = length_bucket(len(rows[chunk[0]]) - 1, context)
+            longest = max(len(pairs[i][1]) for i in chunk)
+            k = min(SCORE_BUCKET if longest <= SCORE_BUCKET else length_bucket(longest, context), length)
             tokens = np.zeros((batch_size, length), np.int32)
-            targets = np.zeros((batch_size, length), np.int32)
+            targets = np.zeros((batch_size, k), np.int32)
+            at = np.zeros((batch_size, k), np.int32)
             for r, i in enumerate(chunk):
-                n = len(rows[i]) - 1
+                n, cont = len(rows[i]) - 1, pairs[i][1]
                 tokens[r, :n] = rows[i][:-1]
-                targets[r, :n] = rows[i][1:]
-            logprobs, greedy = lm.token_logprobs(tokens, targets)
+                targets[r, : len(cont)] = cont
+                at[r, : len(cont)] = np.arange(n - len(cont), n)
+            logprobs, greedy = lm.token_logprobs(tokens, targets, at)
             for r, i in enumerate(chunk):
-                n, k = len(rows[i]) - 1, len(pairs[i][1])
-                results[i] = (float(logprobs[r, n - k : n].sum(dtype=np.float64)), bool(greedy[r, n - k : n].all()))
+                c = len(pairs[i][1])
+                results[i] = (float(logprobs[r, :c].sum(dtype=np.float64)), bool(greedy[r, :c].all()))
             bar.update(len(chunk))
     return results
 

@@ -212,7 +212,7 @@ def causal_mask(mask: jax.Array | None, batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(allowed, (batch, length, length))
 
 
-def forward(
+def hidden_states(
     params: Params,
     tokens: jax.Array,
     cfg: ModelConfig,
@@ -221,7 +221,7 @@ def forward(
     positions: jax.Array | None = None,
     mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Logits [B, T, vocab_size] in float32 for tokens [B, T].
+    """The final LayerNorm's output [B, T, d_model] for tokens [B, T]: everything but the LM head.
 
     `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the rotary
     positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows).
@@ -244,10 +244,28 @@ def forward(
         step = jax.checkpoint(step, policy=remat, prevent_cse=False)
     x, _ = jax.lax.scan(step, x, params["layers"])
 
-    x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
+    return layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
+
+
+def unembed(params: Params, x: jax.Array) -> jax.Array:
+    """The LM head: float32 logits [B, T, vocab_size] from hidden states [B, T, d_model]."""
+    w = params["head"]["w"].astype(x.dtype)
+    logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
     logits = logits + params["head"]["b"].astype(jnp.float32)
     return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy = Policy(),
+    *,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [B, T, vocab_size] in float32 for tokens [B, T]; `positions` and `mask` as in `hidden_states`."""
+    return unembed(params, hidden_states(params, tokens, cfg, policy, positions=positions, mask=mask))
 
 
 def loss(

@@ -85,26 +85,31 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    from meshlm import api, evaluate, tokenizer
+    import jax
+
+    from meshlm import api, tokenizer
 
     if bool(args.tasks) == bool(args.perplexity):
         raise ValueError("give exactly one of --tasks or --perplexity")
-    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
+    try:
+        from meshlm import evaluate
+    except ImportError as e:
+        raise ConfigError(f"meshlm eval needs lm-evaluation-harness ({e}); pip install 'meshlm[eval]'") from None
+    documents = evaluate.read_documents(args.perplexity) if args.perplexity else []
     tok = tokenizer.load_tokenizer(args.tokenizer)
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
     if args.perplexity:
-        documents = evaluate.read_documents(args.perplexity)
         result = evaluate.perplexity(lm, documents, tok, stride=args.stride, batch_size=args.batch_size)
-        print(
+        report = (
             f"perplexity {result['perplexity']:.4f}  (mean NLL {result['nll']:.4f} nats over "
             f"{result['tokens']:,} tokens in {result['documents']} document(s))"
         )
     else:
         from lm_eval.utils import handle_non_serializable, make_table
 
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         result = evaluate.run_tasks(
             lm,
-            tasks,
+            [t.strip() for t in args.tasks.split(",") if t.strip()],
             num_fewshot=args.num_fewshot,
             limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
             include_path=args.include_path,
@@ -112,13 +117,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
             batch_size=args.batch_size,
             tokenizer=tok,
         )
-        print(make_table(result))
-        if result.get("groups"):
-            print(make_table(result, "groups"))
+        report = make_table(result) + (make_table(result, "groups") if result.get("groups") else "")
         result = json.loads(json.dumps(result, default=handle_non_serializable))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.output}")
+    if jax.process_index() == 0:  # every process computed the same numbers; one reports them
+        print(report)
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.output}")
 
 
 def build_parser() -> argparse.ArgumentParser:

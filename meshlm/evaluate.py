@@ -304,12 +304,12 @@ def run_tasks(
 def flatten_metrics(results: dict[str, Any]) -> dict[str, float]:
     """{"task/metric": value} from a harness results dict; the filter name is kept when it is not "none"."""
     flat = {}
-    for task, metrics in results["results"].items():
-        for key, value in metrics.items():
+    for task, values in results["results"].items():
+        metrics = results.get("higher_is_better", {}).get(task, {})
+        for key, value in values.items():
             metric, _, flt = key.partition(",")
-            if "_stderr" in metric or not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            flat[f"{task}/{metric}" + ("" if flt in ("", "none") else f"/{flt}")] = float(value)
+            if metric in metrics and isinstance(value, int | float) and not isinstance(value, bool):
+                flat[f"{task}/{metric}" + ("" if flt in ("", "none") else f"/{flt}")] = float(value)
     return flat
 
 

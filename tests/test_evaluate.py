@@ -194,3 +194,15 @@ def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(bad)) == 1
     assert 'bad.jsonl:2: expected an object with a "text" string' in capsys.readouterr().err
+
+
+def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_gptj, gpt2_bpe_file, hf_results):
+    lm = meshlm.load(hf_gptj.path, mesh=MESH)
+    with in_repo_root():
+        metrics = evaluate.evaluate_tasks(
+            lm, ["meshlm_test_lambada"], include_path=TASK_DIR, batch_size=4, tokenizer=gpt2_bpe_file
+        )
+    expected = evaluate.flatten_metrics(hf_results)
+    assert set(metrics) == {"meshlm_test_lambada/perplexity", "meshlm_test_lambada/acc"}
+    for key, value in metrics.items():
+        assert value == pytest.approx(expected[key], rel=1e-5)

@@ -314,8 +314,10 @@ def flatten_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 
 def evaluate_tasks(lm: LanguageModel | MeshLM, tasks: Sequence[str], **kwargs: Any) -> dict[str, float]:
-    """Harness metrics for `lm` as a flat {"task/metric": value} dict (for logging during training).
-    Keyword arguments are those of `run_tasks`."""
+    """Harness metrics for `lm` as a flat {"task/metric": value} dict, for logging during training.
+    Keyword arguments are those of `run_tasks`; standard errors are skipped (`bootstrap_iters=0`), which
+    also keeps lm-eval from forking a process pool inside a JAX process."""
+    kwargs.setdefault("bootstrap_iters", 0)
     return flatten_metrics(run_tasks(lm, tasks, **kwargs))
 
 

@@ -2,9 +2,9 @@
 
 lm-eval 0.4 finds models in its own registry and has no plugin discovery, so importing this module is
 what registers `meshlm`: `meshlm eval`, `evaluate_tasks` and the `meshlm-lm-eval` command import it
-before calling the harness. Scoring runs through `LanguageModel.token_logprobs`: the log-softmax and the
-gather happen on the devices, requests are sorted by length and padded to a few length buckets with a
-fixed batch, so a whole evaluation compiles only a handful of shapes.
+before calling the harness. Scoring runs through `LanguageModel.token_logprobs`: the LM head, log-softmax
+and gather run on the devices at the scored positions only; requests are sorted by length and padded to
+a few length buckets with a fixed batch, so a whole evaluation compiles only a handful of shapes.
 """
 
 from __future__ import annotations
@@ -122,13 +122,13 @@ class MeshLM(TemplateLM):
 
     def __init__(
         self,
-        pretrained: str | LanguageModel,
+        pretrained: str | Path | LanguageModel,
         mesh: str | None = None,
         dtype: str = "float32",
         batch_size: int | str | None = None,
         max_length: int | None = None,
         max_gen_toks: int = 256,
-        tokenizer: str | Tokenizer | None = None,
+        tokenizer: str | Path | Tokenizer | None = None,
         device: str | None = None,
         max_batch_size: int | None = None,
         seed: int = 1234,
@@ -140,7 +140,8 @@ class MeshLM(TemplateLM):
             self.lm = pretrained
         else:
             self.lm = load(pretrained, mesh=mesh_spec(mesh, **mesh_axes), dtype=dtype)
-        self.tokenizer = load_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
+        is_path = tokenizer is None or isinstance(tokenizer, str | Path)
+        self.tokenizer = load_tokenizer(tokenizer) if is_path else tokenizer
         if isinstance(batch_size, str):
             batch_size = None if batch_size.startswith("auto") else int(batch_size)
         self.batch_size = int(batch_size or DEFAULT_BATCH_SIZE)

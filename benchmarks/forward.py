@@ -43,8 +43,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
 
-    hf_config = GPTJConfig(n_embd=args.d_model, n_layer=args.layers, n_head=args.heads, rotary_dim=32,
-                           vocab_size=args.vocab, n_positions=max(2048, args.seq), bos_token_id=0, eos_token_id=0)
+    hf_config = GPTJConfig(
+        n_embd=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        rotary_dim=32,
+        vocab_size=args.vocab,
+        n_positions=max(2048, args.seq),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch_model = GPTJForCausalLM(hf_config).eval()
     tokens = np.random.default_rng(0).integers(0, min(args.vocab, 50257), (args.batch, args.seq))
     with tempfile.TemporaryDirectory() as folder:
@@ -60,8 +68,10 @@ def main() -> None:
     n_tokens = args.batch * args.seq
     t_meshlm = timed(lambda: lm.logits(tokens), args.repeats)
     t_torch = timed(run_torch, args.repeats)
-    print(f"config: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
-          f"batch {args.batch} x seq {args.seq}, float32, torch threads {torch.get_num_threads()}")
+    print(
+        f"config: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
+        f"batch {args.batch} x seq {args.seq}, float32, torch threads {torch.get_num_threads()}"
+    )
     print(f"meshlm        {n_tokens / t_meshlm:10.0f} tokens/s  ({t_meshlm * 1e3:.1f} ms/batch)")
     print(f"transformers  {n_tokens / t_torch:10.0f} tokens/s  ({t_torch * 1e3:.1f} ms/batch)")
     print(f"ratio meshlm / transformers: {t_torch / t_meshlm:.2f}x")

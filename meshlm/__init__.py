@@ -1,7 +1,16 @@
 """meshlm: model-parallel GPT-J-class Transformers in JAX."""
 
-from meshlm.api import LanguageModel, from_config, load
 from meshlm.config import ConfigError, ModelConfig, preset
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "LanguageModel", "ModelConfig", "__version__", "from_config", "load", "preset"]
+_API = ("LanguageModel", "from_config", "load")
+
+
+def __getattr__(name: str):
+    """Import JAX only when the model API is first used, so `meshlm prepare` and its worker processes start fast."""
+    if name in _API:
+        from meshlm import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'meshlm' has no attribute {name!r}")

@@ -126,6 +126,30 @@ def cmd_eval(args: argparse.Namespace) -> None:
             print(f"wrote {args.output}")
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
+    from meshlm import data
+
+    summary = data.prepare(
+        args.inputs,
+        args.out,
+        args.seq_len,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        val_inputs=args.val,
+        seed=args.seed,
+        workers=args.workers,
+        shard_rows=args.shard_rows,
+    )
+    for name, split in summary["splits"].items():
+        print(
+            f"{name}: {split['rows']} rows of {args.seq_len + 1} tokens from {split['documents']} documents "
+            f"({split['tokens']} tokens, {split['dropped_tokens']} dropped in the last partial row)"
+        )
+    print(f"wrote {summary['out']} in {summary['seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -160,6 +184,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_dtype(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_eval)
+
+    p = sub.add_parser(
+        "prepare",
+        help=cmd_prepare.__doc__,
+        description=cmd_prepare.__doc__
+        + " Documents are joined with the end-of-text token and cut into rows of SEQ_LEN + 1 tokens, kept in input"
+        " order; the output folder is what `meshlm train` reads. See docs/data.md.",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text file, directory (recursed), .jsonl, .jsonl.zst or the seed's .tfrecord(s) file",
+    )
+    p.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset already)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold one more)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument(
+        "--val-fraction", type=float, default=0.0, help="share of documents sent to the validation split (default 0)"
+    )
+    val.add_argument("--val", nargs="+", metavar="FILE", help="inputs that form the validation split instead")
+    p.add_argument("--text-field", default="text", help="JSONL field (or TFRecord feature) holding the text")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: GPT-2 BPE)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")
+    p.set_defaults(handler=cmd_prepare)
 
     p = sub.add_parser(
         "launch",

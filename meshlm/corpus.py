@@ -1,0 +1,274 @@
+"""Raw corpora for `meshlm prepare`, streamed as documents without ever holding a whole file in memory.
+
+Accepted inputs: plain text files (one file = one document), directories (every non-hidden file below,
+in sorted path order), JSON Lines (`.jsonl`, one document per line, text in a configurable field),
+zstandard-compressed JSON Lines (`.jsonl.zst`) and the seed's TFRecord files (`.tfrecord`/`.tfrecords`,
+each record a `tf.train.Example` whose int64-list feature `text` holds already-tokenized ids, as
+mesh-transformer-jax's `create_finetune_tfrecords.py` wrote them). TFRecords are parsed here directly
+(framing, masked CRC32C, the few protobuf fields needed), so TensorFlow is not needed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import json
+import re
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.config import ConfigError
+
+READ_CHARS = 1 << 20  # text goes to the tokenizer in pieces of about this many characters
+MAX_PIECE_CHARS = 16 * READ_CHARS  # a piece without any safe cut point is cut here regardless
+KINDS = "text files, directories, .jsonl, .jsonl.zst and .tfrecord(s)"
+# Extensions of formats that are not text; reading them as text would silently train on garbage.
+NOT_TEXT = (".json", ".zst", ".gz", ".xz", ".bz2", ".zip", ".tar", ".7z", ".parquet", ".arrow", ".npy", ".npz",
+            ".bin", ".pkl", ".pt", ".safetensors", ".pdf")  # fmt: skip
+# A cut before a space or newline that sits between two non-whitespace characters is a boundary of GPT-2's
+# pre-tokenizer regex whatever surrounds it, so tokenizing the pieces separately gives the same ids as the whole.
+_SAFE_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+
+Piece = tuple["str | np.ndarray", bool]  # (text, or ids already tokenized; is it the last piece of its document)
+
+
+def expand(inputs: list[str | Path]) -> list[tuple[Path, str]]:
+    """(file, kind) for every input, directories recursed in sorted order; errors name the offending path."""
+    files: list[tuple[Path, str]] = []
+    for given in inputs:
+        path = Path(given)
+        if path.is_dir():
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            if not found:
+                raise ConfigError(f"{path}: directory holds no input files")
+            files.extend((p, kind_of(p)) for p in found)
+        elif path.is_file():
+            files.append((path, kind_of(path)))
+        else:
+            raise ConfigError(f"{path}: no such file or directory")
+    return files
+
+
+def kind_of(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".jsonl.zst"):
+        return "jsonl.zst"
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    if name.endswith((".tfrecord", ".tfrecords")):
+        return "tfrecord"
+    with open(path, "rb") as f:
+        binary = b"\0" in f.read(8192)
+    if name.endswith(NOT_TEXT) or binary:
+        raise ConfigError(f"{path}: unknown file type; meshlm prepare reads {KINDS}")
+    return "text"
+
+
+def documents(path: Path, kind: str, text_field: str, progress: Callable[[int], None]) -> Iterator[Piece]:
+    """The pieces of every document of one file, in order; `progress` hears how many bytes were consumed."""
+    with open(path, "rb") as raw:
+        stream, stream_errors = raw, ()
+        if kind == "jsonl.zst":
+            import zstandard
+
+            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+            stream_errors = (zstandard.ZstdError,)
+        readers = {"text": _text_file, "jsonl": _jsonl, "jsonl.zst": _jsonl, "tfrecord": _tfrecord}
+        done = 0
+        try:
+            for piece in readers[kind](path, stream, text_field):
+                progress(raw.tell() - done)
+                done = raw.tell()
+                yield piece
+        except stream_errors as e:
+            raise ConfigError(f"{path}: not a valid zstandard stream ({e})") from None
+        progress(raw.tell() - done)
+
+
+def split_text(text: str) -> Iterator[Piece]:
+    """One document's `text` in pieces of about READ_CHARS characters, cut where the tokenization is unaffected."""
+    while len(text) > READ_CHARS:
+        cut = _last_cut(text, READ_CHARS) or _last_cut(text, min(len(text), MAX_PIECE_CHARS)) or MAX_PIECE_CHARS
+        yield text[:cut], False
+        text = text[cut:]
+    yield text, True
+
+
+def _last_cut(text: str, end: int) -> int:
+    """The last safe cut position in text[:end] (0 if none), looking back from the end in growing windows."""
+    window = 4096
+    while True:
+        start = max(1, end - window)
+        cuts = [m.start() for m in _SAFE_CUT.finditer(text, start, end + 1) if m.start() < end]
+        if cuts:
+            return cuts[-1]
+        if start == 1:
+            return 0
+        window *= 4
+
+
+def _text_file(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[Piece]:
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    buf, offset, emitted = "", 0, False
+    while True:
+        raw = stream.read(READ_CHARS)
+        try:
+            buf += decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (bad byte near offset {offset + max(e.start, 0)})") from None
+        offset += len(raw)
+        if not raw:
+            break
+        if len(buf) >= READ_CHARS:
+            cut = _last_cut(buf, len(buf))
+            if not cut and len(buf) < MAX_PIECE_CHARS:
+                continue
+            piece, buf = (buf[:cut], buf[cut:]) if cut else (buf, "")
+            emitted = True
+            yield piece, False
+    if buf or emitted:
+        yield buf, True
+
+
+def _jsonl(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[Piece]:
+    for lineno, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}:{lineno}: not valid UTF-8") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise ConfigError(f"{path}:{lineno}: no {text_field!r} field (choose the field with --text-field)")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ConfigError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
+        if text:
+            yield from split_text(text)
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC32C, rotated right by 15 bits plus a constant."""
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _tfrecord(path: Path, stream: io.BufferedIOBase, feature: str) -> Iterator[Piece]:
+    """Each record's ids, as is: the seed packed them already, with its end-of-text separators inside."""
+    n = 0
+    while header := stream.read(12):
+        where = f"{path}: record {n}"
+        if len(header) < 12:
+            raise ConfigError(f"{where}: truncated (the file ends inside a record header)")
+        length, length_crc = struct.unpack("<QI", header)
+        if masked_crc32c(header[:8]) != length_crc:
+            raise ConfigError(f"{where}: length checksum mismatch; the file is corrupt or not a TFRecord file")
+        body = stream.read(length + 4)
+        if len(body) < length + 4:
+            raise ConfigError(f"{where}: truncated (the file ends inside a record)")
+        data, (data_crc,) = body[:length], struct.unpack("<I", body[length:])
+        if masked_crc32c(data) != data_crc:
+            raise ConfigError(f"{where}: data checksum mismatch; the file is corrupt")
+        try:
+            ids = example_int64_feature(data, feature)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if len(ids):
+            yield ids, True
+        n += 1
+
+
+def example_int64_feature(example: bytes, name: str) -> np.ndarray:
+    """The int64 list feature `name` of a serialized tf.train.Example (Example.features.feature[name])."""
+    for field, features in _fields(example):
+        if field != 1:
+            continue
+        for entry_field, entry in _fields(features):
+            if entry_field != 1:
+                continue
+            entry_fields = dict(_fields(entry))
+            if bytes(entry_fields.get(1, b"")) != name.encode():
+                continue
+            kinds = dict(_fields(entry_fields.get(2, b"")))
+            if 3 not in kinds:
+                have = {1: "a bytes list", 2: "a float list"}.get(next(iter(kinds), 0), "empty")
+                raise ValueError(f"feature {name!r} is {have}, expected an int64 list of token ids")
+            return _int64_list(kinds[3])
+    raise ValueError(f"no feature {name!r} in the tf.train.Example (choose the feature with --text-field)")
+
+
+def _int64_list(message: memoryview) -> np.ndarray:
+    """Int64List.value, packed (how TensorFlow writes it) or one varint per field."""
+    parts = []
+    for field, wire, value in _raw_fields(message):
+        if field == 1 and wire == 2:
+            parts.append(_varints(value))
+        elif field == 1 and wire == 0:
+            parts.append(np.array([value], np.uint64).view(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _fields(message: bytes | memoryview) -> Iterator[tuple[int, memoryview]]:
+    """(field number, payload) of the length-delimited fields of a protobuf message."""
+    for field, wire, value in _raw_fields(message):
+        if wire == 2:
+            yield field, value
+
+
+def _raw_fields(message: bytes | memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    buf, pos = memoryview(message), 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield field, wire, value
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError("malformed tf.train.Example (a field runs past the end)")
+            yield field, wire, buf[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"malformed tf.train.Example (wire type {wire})")
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("malformed tf.train.Example (bad varint)")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _varints(packed: memoryview) -> np.ndarray:
+    """Decode a run of packed varints at once (a record holds thousands of ids)."""
+    b = np.frombuffer(packed, np.uint8)
+    if not b.size:
+        return np.zeros(0, np.int64)
+    ends = np.flatnonzero(b < 0x80)
+    if not ends.size or ends[-1] != b.size - 1:
+        raise ValueError("malformed tf.train.Example (truncated packed varint)")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    if (ends - starts).max() >= 10:
+        raise ValueError("malformed tf.train.Example (varint longer than 10 bytes)")
+    shift = 7 * (np.arange(b.size) - np.repeat(starts, ends - starts + 1))
+    values = (b & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
+    return np.bitwise_or.reduceat(values, starts).view(np.int64)

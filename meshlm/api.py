@@ -14,14 +14,18 @@ from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.formats import hf
+from meshlm.formats import hf, mtj
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
 
 def detect_format(path: str | Path) -> str:
-    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder), from the files in `path`."""
+    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder or run folder), from the files in `path`."""
+    if mtj.is_url(path):
+        if mtj.is_seed_checkpoint(path):
+            return "mtj"
+        raise ConfigError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such file or directory")
@@ -31,7 +35,7 @@ def detect_format(path: str | Path) -> str:
         return "meshlm"
     if (path / "config.json").exists():
         return "hf"
-    if (path / "shard_0").is_dir():
+    if mtj.is_seed_checkpoint(path):
         return "mtj"
     raise ConfigError(
         f"{path}: not a checkpoint meshlm can read (expected meshlm.json, a Hugging Face config.json, "
@@ -61,12 +65,9 @@ def _target_logprobs(
 
 
 @functools.cache
-def _compiled(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn(params, tokens, cfg, policy, *args)` jitted (inputs arrive split over the mesh's batch axes).
-
-    Cached per (config, policy, mesh), so models that share them (e.g. one rebuilt around each new set
-    of training weights) reuse one compilation.
-    """
+def _compiled(cfg: ModelConfig, policy: model.Policy, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(params, tokens, cfg, policy, *args)` jitted, one per (config, policy, fn) and shared by every
+    model loaded with them: jit then compiles once per input shape and sharding, not once per model."""
     return jax.jit(lambda params, tokens, *args: fn(params, tokens, cfg, policy, *args))
 
 
@@ -114,7 +115,7 @@ class LanguageModel:
         tokens = self._check_tokens(tokens)
         B, T = tokens.shape
         with jax.set_mesh(self.mesh):
-            out = _compiled(self.config, self.policy, self.mesh, _logits)(self.params, self._padded(tokens))
+            out = _compiled(self.config, self.policy, _logits)(self.params, self._padded(tokens))
         return to_host(out)[:B, :T]
 
     def token_logprobs(
@@ -136,7 +137,7 @@ class LanguageModel:
         if at.size and (at.min() < 0 or at.max() >= T):
             raise ValueError(f"positions must lie in [0, {T})")
         with jax.set_mesh(self.mesh):
-            score = _compiled(self.config, self.policy, self.mesh, _target_logprobs)
+            score = _compiled(self.config, self.policy, _target_logprobs)
             at_, targets_ = (self._padded(a, pad_seq=False) for a in (at, targets))
             logprobs, greedy = score(self.params, self._padded(tokens), targets_, at_)
         return to_host(logprobs)[:B], to_host(greedy)[:B]
@@ -155,10 +156,18 @@ class LanguageModel:
             raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
 
 
-def load(path: str | Path, mesh: str | Mesh | None = None, dtype: str = "float32") -> LanguageModel:
+def load(
+    path: str | Path,
+    mesh: str | Mesh | None = None,
+    dtype: str = "float32",
+    *,
+    seed_config: str | Path | None = None,
+) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
 
     `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
+    `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
+    dimensions that its weights do not record; GPT-J-6B's values are the default.
     """
     model.dtype_of(dtype)
     fmt = detect_format(path)
@@ -168,8 +177,34 @@ def load(path: str | Path, mesh: str | Mesh | None = None, dtype: str = "float32
     elif fmt == "hf":
         cfg, params = hf.load(path, device_mesh, dtype)
     else:
-        raise ConfigError(f"{path}: reading the seed's step_N checkpoints is not supported yet")
+        cfg, params = mtj.load(path, device_mesh, dtype, seed_config=seed_config)
     return LanguageModel(cfg, params, device_mesh, dtype)
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    dtype: str = "float32",
+    out_dtype: str | None = None,
+    mesh: str | Mesh | None = None,
+    seed_config: str | Path | None = None,
+) -> None:
+    """Convert a checkpoint to `to` ("meshlm" or "hf"), written in `out_dtype` (default: `dtype`).
+
+    A seed checkpoint goes to Hugging Face one tensor at a time, in memory bounded by the largest
+    tensor; every other conversion loads the model onto `mesh` in `dtype` and saves it.
+    """
+    if to not in ("meshlm", "hf"):
+        raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
+    if Path(dst).exists() and any(Path(dst).iterdir()):
+        raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
+    if to == "hf" and detect_format(src) == "mtj":
+        if jax.process_index() == 0:  # streamed on the host: other processes have nothing to do
+            mtj.convert_to_hf(src, dst, out_dtype or dtype, seed_config=seed_config)
+        return
+    lm = load(src, mesh=mesh, dtype=dtype, seed_config=seed_config)
+    lm.save(dst, format=to, dtype=out_dtype)
 
 
 def from_config(

@@ -65,11 +65,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """Convert between checkpoint formats (meshlm, Hugging Face GPT-J)."""
+    """Convert between checkpoint formats (meshlm, Hugging Face GPT-J, and the seed's step_N folders)."""
     from meshlm import api
 
-    lm = api.load(args.src, mesh=args.mesh, dtype=args.dtype)
-    lm.save(args.dst, format=args.to, dtype=args.out_dtype)
+    api.convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        dtype=args.dtype,
+        out_dtype=args.out_dtype,
+        mesh=args.mesh,
+        seed_config=args.seed_config,
+    )
     print(f"wrote {args.to} checkpoint to {args.dst}")
 
 
@@ -161,10 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
-    p.add_argument("src", help="source checkpoint folder (format detected from its files)")
-    p.add_argument("dst", help="destination folder (must not exist)")
+    p.add_argument(
+        "src",
+        help="source: a meshlm checkpoint, a Hugging Face GPT-J folder, or the seed's step_N folder "
+        "(or its run folder with meta.json; fsspec URLs accepted for seed checkpoints); format detected from its files",
+    )
+    p.add_argument("dst", help="destination folder (must not exist or be empty)")
     p.add_argument("--to", required=True, choices=["meshlm", "hf"])
-    p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: --dtype")
+    p.add_argument(
+        "--seed-config",
+        default=None,
+        help="the seed's run JSON (n_heads, pe_rotary_dims, seq) for a seed checkpoint that is not GPT-J-6B-shaped",
+    )
     _add_mesh_dtype(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_convert)

@@ -9,7 +9,7 @@ safetensors files one layer at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,7 +58,7 @@ class Transposed:
         return np.ascontiguousarray(ours.T)
 
 
-def _head_rows(heads: slice, head_dim: slice, d_head: int) -> slice:
+def head_rows(heads: slice, head_dim: slice, d_head: int) -> slice:
     if (head_dim.start, head_dim.stop) != (0, d_head):
         raise ValueError("a shard must hold whole heads")
     return slice(heads.start * d_head, heads.stop * d_head)
@@ -69,7 +69,7 @@ class HeadsOut:
 
     def hf_index(self, index: Index, shape: tuple[int, ...]) -> Index:
         d, h, k = index
-        return _head_rows(h, k, shape[2]), d
+        return head_rows(h, k, shape[2]), d
 
     def to_meshlm(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return hf.reshape(-1, shape[2], hf.shape[1]).transpose(2, 0, 1)
@@ -83,7 +83,7 @@ class HeadsIn:
 
     def hf_index(self, index: Index, shape: tuple[int, ...]) -> Index:
         h, k, d = index
-        return d, _head_rows(h, k, shape[1])
+        return d, head_rows(h, k, shape[1])
 
     def to_meshlm(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return hf.reshape(hf.shape[0], -1, shape[1]).transpose(1, 2, 0)
@@ -112,7 +112,7 @@ HF_NAMES: dict[str, tuple[str, Layout]] = {
 }
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
+def path_name(path: tuple[Any, ...]) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
 
@@ -230,7 +230,7 @@ def _check_tensors(reader: TensorReader, cfg: ModelConfig, abstract: Any, folder
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ConfigError(f"{folder}: checkpoint lacks tensor(s) {missing[:3]}{more} that config.json implies")
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        key = _path_name(path)
+        key = path_name(path)
         template, layout = HF_NAMES[key]
         shape = leaf.shape[1:] if key.startswith("layers.") else leaf.shape
         want = _expected_hf_shape(layout, shape)
@@ -241,7 +241,7 @@ def _check_tensors(reader: TensorReader, cfg: ModelConfig, abstract: Any, folder
             )
 
 
-def _normalise(index: Index, shape: tuple[int, ...]) -> Index:
+def normalise(index: Index, shape: tuple[int, ...]) -> Index:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
@@ -250,7 +250,7 @@ def _leaf_reader(reader: TensorReader, key: str, shape: tuple[int, ...], dtype: 
     stacked = key.startswith("layers.")
 
     def read(index: Index) -> np.ndarray:
-        index = _normalise(index, shape)
+        index = normalise(index, shape)
         if not stacked:
             part = reader.read(template, layout.hf_index(index, shape))
             return layout.to_meshlm(part, shape).astype(dtype)
@@ -277,7 +277,7 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
     np_dtype = NP_DTYPES[dtype]
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        read = _leaf_reader(reader, _path_name(path), leaf.shape, np_dtype)
+        read = _leaf_reader(reader, path_name(path), leaf.shape, np_dtype)
         return jax.make_array_from_callback(leaf.shape, sharding, read)
 
     return cfg, jax.tree_util.tree_map_with_path(build, abstract, shardings)
@@ -290,7 +290,7 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
 def iter_hf_tensors(params: model.Params, cfg: ModelConfig, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) for every tensor, layer by layer, gathering one layer slice at a time."""
     np_dtype = NP_DTYPES[dtype]
-    flat = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat = {path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
     def convert(key: str, value: jax.Array) -> np.ndarray:
         return HF_NAMES[key][1].to_hf(to_host(value).astype(np.float32)).astype(np_dtype)
@@ -312,13 +312,25 @@ def save(
     Tensors are written in shards of at most `max_shard_bytes` as they are produced, so peak host
     memory is one shard, whatever the model size.
     """
-    from safetensors.numpy import save_file
-
     if dtype not in NP_DTYPES:
         raise ConfigError(f"unknown export dtype {dtype!r}; allowed: {sorted(NP_DTYPES)}")
+    write_folder(folder, iter_hf_tensors(params, cfg, dtype), cfg, dtype, max_shard_bytes, jax.process_index() == 0)
+
+
+def write_folder(
+    folder: str | Path,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    cfg: ModelConfig,
+    dtype: str,
+    max_shard_bytes: int = 2 << 30,
+    is_writer: bool = True,
+) -> None:
+    """Write (HF name, array) pairs, in HF order, as safetensors shards of at most `max_shard_bytes`
+    each, then the index and config.json; shards are written as the tensors arrive."""
+    from safetensors.numpy import save_file
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    is_writer = jax.process_index() == 0
     shards: list[list[str]] = []
     pending: dict[str, np.ndarray] = {}
     pending_bytes = 0
@@ -332,7 +344,7 @@ def save(
             shards.append(list(pending))
             pending, pending_bytes = {}, 0
 
-    for name, array in iter_hf_tensors(params, cfg, dtype):
+    for name, array in tensors:
         if pending and pending_bytes + array.nbytes > max_shard_bytes:
             flush()
         pending[name] = array

@@ -1,0 +1,638 @@
+"""The seed's checkpoints (mesh-transformer-jax v1): `step_N/shard_s/{0..15}.npz`, any shard count.
+
+Each of the S model-parallel shards holds its slice of the state pytree `{"opt_state", "params",
+"step"}` (slim checkpoints: `{"params", "step"}`), flattened in JAX's tree order (dict keys sorted,
+so `layer_10` precedes `layer_2`), the leaf list cut into 16 contiguous chunks saved with
+`np.savez` (keys `arr_0`, `arr_1`, ...). bf16 leaves are stored as numpy `V2`.
+
+The seed's semantics, which a plain concatenation gets wrong: the embedding is the concatenation of
+the shards' row slices PLUS the sum of every shard's bias (each shard adds its bias to every token);
+fc_out's bias is likewise summed over shards; norms are replicated (shard 0's copy is used).
+
+Nothing is read until needed: `np.savez` stores its members uncompressed, so each member of a local
+file is memory-mapped where it lies in the zip, and every device reads only the rows and columns of
+its own shard. Conversion to Hugging Face streams one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from meshlm import model
+from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
+from meshlm.formats import hf
+from meshlm.sharding import plan
+
+CHUNKS = 16  # the seed splits every shard's leaf list into this many files
+ROOT = "causal_transformer_shard/~/"
+GPTJ_D_HEAD, GPTJ_ROTARY_DIM, GPTJ_CONTEXT = 256, 64, 2048  # GPT-J's own values: not recoverable from weights
+
+Index = tuple[slice, ...]
+
+# How the shards' pieces of one tensor combine into the whole.
+COLS, ROWS, SUM, FIRST = "cols", "rows", "sum", "first"
+
+# meshlm parameter -> (seed module, with {} for the layer, Haiku parameter, combination, head layout)
+SEED_NAMES: dict[str, tuple[str, str, str, str | None]] = {
+    "embed.w": ("embedding_shard/~/linear", "w", ROWS, None),
+    "layers.ln.scale": ("layer_{}/~/replicated_layer_norm", "scale", FIRST, None),
+    "layers.ln.bias": ("layer_{}/~/replicated_layer_norm", "offset", FIRST, None),
+    "layers.attn.q": ("layer_{}/~/linear", "w", COLS, "out"),
+    "layers.attn.k": ("layer_{}/~/linear_2", "w", COLS, "out"),
+    "layers.attn.v": ("layer_{}/~/linear_1", "w", COLS, "out"),
+    "layers.attn.out": ("layer_{}/~/linear_3", "w", ROWS, "in"),
+    "layers.mlp.fc_in.w": ("layer_{}/~/linear_4", "w", COLS, None),
+    "layers.mlp.fc_in.b": ("layer_{}/~/linear_4", "b", COLS, None),
+    "layers.mlp.fc_out.w": ("layer_{}/~/linear_5", "w", ROWS, None),
+    "layers.mlp.fc_out.b": ("layer_{}/~/linear_5", "b", SUM, None),
+    "ln_f.scale": ("projection_shard/~/replicated_layer_norm", "scale", FIRST, None),
+    "ln_f.bias": ("projection_shard/~/replicated_layer_norm", "offset", FIRST, None),
+    "head.w": ("projection_shard/~/linear", "w", COLS, None),
+    "head.b": ("projection_shard/~/linear", "b", COLS, None),
+}
+EMBED_BIAS = ("embedding_shard/~/linear", "b")
+
+
+def _tables(d_model: int, d_ff: int, vocab: int, shards: int) -> tuple[dict, dict]:
+    """Per-shard shapes: of the top-level parameters, and of each layer's ("module/param")."""
+    S, D, F, V = shards, d_model, d_ff, vocab
+    top = {
+        "embedding_shard/~/linear/b": (D,),
+        "embedding_shard/~/linear/w": (V // S, D),
+        "projection_shard/~/linear/b": (V // S,),
+        "projection_shard/~/linear/w": (D, V // S),
+        "projection_shard/~/replicated_layer_norm/offset": (D,),
+        "projection_shard/~/replicated_layer_norm/scale": (D,),
+    }
+    per_layer = {
+        "linear/w": (D, D // S),
+        "linear_1/w": (D, D // S),
+        "linear_2/w": (D, D // S),
+        "linear_3/w": (D // S, D),
+        "linear_4/b": (F // S,),
+        "linear_4/w": (D, F // S),
+        "linear_5/b": (D,),
+        "linear_5/w": (F // S, D),
+        "replicated_layer_norm/offset": (D,),
+        "replicated_layer_norm/scale": (D,),
+    }
+    return top, per_layer
+
+
+def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's per-shard shape, in the seed's flattening order (Haiku's dicts, keys sorted)."""
+    top, per_layer = _tables(cfg.d_model, cfg.d_ff, cfg.vocab_size, shards)
+    shapes = dict(top)
+    for i in range(cfg.n_layer):
+        shapes.update({f"layer_{i}/~/{name}": shape for name, shape in per_layer.items()})
+    # JAX sorts each dict level: modules first, then their parameters
+    return {ROOT + name: shapes[name] for name in sorted(shapes, key=lambda n: tuple(n.rsplit("/", 1)))}
+
+
+def param_names(n_layer: int) -> list[str]:
+    return list(shard_shapes(ModelConfig(n_layer=n_layer, d_model=1, n_head=1, d_ff=1, rotary_dim=0), 1))
+
+
+PARAMS_PER_LAYER = len(_tables(1, 1, 1, 1)[1])
+TOP_PARAMS = len(_tables(1, 1, 1, 1)[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files: local paths or fsspec URLs
+
+
+def is_url(path: str | Path) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+class Files:
+    """The few file operations the reader needs, on a local folder or an fsspec URL."""
+
+    def __init__(self, root: str | Path, fs: Any = None):
+        self.url = fs is not None or is_url(root)
+        if fs is not None:
+            self.fs, self.root = fs, str(root)
+        elif self.url:
+            try:
+                import fsspec
+            except ImportError:
+                raise ConfigError(f"{root}: reading URLs needs fsspec installed (pip install fsspec)") from None
+            self.fs, self.root = fsspec.core.url_to_fs(str(root))
+            self.root = self.root.rstrip("/")
+        else:
+            self.fs, self.root = None, str(Path(root))
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root, *parts]) if self.url else str(Path(self.root, *parts))
+
+    def child(self, *parts: str) -> Files:
+        return Files(self.join(*parts), self.fs)
+
+    def is_dir(self, *parts: str) -> bool:
+        return self.fs.isdir(self.join(*parts)) if self.url else Path(self.join(*parts)).is_dir()
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.join(*parts)) if self.url else Path(self.join(*parts)).exists()
+
+    def listdir(self) -> list[str]:
+        if self.url:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        return [p.name for p in Path(self.root).iterdir()]
+
+    def read_text(self, *parts: str) -> str:
+        with self.open(*parts) as f:
+            return f.read().decode()
+
+    def open(self, *parts: str) -> BinaryIO:
+        return self.fs.open(self.join(*parts), "rb") if self.url else open(self.join(*parts), "rb")
+
+    def __str__(self) -> str:
+        return self.root
+
+
+# ---------------------------------------------------------------------------------------------------
+# Members of the npz chunks, read lazily
+
+
+@dataclass(frozen=True)
+class Member:
+    """One `arr_k.npy` inside one chunk file: its shape and dtype, read from headers only."""
+
+    files: Files
+    chunk: str  # file name relative to `files`
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+    data_offset: int | None  # where the raw array starts in the chunk file (stored members of local files)
+
+    def where(self) -> str:
+        return f"{self.files.join(self.chunk)}:{self.name}"
+
+    def array(self) -> np.ndarray:
+        """The member as an array: memory-mapped when possible, else read whole."""
+        order = "F" if self.fortran else "C"
+        if self.data_offset is not None:
+            if 0 in self.shape:  # nothing to map
+                return np.zeros(self.shape, self.dtype)
+            if not self.shape:  # a step or count: read its few bytes
+                with self.files.open(self.chunk) as f:
+                    f.seek(self.data_offset)
+                    return np.frombuffer(f.read(self.dtype.itemsize), self.dtype).reshape(())
+            return np.memmap(
+                self.files.join(self.chunk), self.dtype, "r", offset=self.data_offset, shape=self.shape, order=order
+            )
+        with self.files.open(self.chunk) as f, zipfile.ZipFile(f) as z, z.open(self.name) as m:
+            return np.lib.format.read_array(m).view(self.dtype)
+
+
+def _npy_header(f: BinaryIO) -> tuple[tuple[int, ...], np.dtype, bool]:
+    version = np.lib.format.read_magic(f)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        raise ValueError(f"npy format version {version} (np.savez writes 1.0 or 2.0)")
+    shape, fortran, dtype = readers[version](f)
+    if dtype == np.dtype("V2"):  # how the seed's bf16 arrays reach numpy
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    return tuple(shape), dtype, fortran
+
+
+def _arr_key(name: str) -> int:
+    m = re.fullmatch(r"arr_(\d+)\.npy", name)
+    return int(m.group(1)) if m else -1
+
+
+def index_chunk(files: Files, chunk: str) -> list[Member]:
+    """The members of one `k.npz`, in `arr_0, arr_1, ...` order, from the zip and npy headers alone."""
+    where = files.join(chunk)
+    try:
+        with files.open(chunk) as f:
+            size = f.seek(0, 2)
+            with zipfile.ZipFile(f) as z:
+                infos = sorted(z.infolist(), key=lambda i: _arr_key(i.filename))
+                if [_arr_key(i.filename) for i in infos] != list(range(len(infos))):
+                    raise ConfigError(f"{where}: not written by np.savez(f, *leaves) (members {z.namelist()[:4]}...)")
+                members = []
+                for info in infos:
+                    with z.open(info) as m:
+                        shape, dtype, fortran = _npy_header(m)
+                        header_len = m.tell()
+                    offset = None
+                    if not files.url and info.compress_type == zipfile.ZIP_STORED:
+                        f.seek(info.header_offset)
+                        local = f.read(30)
+                        name_len, extra_len = struct.unpack("<HH", local[26:30])
+                        offset = info.header_offset + 30 + name_len + extra_len + header_len
+                        if offset + int(np.prod(shape)) * dtype.itemsize > size:
+                            raise ConfigError(f"{where}: {info.filename} runs past the end of the file (truncated)")
+                    members.append(Member(files, chunk, info.filename, shape, dtype, fortran, offset))
+                return members
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: missing (every shard needs 0.npz ... {CHUNKS - 1}.npz)") from None
+    except (zipfile.BadZipFile, EOFError, ValueError, struct.error) as e:
+        raise ConfigError(f"{where}: not a complete npz file, perhaps truncated mid-write ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def is_seed_checkpoint(path: str | Path) -> bool:
+    """A step_N folder (holds shard_0/) or a run folder whose meta.json names its checkpoints."""
+    files = Files(path)
+    if files.is_dir("shard_0"):
+        return True
+    return files.exists("meta.json") and any(re.fullmatch(r"step_\d+", n) for n in files.listdir())
+
+
+def _resolve_step(files: Files) -> Files:
+    """A run folder -> its latest step folder (from meta.json, as the seed itself chose it)."""
+    if files.is_dir("shard_0"):
+        return files
+    if not files.exists("meta.json"):
+        raise ConfigError(f"{files}: not a seed checkpoint (no shard_0/ and no meta.json)")
+    try:
+        meta = json.loads(files.read_text("meta.json"))
+        step = meta["checkpoints"][-1]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        raise ConfigError(f"{files.join('meta.json')}: cannot find the latest checkpoint in it ({e!r})") from None
+    step_files = files.child(f"step_{step}")
+    if not step_files.is_dir("shard_0"):
+        raise ConfigError(f"{files.join('meta.json')}: names step {step}, but {step_files}/shard_0 is missing")
+    return step_files
+
+
+def read_seed_config(path: str | Path) -> dict[str, Any]:
+    """The architecture values weights cannot tell (heads, rotary dims, context) from the seed's run JSON."""
+    try:
+        seed = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: seed config not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if "n_heads" not in seed:
+        raise ConfigError(f"{path}: not a seed config (no 'n_heads' key)")
+    out = {"n_head": seed["n_heads"], "rotary_dim": seed.get("pe_rotary_dims"), "max_seq_len": seed.get("seq")}
+    # what the weights do tell, to check that this JSON belongs to this checkpoint
+    out.update(n_layer=seed.get("layers"), d_model=seed.get("d_model"), vocab_size=seed.get("n_vocab"))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parameters, and for full checkpoints Adam's moments, sit in each shard's leaf list."""
+
+    n_layer: int
+    full: bool
+
+    @property
+    def n_params(self) -> int:
+        return PARAMS_PER_LAYER * self.n_layer + TOP_PARAMS
+
+    @property
+    def n_leaves(self) -> int:
+        # full: opt_state = (adam count, mu..., nu..., schedule count), then params, then step
+        return 3 * self.n_params + 3 if self.full else self.n_params + 1
+
+    def start(self, tree: str) -> int:
+        if tree == "params":
+            return 2 * self.n_params + 2 if self.full else 0
+        return {"mu": 1, "nu": 1 + self.n_params}[tree]
+
+    @classmethod
+    def from_count(cls, n: int, where: str) -> Layout:
+        per_layer, fixed = PARAMS_PER_LAYER, TOP_PARAMS
+        if (n - 1 - fixed) % per_layer == 0 and n - 1 - fixed > 0:
+            return cls((n - 1 - fixed) // per_layer, full=False)
+        if n % 3 == 0 and (n // 3 - 1 - fixed) % per_layer == 0 and n // 3 - 1 - fixed > 0:
+            return cls((n // 3 - 1 - fixed) // per_layer, full=True)
+        raise ConfigError(
+            f"{where}: holds {n} arrays, which fits no GPT-J checkpoint of the seed "
+            f"(slim: {per_layer}*layers+{fixed + 1}, full: 3*({per_layer}*layers+{fixed})+3)"
+        )
+
+
+class SeedCheckpoint:
+    """An indexed step_N folder: per shard, every leaf's location, shape and dtype."""
+
+    def __init__(self, path: str | Path, seed_config: str | Path | None = None):
+        files = _resolve_step(Files(path))
+        self.files = files
+        self._maps: dict[Member, np.ndarray] = {}
+        self.shards = self._count_shards(files)
+        self.leaves = [self._index_shard(files.child(f"shard_{s}")) for s in range(self.shards)]
+        self.layout = Layout.from_count(len(self.leaves[0]), f"{files}/shard_0")
+        for s, leaves in enumerate(self.leaves[1:], 1):
+            if len(leaves) != len(self.leaves[0]):
+                raise ConfigError(f"{files}/shard_{s}: holds {len(leaves)} arrays, shard_0 {len(self.leaves[0])}")
+        self.names = param_names(self.layout.n_layer)
+        self._position = {name: i for i, name in enumerate(self.names)}
+        self.config = self._infer_config(read_seed_config(seed_config) if seed_config else {})
+        self._check_shapes()
+
+    def __str__(self) -> str:
+        return str(self.files)
+
+    @staticmethod
+    def _count_shards(files: Files) -> int:
+        found = {int(m.group(1)) for n in files.listdir() if (m := re.fullmatch(r"shard_(\d+)", n))}
+        count = max(found) + 1
+        missing = sorted(set(range(count)) - found)
+        if missing:
+            raise ConfigError(f"{files}: shard folder(s) {[f'shard_{i}' for i in missing]} missing")
+        return count
+
+    @staticmethod
+    def _index_shard(files: Files) -> list[Member]:
+        return [m for k in range(CHUNKS) for m in index_chunk(files, f"{k}.npz")]
+
+    def member(self, tree: str, name: str, shard: int) -> Member:
+        return self.leaves[shard][self.layout.start(tree) + self._position[name]]
+
+    def _shape(self, module: str, param: str, layer: int | None = None) -> tuple[int, ...]:
+        return self.member("params", ROOT + module.format(layer) + "/" + param, 0).shape
+
+    def _infer_config(self, given: dict[str, int]) -> ModelConfig:
+        S = self.shards
+        embed = self._shape("embedding_shard/~/linear", "w")
+        fc_in = self._shape("layer_{}/~/linear_4", "w", 0)
+        if len(embed) != 2 or len(fc_in) != 2:
+            raise ConfigError(f"{self}: embedding {list(embed)} / fc_in {list(fc_in)} are not matrices; not GPT-J")
+        vocab, d_model, d_ff = embed[0] * S, embed[1], fc_in[1] * S
+        if "n_head" in given:
+            n_head = given["n_head"]
+        elif d_model % GPTJ_D_HEAD == 0:
+            n_head = d_model // GPTJ_D_HEAD
+        else:
+            raise ConfigError(
+                f"{self}: d_model {d_model} is not a multiple of GPT-J's head size {GPTJ_D_HEAD}; the number "
+                "of heads is not stored in the weights: pass the seed's run JSON (--seed-config)"
+            )
+        q = self._shape("layer_{}/~/linear", "w", 0)
+        if len(q) == 2 and q[1] and d_model % q[1] == 0 and d_model // q[1] != S:
+            raise ConfigError(
+                f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
+                f"{d_model // q[1]} shards: is a shard_ folder missing?"
+            )
+        found = {"n_layer": self.layout.n_layer, "d_model": d_model, "vocab_size": vocab}
+        for key, value in found.items():
+            if key in given and given[key] != value:
+                raise ConfigError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
+        try:
+            return ModelConfig(
+                n_layer=self.layout.n_layer,
+                d_model=d_model,
+                n_head=n_head,
+                d_ff=d_ff,
+                rotary_dim=given.get("rotary_dim", min(GPTJ_ROTARY_DIM, d_model // n_head)),
+                vocab_size=vocab,
+                n_vocab_used=min(vocab, GPT2_VOCAB),
+                max_seq_len=given.get("max_seq_len", GPTJ_CONTEXT),
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{self}: the shapes fit no GPT-J config ({e})") from None
+
+    def _check_shapes(self) -> None:
+        c, S = self.config, self.shards
+        if c.d_model % S or c.d_ff % S or c.n_head % S:
+            raise ConfigError(f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}")
+        trees = ("params", "mu", "nu") if self.layout.full else ("params",)
+        for name, want in shard_shapes(c, S).items():
+            for s in range(S):
+                for tree in trees:
+                    got = self.member(tree, name, s).shape
+                    if got != want:
+                        raise ConfigError(
+                            f"{self}/shard_{s}: {tree} {name.removeprefix(ROOT)} has shape {list(got)}, "
+                            f"expected {list(want)} for a GPT-J with d_model {c.d_model}, d_ff {c.d_ff}, "
+                            f"vocab {c.vocab_size} in {S} shards"
+                        )
+
+    def _array(self, member: Member) -> np.ndarray:
+        """Members are kept until `release`: mapped (local files) or read whole (URLs)."""
+        if member not in self._maps:
+            self._maps[member] = member.array()
+        return self._maps[member]
+
+    def release(self) -> None:
+        """Drop what was read so far: called after each tensor, so resident memory stays one tensor."""
+        self._maps.clear()
+
+    def scalar(self, position: int) -> int:
+        m = self.leaves[0][position]
+        if m.shape:
+            raise ConfigError(f"{m.where()}: expected a scalar (step or count), got shape {list(m.shape)}")
+        return int(np.asarray(m.array()))
+
+    @property
+    def step(self) -> int:
+        return self.scalar(self.layout.n_leaves - 1)
+
+    # -----------------------------------------------------------------------------------------------
+    # Reading one (per-layer) tensor in meshlm's layout
+
+    def read(
+        self, key: str, layer: int | None, index: Index, shape: tuple[int, ...], tree: str = "params"
+    ) -> np.ndarray:
+        """The float32 slice `index` of meshlm parameter `key` (layer `layer`) whose full shape is `shape`.
+
+        For Adam's moments (`tree` "mu"/"nu") a bias the seed keeps per shard takes shard 0's moment
+        (every shard receives the same gradient for it) and the embedding bias has no counterpart.
+        """
+        module, param, how, heads = SEED_NAMES[key]
+        name = ROOT + module.format(layer) + "/" + param
+        parts = [self._array(self.member(tree, name, s)) for s in range(self.shards)]
+        seed_index = _seed_index(index, shape, heads)
+        if how == FIRST or (how == SUM and tree != "params"):
+            out = np.asarray(parts[0][seed_index], np.float32)
+        elif how == SUM:
+            out = np.sum([np.asarray(p[seed_index], np.float32) for p in parts], axis=0, dtype=np.float32)
+        else:
+            out = _read_concat(parts, 0 if how == ROWS else len(seed_index) - 1, seed_index)
+        if key == "embed.w" and tree == "params":
+            biases = [self._array(self.member(tree, ROOT + "/".join(EMBED_BIAS), s)) for s in range(self.shards)]
+            out += np.sum([np.asarray(b[index[1]], np.float32) for b in biases], axis=0, dtype=np.float32)
+        return out.reshape(tuple(s.stop - s.start for s in index))
+
+
+def _seed_index(index: Index, shape: tuple[int, ...], heads: str | None) -> Index:
+    """meshlm [D, H, K] (heads "out") / [H, K, D] (heads "in") index -> the seed's 2-D [D, H*K] / [H*K, D]."""
+    if heads == "out":
+        d, h, k = index
+        return d, hf.head_rows(h, k, shape[2])
+    if heads == "in":
+        h, k, d = index
+        return hf.head_rows(h, k, shape[1]), d
+    return index
+
+
+def _read_concat(parts: list[np.ndarray], axis: int, index: Index) -> np.ndarray:
+    """`index` of the concatenation of `parts` along `axis` in float32, touching only the parts it overlaps."""
+    want = index[axis]
+    out = np.empty(tuple(s.stop - s.start for s in index), np.float32)
+    offset = 0
+    for part in parts:
+        n = part.shape[axis]
+        lo, hi = max(want.start, offset), min(want.stop, offset + n)
+        if lo < hi:
+            local, dest = list(index), [slice(None)] * len(index)
+            local[axis], dest[axis] = slice(lo - offset, hi - offset), slice(lo - want.start, hi - want.start)
+            out[tuple(dest)] = part[tuple(local)]
+        offset += n
+    return out
+
+
+def _full(shape: tuple[int, ...]) -> Index:
+    return tuple(slice(0, n) for n in shape)
+
+
+def _leaf_reader(
+    ckpt: SeedCheckpoint, key: str, shape: tuple[int, ...], dtype: Any, tree: str
+) -> Callable[[Index], np.ndarray]:
+    stacked = key.startswith("layers.")
+
+    def read(index: Index) -> np.ndarray:
+        index = hf.normalise(index, shape)
+        if not stacked:
+            return ckpt.read(key, None, index, shape, tree).astype(dtype)
+        layers = range(*index[0].indices(shape[0]))
+        out = np.empty((len(layers), *(s.stop - s.start for s in index[1:])), dtype)
+        for j, i in enumerate(layers):  # filled layer by layer: one copy of the slice, not two
+            out[j] = ckpt.read(key, i, index[1:], shape[1:], tree)
+        return out
+
+    return read
+
+
+def _build(ckpt: SeedCheckpoint, mesh: jax.sharding.Mesh, dtype: str, tree: str) -> model.Params:
+    abstract = model.abstract_params(ckpt.config, dtype)
+    shardings = plan(abstract, model.logical_axes(ckpt.config), mesh)
+    np_dtype = hf.NP_DTYPES[dtype]
+
+    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        read = _leaf_reader(ckpt, hf.path_name(path), leaf.shape, np_dtype, tree)
+        array = jax.make_array_from_callback(leaf.shape, sharding, read)
+        ckpt.release()
+        return array
+
+    return jax.tree_util.tree_map_with_path(build, abstract, shardings)
+
+
+def load(
+    path: str | Path,
+    mesh: jax.sharding.Mesh,
+    dtype: str = "float32",
+    seed_config: str | Path | None = None,
+) -> tuple[ModelConfig, model.Params]:
+    """Read a seed step_N folder (or its run folder) straight into `mesh`, each device reading its own shard.
+
+    `seed_config` is the seed's run JSON; it supplies n_heads, pe_rotary_dims and seq, which the
+    weights do not record (without it, GPT-J's head size 256, rotary_dim 64 and context 2048 are used).
+    """
+    ckpt = SeedCheckpoint(path, seed_config)
+    return ckpt.config, _build(ckpt, mesh, dtype, "params")
+
+
+@dataclass
+class SeedOptimizerState:
+    """Adam's state from a full seed checkpoint, in meshlm's parameter layout."""
+
+    mu: model.Params
+    nu: model.Params
+    count: int  # Adam's update count (the seed's scale_by_schedule count equals it)
+    step: int  # the checkpoint's training step
+
+    def into(self, opt_state: Any) -> Any:
+        """`opt_state` (from `tx.init(params)` of any optax chain with Adam) continuing this seed run:
+        every `mu`, `nu` and `count` in it replaced (so schedules resume at the seed's count too)."""
+        import jax.numpy as jnp
+        import optax
+
+        try:
+            return optax.tree_utils.tree_set(
+                opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
+            )
+        except KeyError as e:
+            raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
+
+
+def load_optimizer_moments(
+    step_dir: str | Path,
+    mesh: jax.sharding.Mesh,
+    dtype: str = "float32",
+    seed_config: str | Path | None = None,
+) -> SeedOptimizerState:
+    """Adam's mu and nu from a full seed checkpoint, placed on `mesh` like the parameters.
+
+    The seed keeps a separate bias per shard for the embedding and fc_out; meshlm has one fc_out bias
+    (its moments are shard 0's: all shards see the same gradient) and no embedding bias (dropped).
+    """
+    ckpt = SeedCheckpoint(step_dir, seed_config)
+    if not ckpt.layout.full:
+        raise ConfigError(f"{ckpt}: a slim checkpoint (parameters only); Adam's moments need the full checkpoint")
+    return SeedOptimizerState(
+        mu=_build(ckpt, mesh, dtype, "mu"),
+        nu=_build(ckpt, mesh, dtype, "nu"),
+        count=ckpt.scalar(0),
+        step=ckpt.step,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Streaming conversion to a Hugging Face folder
+
+
+def iter_hf_tensors(ckpt: SeedCheckpoint, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for every tensor in HF order, read one tensor at a time."""
+    cfg, np_dtype = ckpt.config, hf.NP_DTYPES[dtype]
+    shapes = {
+        hf.path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(model.abstract_params(cfg))[0]
+    }
+
+    def tensor(key: str, layer: int | None) -> tuple[str, np.ndarray]:
+        template, layout = hf.HF_NAMES[key]
+        shape = shapes[key][1:] if layer is not None else shapes[key]
+        ours = ckpt.read(key, layer, _full(shape), shape).astype(np_dtype, copy=False)
+        ckpt.release()
+        return template.format(layer), layout.to_hf(ours)  # cast first: the transpose then moves fewer bytes
+
+    yield tensor("embed.w", None)
+    layer_keys = [k for k in hf.HF_NAMES if k.startswith("layers.")]
+    for i in range(cfg.n_layer):
+        for key in layer_keys:
+            yield tensor(key, i)
+    for key in ("ln_f.scale", "ln_f.bias", "head.w", "head.b"):
+        yield tensor(key, None)
+
+
+def convert_to_hf(
+    path: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    seed_config: str | Path | None = None,
+    max_shard_bytes: int = 512 << 20,
+) -> ModelConfig:
+    """Write a seed checkpoint as a Hugging Face folder in `dtype`, one tensor at a time (peak memory:
+    one output shard plus a few copies of the largest tensor)."""
+    from tqdm import tqdm
+
+    if dtype not in hf.NP_DTYPES:
+        raise ConfigError(f"unknown export dtype {dtype!r}; allowed: {sorted(hf.NP_DTYPES)}")
+    ckpt = SeedCheckpoint(path, seed_config)
+    n = len(hf.hf_tensor_names(ckpt.config))
+    tensors = tqdm(iter_hf_tensors(ckpt, dtype), total=n, desc="converting", unit="tensor", leave=False)
+    hf.write_folder(out, tensors, ckpt.config, dtype, max_shard_bytes)
+    return ckpt.config

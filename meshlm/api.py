@@ -165,11 +165,14 @@ def load(
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
 
+    A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
+
     `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
     `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
     dimensions that its weights do not record; GPT-J-6B's values are the default.
     """
     model.dtype_of(dtype)
+    path = checkpoint.resolve(path)
     fmt = detect_format(path)
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm":

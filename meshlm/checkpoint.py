@@ -1,8 +1,15 @@
 """meshlm's own checkpoint format: orbax-checkpoint arrays plus a small JSON description.
 
-A checkpoint folder holds `meshlm.json` (format version, model config, dtype) and `params/` (an orbax
-PyTree checkpoint). `meshlm.json` is written last, so a folder without it is never taken for a
-complete checkpoint. Restoring reads straight into any mesh and dtype.
+A params-only checkpoint folder holds `meshlm.json` (format version, model config, dtype) and
+`params/` (an orbax PyTree checkpoint). `meshlm.json` is written last, so a folder without it is never
+taken for a complete checkpoint.
+
+A training run keeps its checkpoints in `<out_dir>/checkpoints/<step>/`, written by an orbax
+CheckpointManager: `params/` (same layout as above), `opt_state/`, and `meshlm/metadata` (the same
+description plus step, loader position and train config). Orbax writes each step in a temporary
+folder and renames it when every item is complete, so a crash mid-save leaves nothing that restores.
+`meshlm.load` reads either kind, and a run folder (its latest step). Restoring reads straight into
+any mesh and dtype.
 """
 
 from __future__ import annotations
@@ -23,12 +30,32 @@ FORMAT_VERSION = 1
 MARKER = "meshlm.json"
 
 
+TRAIN_DESCRIPTION = Path("meshlm") / "metadata"  # the description item inside a training step folder
+
+
+def _marker(path: Path) -> Path:
+    return path / MARKER if (path / MARKER).is_file() else path / TRAIN_DESCRIPTION
+
+
 def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / MARKER).is_file()
+    return _marker(Path(resolve(path))).is_file()
+
+
+def resolve(path: str | Path) -> str | Path:
+    """A run folder or its `checkpoints/` folder stands for its latest complete step; anything else
+    (a checkpoint folder, a file, a URL) is returned as given."""
+    if not Path(path).is_dir():
+        return path
+    path = Path(path)
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = [p for p in folder.glob("*") if p.name.isdigit() and (p / TRAIN_DESCRIPTION).is_file()]
+    if not (path / MARKER).is_file() and not (path / TRAIN_DESCRIPTION).is_file() and steps:
+        return max(steps, key=lambda p: int(p.name))
+    return path
 
 
 def read_description(path: str | Path) -> dict[str, Any]:
-    marker = Path(path) / MARKER
+    marker = _marker(Path(path))
     try:
         desc = json.loads(marker.read_text())
     except FileNotFoundError:
@@ -54,8 +81,7 @@ def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra:
     checkpointer.save(path / "params", params)
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
-        dtype = str(jax.tree.leaves(params)[0].dtype)
-        desc = {"format": "meshlm", "version": FORMAT_VERSION, "model": cfg.to_dict(), "dtype": dtype, **(extra or {})}
+        desc = description(cfg, params, **(extra or {}))
         tmp = path / (MARKER + ".tmp")
         tmp.write_text(json.dumps(desc, indent=2))
         tmp.replace(path / MARKER)
@@ -65,7 +91,7 @@ def restore_params(
     path: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32"
 ) -> tuple[ModelConfig, model.Params]:
     """Restore a checkpoint's parameters onto `mesh` in `dtype`, whatever mesh saved them."""
-    path = Path(path).absolute()
+    path = Path(resolve(path)).absolute()
     desc = read_description(path)
     cfg = ModelConfig.from_dict(desc["model"])
     abstract = model.abstract_params(cfg, dtype)
@@ -76,3 +102,56 @@ def restore_params(
     except Exception as e:  # orbax reports damage from deep inside tensorstore
         raise ConfigError(f"{path}: parameters could not be restored ({type(e).__name__}: {e})") from None
     return cfg, params
+
+
+def description(cfg: ModelConfig, params: model.Params, **extra: Any) -> dict[str, Any]:
+    dtype = str(jax.tree.leaves(params)[0].dtype)
+    return {"format": "meshlm", "version": FORMAT_VERSION, "model": cfg.to_dict(), "dtype": dtype, **extra}
+
+
+class TrainCheckpoints:
+    """The checkpoints of one training run: async saves, keep the last N plus every `keep_every`-th step."""
+
+    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
+        self.folder = Path(folder).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep_last,
+            keep_period=keep_every or None,
+            cleanup_tmp_directories=True,  # leftovers of a save that a crash interrupted
+            enable_async_checkpointing=True,
+        )
+        self._manager = ocp.CheckpointManager(self.folder, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, params: model.Params, opt_state: Any, desc: dict[str, Any]) -> None:
+        """Start saving in the background; the arrays are copied off the devices before this returns."""
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meshlm=ocp.args.JsonSave(desc),
+        )
+        self._manager.save(step, args=args, force=True)
+
+    def restore(self, step: int, params_target: Any, opt_target: Any) -> tuple[model.Params, Any, dict[str, Any]]:
+        """Params and optimizer state laid out as the targets (ShapeDtypeStructs with shardings) say."""
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(params_target),
+            opt_state=ocp.args.StandardRestore(opt_target),
+            meshlm=ocp.args.JsonRestore(),
+        )
+        try:
+            out = self._manager.restore(step, args=args)
+        except Exception as e:  # orbax reports damage from deep inside tensorstore
+            raise ConfigError(
+                f"{self.folder / str(step)}: checkpoint could not be restored ({type(e).__name__}: {e})"
+            ) from None
+        opt_state = jax.tree.unflatten(jax.tree.structure(opt_target), jax.tree.leaves(out.opt_state))
+        return out.params, opt_state, out.meshlm
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,105 @@
+"""Training throughput: meshlm's jitted AdamW step vs a transformers GPTJForCausalLM + torch AdamW step.
+
+Same GPT-J config, batch, sequence length, optimizer settings and fp32 on this machine, measured in one
+run; MFU is against the best square-matmul FLOP/s (JAX or torch) measured in the same run.
+
+    python benchmarks/train.py [--preset gptj-tiny] [--batch 4] [--seq 128] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import GPTJConfig, GPTJForCausalLM
+
+from meshlm import config, model, train
+from meshlm.sharding import make_mesh
+
+
+def time_steps(step: callable, n: int) -> float:
+    """Seconds per step after two warm-up steps (the first compiles)."""
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - start) / n
+
+
+def meshlm_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
+    tcfg = config.TrainConfig(model=cfg, batch_size=len(tokens), warmup_steps=0, anneal_steps=10)
+    mesh = make_mesh(None)
+    opt = train.make_optimizer(tcfg, cfg)
+    shardings = train.state_shardings(cfg, opt, mesh)
+    step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
+    params = jax.jit(lambda k: model.init(cfg, k), out_shardings=shardings.params)(jax.random.key(0))
+    state = train.TrainState(jnp.int32(0), params, jax.jit(opt.init)(params))
+    batch = jnp.asarray(tokens[None])
+
+    def step() -> None:
+        nonlocal state
+        state, metrics = step_fn(state, batch)
+        metrics["loss"].block_until_ready()
+
+    return step
+
+
+def torch_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
+    hf = config.to_hf_config(cfg)
+    hf.pop("architectures"), hf.pop("model_type"), hf.pop("torch_dtype")
+    m = GPTJForCausalLM(GPTJConfig(**hf)).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long)
+    labels = torch.as_tensor(tokens[:, 1:], dtype=torch.long)
+
+    def step() -> None:
+        logits = m(inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def torch_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    a = torch.ones(n, n)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gptj-tiny")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+
+    cfg = config.preset(args.preset)
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (args.batch, args.seq + 1)).astype(np.int32)
+    n_tokens = args.batch * args.seq
+    flops = train.flops_per_token(cfg, args.seq) * n_tokens
+    print(f"config {args.preset}: {cfg.num_params():,} params, batch {args.batch} x seq {args.seq}, fp32, ", end="")
+    print(f"torch threads {torch.get_num_threads()}, {jax.devices()[0].platform}")
+
+    peak = max(train.measure_matmul_peak(), torch_matmul_peak())
+    t_meshlm = time_steps(meshlm_step(cfg, tokens), args.steps)
+    t_torch = time_steps(torch_step(cfg, tokens), args.steps)
+    print(f"matmul peak (best of JAX, torch): {peak / 1e9:.1f} GFLOP/s")
+    for name, t in (("meshlm", t_meshlm), ("torch", t_torch)):
+        print(f"{name:>7}: {t * 1e3:8.1f} ms/step  {n_tokens / t:9,.0f} tokens/s  MFU {flops / t / peak:.1%}")
+    print(f"meshlm / torch throughput: {t_torch / t_meshlm:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

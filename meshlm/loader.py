@@ -1,0 +1,111 @@
+"""Deterministic, resumable batches over a prepared dataset, each process reading only its own rows.
+
+Every epoch visits the rows in a fresh permutation drawn from (seed, epoch); a step takes the next
+`batch_size` rows of it (a partial batch at the end of an epoch is skipped, so every step has the
+same shape). The whole position is two integers, (epoch, position), saved in every checkpoint: a
+resumed run continues with exactly the batches the uninterrupted run would have seen.
+
+A step's batch is laid out [micro_batches, micro_batch_size, seq_len + 1]. Process p of P holds the
+p-th contiguous block of every micro-batch, which is the block its devices own when the batch
+dimension is sharded over the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshlm.config import ConfigError
+from meshlm.data import TokenDataset
+
+
+@dataclass
+class LoaderState:
+    epoch: int = 0
+    position: int = 0  # rows of this epoch's permutation already consumed
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int]) -> LoaderState:
+        return cls(int(values["epoch"]), int(values["position"]))
+
+
+class TrainLoader:
+    """Shuffled training batches: `next(loader)` -> int32 [micro_batches, rows_per_process, seq_len + 1]."""
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_size: int,
+        micro_batches: int = 1,
+        seed: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+        state: LoaderState | None = None,
+    ):
+        if batch_size % micro_batches:
+            raise ConfigError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
+        micro = batch_size // micro_batches
+        if micro % process_count:
+            raise ConfigError(f"micro-batch of {micro} sequences cannot be split evenly over {process_count} processes")
+        if len(dataset) < batch_size:
+            raise ConfigError(
+                f"{dataset.folder}: split {dataset.split!r} holds {len(dataset)} sequences, fewer than one batch "
+                f"({batch_size}); use a smaller batch_size or more data"
+            )
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.micro_batches = micro_batches
+        self.seed = seed
+        self.process_index = process_index
+        self.process_count = process_count
+        self.state = state or LoaderState()
+        self._perm_epoch = -1
+        self._perm = np.empty(0, np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def rows_of_next_batch(self) -> np.ndarray:
+        """Global row ids of the next step [micro_batches, micro_batch_size]; advances the state."""
+        if self.state.position + self.batch_size > len(self.dataset):
+            self.state = LoaderState(self.state.epoch + 1, 0)
+        start = self.state.position
+        rows = self._permutation(self.state.epoch)[start : start + self.batch_size]
+        self.state = LoaderState(self.state.epoch, start + self.batch_size)
+        return rows.reshape(self.micro_batches, -1)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        rows = self.rows_of_next_batch()
+        per = rows.shape[1] // self.process_count
+        mine = rows[:, self.process_index * per : (self.process_index + 1) * per]
+        return self.dataset[mine.reshape(-1)].reshape(self.micro_batches, per, -1)
+
+
+def eval_batches(
+    dataset: TokenDataset, batch_size: int, max_batches: int, process_index: int = 0, process_count: int = 1
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Validation rows in order: (tokens [rows_per_process, seq_len + 1], weights [rows_per_process]).
+
+    The last batch is padded with weight-0 copies of row 0 so every batch has the same shape.
+    """
+    per = batch_size // process_count
+    n = min(len(dataset), batch_size * max_batches)
+    for start in range(0, n, batch_size):
+        rows = np.arange(start, start + batch_size)
+        weights = (rows < n).astype(np.float32)
+        rows = np.where(rows < n, rows, 0)
+        mine = slice(process_index * per, (process_index + 1) * per)
+        yield dataset[rows[mine]], weights[mine]

@@ -1,0 +1,550 @@
+"""Training: the seed's optimizer and schedule, one jitted sharded step with gradient accumulation,
+validation, metrics, checkpoints and resume.
+
+The recipe is the one GPT-J was trained with: AdamW (b1 0.9, b2 0.999, eps 1e-8), global-norm clipping
+at 1.0, decoupled weight decay on matrices only, learning rate warmed up linearly and then annealed
+along a half cosine to `end_lr` over `anneal_steps`, flat after that. Parameters are kept in fp32
+(`param_dtype`) and cast to `compute_dtype` inside the model; optimizer state takes the parameters'
+shardings, so with an `fsdp` axis it is sharded ZeRO-3 style.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from meshlm import api, checkpoint, model
+from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm.data import TokenDataset
+from meshlm.loader import LoaderState, TrainLoader, eval_batches
+from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for, to_host
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The seed's `gpt3_schedule`: linear warmup from 0, half-cosine to `end_lr` over `anneal_steps`, then flat."""
+    warmup, anneal, peak, end = cfg.warmup_steps, cfg.anneal_steps, cfg.lr, cfg.end_lr
+
+    def schedule(step: jax.Array) -> jax.Array:
+        step = jnp.asarray(step, jnp.float32)
+        warm = jnp.clip(step, 0, warmup) / warmup if warmup else 1.0
+        anneal_pct = jnp.clip(step - warmup, 0, anneal) / anneal
+        return warm * peak - (peak - end) * (1 - jnp.cos(jnp.pi * anneal_pct)) / 2
+
+    return schedule
+
+
+def decay_mask(cfg: ModelConfig) -> model.Params:
+    """True for weight matrices (two or more axes besides the stacked `layers` axis); biases and norms: False."""
+    return jax.tree.map(
+        lambda axes: sum(a != "layers" for a in axes) >= 2,
+        model.logical_axes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(
+            lr_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask(model_cfg),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sharded train state and step
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: model.Params
+    opt_state: Any
+
+
+def state_shardings(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """Parameters by the sharding rules; each optimizer moment like its parameter; counters replicated."""
+    abstract = model.abstract_params(model_cfg)
+    params = plan(abstract, model.logical_axes(model_cfg), mesh)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_abstract = jax.eval_shape(optimizer.init, abstract)
+    opt = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_abstract, params, transform_non_params=lambda _: replicated
+    )
+    return TrainState(replicated, params, opt)
+
+
+def abstract_state(shardings: TrainState, model_cfg: ModelConfig, optimizer: optax.GradientTransformation) -> Any:
+    """ShapeDtypeStructs with shardings: the target that restores a checkpoint onto this mesh."""
+    abstract = model.abstract_params(model_cfg)
+    opt = jax.eval_shape(optimizer.init, abstract)
+
+    def attach(a: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    return jax.tree.map(attach, abstract, shardings.params), jax.tree.map(attach, opt, shardings.opt_state)
+
+
+def make_train_step(
+    cfg: TrainConfig, model_cfg: ModelConfig, optimizer: optax.GradientTransformation, shardings: TrainState
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """One optimizer step over a batch [micro_batches, micro_batch_size, seq_len + 1].
+
+    Gradients of the micro-batches are summed inside a `lax.scan`, so accumulation costs one compiled
+    step and one micro-batch of activation memory. The state's buffers are donated.
+    """
+    policy = model.Policy(cfg.param_dtype, cfg.compute_dtype, cfg.remat)
+    schedule = lr_schedule(cfg)
+    grad_fn = jax.value_and_grad(lambda p, t: model.loss(p, t, model_cfg, policy, z_loss=cfg.z_loss), has_aux=True)
+
+    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        def micro(acc: model.Params, tokens: jax.Array) -> tuple[model.Params, tuple[jax.Array, ...]]:
+            (total, aux), grads = grad_fn(state.params, tokens)
+            acc = jax.tree.map(jnp.add, acc, grads)
+            acc = jax.lax.with_sharding_constraint(acc, shardings.params)
+            return acc, (total, aux["ce"], jnp.square(optax.tree.norm(grads)))
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (totals, ces, micro_sq) = jax.lax.scan(micro, zeros, batch)
+        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": ces.mean(),
+            "loss_with_z": totals.mean(),
+            "grad_norm": optax.tree.norm(grads),
+            "micro_grad_sq": micro_sq.mean(),
+            "lr": schedule(state.step),
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    batch_sharding = named_sharding(shardings.step.mesh, (None, "batch", "seq"))
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """Summed target loss and target count over rows [B, seq_len + 1] weighted per row."""
+    policy = model.Policy(cfg.param_dtype, cfg.compute_dtype, "none")
+
+    def evaluate(params: model.Params, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        mask = jnp.broadcast_to(weights[:, None], (tokens.shape[0], tokens.shape[1] - 1))
+        _, aux = model.loss(params, tokens, model_cfg, policy, loss_mask=mask)
+        return aux["ce"] * aux["tokens"], aux["tokens"]
+
+    shard = named_sharding(mesh, ("batch", "seq"))
+    return jax.jit(evaluate, in_shardings=(None, shard, named_sharding(mesh, ("batch",))))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Throughput and the gradient noise scale
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention)."""
+    matmul_params = model_cfg.num_params() - model_cfg.vocab_size * model_cfg.d_model  # the embedding is a gather
+    return 6 * matmul_params + 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+
+
+def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
+    """Bytes of training state on one device, from shapes and the sharding rules alone (no devices needed).
+
+    The default 16 bytes per parameter is fp32 weights (4) + fp32 gradients (4) + Adam's two fp32
+    moments (8); gradients and moments are sharded exactly like the weights. Activations come on top.
+    """
+    total = 0
+    abstract = jax.tree.leaves(model.abstract_params(model_cfg))
+    axes = jax.tree.leaves(model.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    for leaf, names in zip(abstract, axes, strict=True):
+        shard = 1
+        for size, rule in zip(leaf.shape, spec_for(names), strict=True):
+            mesh_axes = () if rule is None else (rule,) if isinstance(rule, str) else rule
+            shard *= -(-size // math.prod(mesh_sizes.get(a, 1) for a in mesh_axes))
+        total += shard
+    return total * bytes_per_param
+
+
+# Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p": 459e12, "v5": 197e12}
+PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
+
+
+def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul on the default device: the achievable peak of a CPU host."""
+    dt = model.dtype_of(dtype)
+    a = jnp.ones((n, n), dt)
+    mm = jax.jit(lambda x: x @ a)
+    mm(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = mm(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops(mesh: Mesh, dtype: str) -> float:
+    """Peak FLOP/s of the whole mesh: the table for accelerators, a measured matmul for a CPU host."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":  # simulated CPU devices share one host's cores
+        return measure_matmul_peak(dtype)
+    for kind, flops in PEAK_FLOPS.items():
+        if kind.lower() in device.device_kind.lower():
+            return flops * mesh.devices.size
+    return float("nan")
+
+
+@dataclass
+class NoiseScale:
+    """The gradient noise scale B_simple = S / |G|^2 (McCandlish et al. 2018, appendix A), as the seed logged
+    it: unbiased |G|^2 and S from the micro-batch and full-batch gradient norms, each an EMA."""
+
+    b_small: int
+    b_big: int
+    alpha: float
+    g2: float | None = None
+    s: float | None = None
+
+    def update(self, micro_grad_sq: float, grad_norm: float) -> dict[str, float]:
+        if self.b_big == self.b_small:
+            return {}
+        big_sq = grad_norm**2
+        g2 = (self.b_big * big_sq - self.b_small * micro_grad_sq) / (self.b_big - self.b_small)
+        s = (micro_grad_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
+        self.g2 = g2 if self.g2 is None else (1 - self.alpha) * self.g2 + self.alpha * g2
+        self.s = s if self.s is None else (1 - self.alpha) * self.s + self.alpha * s
+        return {"noise/G2": self.g2, "noise/S": self.s, "noise/B_simple": self.s / self.g2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics
+
+
+class MetricsLog:
+    """One record per logged step, to `metrics.jsonl` and TensorBoard (`tb/`), written by process 0."""
+
+    def __init__(self, out_dir: Path):
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self._jsonl = (out_dir / "metrics.jsonl").open("a")
+            self._tb = SummaryWriter(str(out_dir / "tb"))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.flush()
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> training loss, this invocation's steps
+    val_losses: dict[int, dict[str, float]] = field(default_factory=dict)
+    stopped_by_signal: bool = False
+    lm: api.LanguageModel | None = None
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[list[int]]:
+    """SIGTERM/SIGINT set a flag instead of killing: the loop saves a final checkpoint and returns."""
+    received: list[int] = []
+    handler = lambda signum, _frame: received.append(signum)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    folder, sep, split = spec.rpartition(":")
+    return (folder, split) if sep and split and not Path(spec).exists() else (spec, "val")
+
+
+def open_datasets(cfg: TrainConfig, out_dir: Path) -> tuple[TokenDataset, dict[str, TokenDataset]]:
+    """The training split and the named validation sets (the data folder's `val` split by default)."""
+    if cfg.data is None:
+        from meshlm.demo_corpus import prepare_demo_corpus
+
+        folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128)
+        return TokenDataset(folder, "train"), {"val": TokenDataset(folder, "val")}
+    if not Path(cfg.data).exists():
+        raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`")
+    train_ds = TokenDataset(cfg.data, "train")
+    if cfg.seq_len is not None and cfg.seq_len != train_ds.seq_len:
+        raise ConfigError(
+            f"seq_len {cfg.seq_len} is set, but {cfg.data} was prepared with seq_len {train_ds.seq_len} "
+            "(seq_len applies to the built-in corpus only; leave it unset)"
+        )
+    specs = dict(cfg.val_data)
+    if not specs and "val" in _splits(cfg.data):
+        specs = {"val": f"{cfg.data}:val"}
+    vals = {}
+    for name, spec in specs.items():
+        folder, split = _split_spec(spec)
+        vals[name] = TokenDataset(folder, split)
+        if vals[name].seq_len != train_ds.seq_len:
+            raise ConfigError(f"val_data {name}: seq_len {vals[name].seq_len} differs from the training data's")
+    return train_ds, vals
+
+
+def _splits(folder: str) -> list[str]:
+    from meshlm.data import read_index
+
+    return list(read_index(folder)["splits"])
+
+
+def check_batch(cfg: TrainConfig, mesh: Mesh) -> None:
+    ways = batch_ways(mesh)
+    if cfg.micro_batch_size % ways:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} / micro_batches {cfg.micro_batches} = {cfg.micro_batch_size} sequences per "
+            f"micro-batch, not divisible by the mesh's batch axes data x fsdp = {ways}"
+        )
+
+
+def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
+    """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT."""
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh)
+    check_batch(cfg, mesh)
+    train_ds, val_sets = open_datasets(cfg, out_dir)
+    ckpts = checkpoint.TrainCheckpoints(out_dir / "checkpoints", cfg.keep_last, cfg.keep_every)
+    try:  # the manager's background threads must be stopped on every way out
+        return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample)
+    finally:
+        ckpts.close()
+
+
+def _train(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    train_ds: TokenDataset,
+    val_sets: dict[str, TokenDataset],
+    ckpts: checkpoint.TrainCheckpoints,
+    progress: bool,
+    sample: bool,
+) -> TrainResult:
+    from tqdm import tqdm
+
+    out_dir = Path(cfg.out_dir)
+    latest = ckpts.latest_step()
+
+    init_lm = None
+    model_cfg = cfg.model
+    if latest is not None:
+        model_cfg = ModelConfig.from_dict(checkpoint.read_description(ckpts.folder / str(latest))["model"])
+    elif cfg.init_from:
+        init_lm = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype)
+        model_cfg = init_lm.config
+    if train_ds.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    if train_ds.eos_id >= model_cfg.vocab_size:
+        raise ConfigError(
+            f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "
+            "the data was tokenized for another vocabulary"
+        )
+    cfg = cfg.replace(model=model_cfg)
+
+    optimizer = make_optimizer(cfg, model_cfg)
+    shardings = state_shardings(model_cfg, optimizer, mesh)
+    loader_state = LoaderState()
+    with jax.set_mesh(mesh):
+        if latest is not None:
+            params_target, opt_target = abstract_state(shardings, model_cfg, optimizer)
+            params, opt_state, desc = ckpts.restore(latest, params_target, opt_target)
+            loader_state = LoaderState.from_dict(desc["loader"])
+            start = latest
+        else:
+            if init_lm is not None:
+                params = init_lm.params
+            else:
+                init = jax.jit(lambda k: model.init(model_cfg, k, cfg.param_dtype), out_shardings=shardings.params)
+                params = init(jax.random.key(cfg.seed))
+            opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+            start = 0
+        state = TrainState(jax.device_put(jnp.asarray(start, jnp.int32), shardings.step), params, opt_state)
+
+    loader = TrainLoader(
+        train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, jax.process_index(), jax.process_count(), loader_state
+    )
+    step_fn = make_train_step(cfg, model_cfg, optimizer, shardings)
+    eval_fn = make_eval_step(cfg, model_cfg, mesh)
+    batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
+    global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
+    tokens_per_step = cfg.batch_size * train_ds.seq_len
+    flops_per_step = flops_per_token(model_cfg, train_ds.seq_len) * tokens_per_step
+    peak = peak_flops(mesh, cfg.compute_dtype)
+    noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
+    log = MetricsLog(out_dir)
+    result = TrainResult(out_dir, start)
+
+    last_saved = start
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        desc = checkpoint.description(
+            model_cfg, state.params, step=step, loader=loader.state.to_dict(), train_config=_jsonable(cfg)
+        )
+        ckpts.save(step, state.params, state.opt_state, desc)
+        last_saved = step
+
+    def validate(step: int) -> None:
+        values = {}
+        rows, weights_sharding = named_sharding(mesh, ("batch", "seq")), named_sharding(mesh, ("batch",))
+        for name, ds in val_sets.items():
+            total = count = 0.0
+            for tokens, weights in eval_batches(
+                ds, cfg.micro_batch_size, cfg.val_batches, jax.process_index(), jax.process_count()
+            ):
+                t = _global_batch(tokens, rows, (cfg.micro_batch_size, ds.seq_len + 1))
+                w = _global_batch(weights, weights_sharding, (cfg.micro_batch_size,))
+                s, c = eval_fn(state.params, t, w)
+                total, count = total + _scalar(s), count + _scalar(c)
+            values[f"val/{name}"] = total / count
+        result.val_losses[step] = values
+        log.write(step, values)
+        say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    main = jax.process_index() == 0  # only process 0 prints
+    show = print if main else lambda *_: None
+    say = tqdm.write if main else lambda *_: None
+    show(f"meshlm train: {model_cfg.num_params():,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
+    bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not (progress and main))
+    pending: tuple[int, dict[str, jax.Array]] | None = None
+    last_time = time.perf_counter()
+
+    def record(step: int, metrics: dict[str, jax.Array]) -> None:
+        nonlocal last_time
+        values = {k: _scalar(v) for k, v in metrics.items()}
+        now = time.perf_counter()
+        dt, last_time = now - last_time, now
+        values["tokens_per_s"] = tokens_per_step / dt
+        values["mfu"] = flops_per_step / dt / peak
+        values |= noise.update(values.pop("micro_grad_sq"), values["grad_norm"])
+        result.losses[step] = values["loss"]
+        log.write(step, values)
+        bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            say(
+                f"step {step}: loss {values['loss']:.4f}, lr {values['lr']:.3e}, grad norm {values['grad_norm']:.3f}, "
+                f"{values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"
+            )
+
+    step = start
+    with _stop_on_signals() as signals, jax.set_mesh(mesh):
+        while step < cfg.total_steps and not _any_process(bool(signals)):
+            batch = _global_batch(next(loader), batch_sharding, global_shape)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            if pending:
+                record(*pending)
+            pending = (step, metrics)
+            if (cfg.val_every and step % cfg.val_every == 0) or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+                record(*pending)
+                pending = None
+                if cfg.val_every and step % cfg.val_every == 0 and val_sets:
+                    validate(step)
+                if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                    save(step)
+                last_time = time.perf_counter()  # throughput counts training only
+        if pending:
+            record(*pending)
+        if step != last_saved:
+            save(step)
+        bar.close()
+        ckpts.wait()
+        log.close()
+    result.step = step
+    result.stopped_by_signal = step < cfg.total_steps
+    if result.stopped_by_signal:
+        why = f"signal {signals[0]}" if signals else "a signal to another process"
+        show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
+    result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
+    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
+        print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
+    return result
+
+
+def _scalar(x: jax.Array) -> float:
+    """A replicated scalar's value, read from this process's own copy (works across hosts)."""
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def _any_process(flag: bool) -> bool:
+    """True on every process when any process has it: a signal to one host stops all of them together."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(cfg.to_dict()))
+
+
+def greedy(lm: api.LanguageModel, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation with one compiled shape: the whole window is recomputed for each new token."""
+    length = len(prompt) + n
+    buf = np.zeros((1, length), np.int32)
+    buf[0, : len(prompt)] = prompt
+    fwd = jax.jit(lambda p, t: model.forward(p, t, lm.config, lm.policy))
+    with jax.set_mesh(lm.mesh):
+        for pos in range(len(prompt), length):
+            logits = to_host(fwd(lm.params, buf))[0, pos - 1, : lm.config.n_vocab_used]
+            buf[0, pos] = int(logits.argmax())
+    return buf[0, len(prompt) :].tolist()
+
+
+def print_sample(lm: api.LanguageModel, prompt: str, n: int) -> None:
+    from meshlm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    ids = greedy(lm, tok.encode(prompt), n)
+    print(f"sample (greedy): {prompt + tok.decode(ids)!r}")

@@ -1,0 +1,389 @@
+"""Training: the recipe's exact values, accumulation, meshes, resume after kills, checkpoints, bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import meshlm
+from meshlm import checkpoint, cli, data, model, train
+from meshlm.config import ModelConfig, TrainConfig, load_train_config
+from meshlm.loader import LoaderState, TrainLoader
+from meshlm.sharding import make_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 16
+# n_head 8 and d_ff / vocab multiples of 8, so that model=8 and fsdp=8 both divide every sharded axis.
+CFG8 = ModelConfig(
+    n_layer=2, d_model=64, n_head=8, d_ff=128, rotary_dim=4, vocab_size=256, n_vocab_used=256, max_seq_len=32
+)
+
+
+def write_dataset(folder: Path, rows: np.ndarray, val_rows: np.ndarray | None = None) -> Path:
+    splits = {"train": data.write_split(folder, "train", [rows], SEQ)}
+    if val_rows is not None:
+        splits["val"] = data.write_split(folder, "val", [val_rows], SEQ)
+    data.write_index(folder, SEQ, splits, eos_id=0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    return write_dataset(
+        tmp_path_factory.mktemp("train_data"), rng.integers(0, 250, (64, SEQ + 1)), rng.integers(0, 250, (8, SEQ + 1))
+    )
+
+
+def tiny_config(dataset: Path, out_dir: Path, **changes) -> TrainConfig:
+    base = dict(
+        model=CFG8, data=str(dataset), out_dir=str(out_dir), batch_size=8, total_steps=4, lr=1e-2, end_lr=1e-3,
+        warmup_steps=0, anneal_steps=10, val_every=0, ckpt_every=0, log_every=1000, sample_tokens=0,
+    )  # fmt: skip
+    return TrainConfig(**{**base, **changes})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The recipe's exact values
+
+
+def test_schedule_warms_up_linearly_then_anneals_by_half_cosine_then_stays_flat():
+    cfg = TrainConfig(lr=1.0, end_lr=0.1, warmup_steps=10, anneal_steps=100)
+    sched = train.lr_schedule(cfg)
+    expected = {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.1 + 0.9 * (1 + np.cos(np.pi / 4)) / 2, 60: 0.55, 110: 0.1, 5000: 0.1}
+    for step, want in expected.items():
+        assert float(sched(step)) == pytest.approx(want, abs=1e-6), step
+
+
+def test_weight_decay_applies_to_matrices_only():
+    mask = train.decay_mask(CFG8)
+    paths = jax.tree_util.tree_leaves_with_path(mask)
+    decayed = {jax.tree_util.keystr(k, simple=True, separator=".") for k, v in paths if v}
+    assert decayed == {
+        "embed.w", "layers.attn.q", "layers.attn.k", "layers.attn.v", "layers.attn.out",
+        "layers.mlp.fc_in.w", "layers.mlp.fc_out.w", "head.w",
+    }  # fmt: skip
+
+
+def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
+    """A hand-written AdamW in numpy (b1 .9, b2 .999, eps 1e-8, clip 1.0, wd on matrices) is the oracle."""
+    cfg = TrainConfig(lr=0.01, warmup_steps=0, anneal_steps=10, weight_decay=0.3)
+    params = model.init(CFG8, jax.random.key(0))
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)  # global norm >> 1: clipping acts
+    opt = train.make_optimizer(cfg, CFG8)
+    updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+    new = jax.tree.map(lambda p, u: p + u, params, updates)
+
+    norm = np.sqrt(sum(np.sum(np.square(np.asarray(g))) for g in jax.tree.leaves(grads)))
+    for p, g, n, decay in zip(*(jax.tree.leaves(t) for t in (params, grads, new, train.decay_mask(CFG8))), strict=True):
+        p, g = np.asarray(p, np.float64), np.asarray(g, np.float64) / norm
+        m_hat = (1 - 0.9) * g / (1 - 0.9)
+        v_hat = (1 - 0.999) * g**2 / (1 - 0.999)
+        want = p - 0.01 * (m_hat / (np.sqrt(v_hat) + 1e-8) + (0.3 * p if decay else 0))
+        np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6, atol=1e-7)
+
+
+def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
+    """With per-example gradients of mean G and total variance S, E|g_B|^2 = |G|^2 + S/B for a batch of B."""
+    g2, s = 3.0, 40.0
+    noise = train.NoiseScale(b_small=2, b_big=8, alpha=0.5)
+    out = noise.update(micro_grad_sq=g2 + s / 2, grad_norm=np.sqrt(g2 + s / 8))
+    assert out["noise/G2"] == pytest.approx(g2) and out["noise/S"] == pytest.approx(s)
+    assert out["noise/B_simple"] == pytest.approx(s / g2)
+    assert train.NoiseScale(b_small=8, b_big=8, alpha=0.5).update(1.0, 1.0) == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step: accumulation and meshes
+
+
+@pytest.fixture(scope="module")
+def init_params():
+    return jax.tree.map(np.asarray, jax.jit(lambda k: model.init(CFG8, k))(jax.random.key(1)))
+
+
+def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Path, init_params):
+    """n optimizer steps straight through `make_train_step`; returns (losses, params, state)."""
+    mesh = make_mesh(mesh_spec)
+    opt = train.make_optimizer(cfg, cfg.model)
+    shardings = train.state_shardings(cfg.model, opt, mesh)
+    step_fn = train.make_train_step(cfg, cfg.model, opt, shardings)
+    loader = TrainLoader(data.TokenDataset(dataset), cfg.batch_size, cfg.micro_batches, seed=cfg.seed)
+    batch_sharding = meshlm.sharding.named_sharding(mesh, (None, "batch", "seq"))
+    with jax.set_mesh(mesh):
+        params = jax.device_put(init_params, shardings.params)
+        opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
+        state = train.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
+        losses = []
+        for _ in range(n_steps):
+            state, metrics = step_fn(state, jax.device_put(next(loader), batch_sharding))
+            losses.append(float(metrics["loss"]))
+    return losses, jax.tree.map(np.asarray, state.params), state
+
+
+def smooth(cfg: TrainConfig) -> TrainConfig:
+    """eps=1 makes each Adam update ~ lr * gradient, so parameters compare gradients at fp32 tolerance (with
+    eps=1e-8 an early update is ~ lr * sign(g), and rounding can flip the sign of a 1e-9 gradient)."""
+    return cfg.replace(eps=1.0, lr=1.0, end_lr=1.0)
+
+
+@pytest.fixture(scope="module")
+def single_device_run(dataset, tmp_path_factory, init_params):
+    return run_steps(smooth(tiny_config(dataset, tmp_path_factory.mktemp("ref"))), None, 3, dataset, init_params)
+
+
+def test_k_micro_batches_equal_one_batch_k_times_larger(dataset, single_device_run, init_params, tmp_path):
+    losses_1, params_1, _ = single_device_run
+    cfg = smooth(tiny_config(dataset, tmp_path, micro_batches=4))
+    losses_4, params_4, _ = run_steps(cfg, None, 3, dataset, init_params)
+    np.testing.assert_allclose(losses_4, losses_1, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(params_4), jax.tree.leaves(params_1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=2,model=2", "fsdp=8", "model=8"])
+def test_training_on_a_mesh_tracks_the_single_device_run(mesh_spec, dataset, single_device_run, init_params, tmp_path):
+    ref_losses, ref_params, _ = single_device_run
+    losses, params, state = run_steps(smooth(tiny_config(dataset, tmp_path)), mesh_spec, 3, dataset, init_params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+    # Adam's moments live where their parameters live (ZeRO-3 under fsdp).
+    mu = state.opt_state[1][0].mu
+    for m, p in zip(jax.tree.leaves(mu), jax.tree.leaves(state.params), strict=True):
+        assert m.sharding.spec == p.sharding.spec
+    if mesh_spec == "fsdp=8":
+        q_mu = mu["layers"]["attn"]["q"]
+        assert {s.data.shape for s in q_mu.addressable_shards} == {(2, 8, 8, 8)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop: memorising, validation, checkpoints on other meshes, fine-tuning
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory):
+    """Eight fixed sequences trained on until remembered; validation on the same rows."""
+    folder = tmp_path_factory.mktemp("memorise")
+    rows = np.random.default_rng(5).integers(0, 250, (8, SEQ + 1))
+    write_dataset(folder / "data", rows, rows)
+    cfg = tiny_config(
+        folder / "data", folder / "run", total_steps=120, warmup_steps=10, anneal_steps=110, weight_decay=0.0,
+        val_every=60, ckpt_every=60,
+    )  # fmt: skip
+    return train.train(cfg, progress=False)
+
+
+def test_loss_falls_to_near_zero_when_memorising(memorised):
+    assert memorised.losses[1] > 5.0  # ln(256) = 5.5 at initialisation
+    assert memorised.losses[120] < 0.05
+    assert memorised.val_losses[120]["val/val"] < 0.05 < memorised.val_losses[60]["val/val"] + 1
+    records = [json.loads(line) for line in (memorised.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(records[0])
+    assert list((memorised.out_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_saved_on_one_mesh_gives_the_same_logits_on_another(memorised, tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 250, (2, SEQ))
+    want = memorised.lm.logits(tokens)
+    restored = meshlm.load(memorised.out_dir, mesh="fsdp=4,model=2")
+    assert tuple(restored.params["head"]["w"].sharding.spec) == ("fsdp", "model")
+    np.testing.assert_allclose(restored.logits(tokens), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # the slim export: parameters only, in bfloat16, loads on its own
+    restored.save(tmp_path / "slim", dtype="bfloat16")
+    slim = meshlm.load(tmp_path / "slim", dtype="bfloat16")
+    assert not (tmp_path / "slim" / "opt_state").exists()
+    np.testing.assert_array_equal(
+        np.asarray(slim.params["layers"]["attn"]["q"]),
+        np.asarray(memorised.lm.params["layers"]["attn"]["q"].astype(jnp.bfloat16)),
+    )
+
+
+def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorised, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(memorised.out_dir, run)
+    desc = checkpoint.read_description(checkpoint.resolve(run))
+    saved = TrainConfig.from_dict(desc["train_config"])
+    resumed = train.train(saved.replace(out_dir=str(run), total_steps=121, mesh="fsdp=4,model=2"), progress=False)
+    assert list(resumed.losses) == [121]
+    loader = TrainLoader(data.TokenDataset(saved.data), 8, seed=0, state=LoaderState.from_dict(desc["loader"]))
+    next_batch = next(loader)[0]
+    want = jax.jit(lambda p, t: model.loss(p, t, CFG8)[0])(memorised.lm.params, next_batch)
+    assert resumed.losses[121] == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    fc_in = resumed.lm.params["layers"]["mlp"]["fc_in"]["w"]
+    assert tuple(fc_in.sharding.spec) == (None, "fsdp", "model")
+
+
+def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):
+    rows = np.random.default_rng(2).integers(0, 500, (16, SEQ + 1))
+    folder = write_dataset(tmp_path / "data", rows)
+    cfg = tiny_config(folder, tmp_path / "run", total_steps=2, init_from=str(hf_tiny.path))
+    result = train.train(cfg, progress=False)
+    first = next(TrainLoader(data.TokenDataset(folder), 8, seed=0))[0]
+    logits = torch.as_tensor(hf_tiny.logits(first[:, :-1]))
+    targets = torch.as_tensor(first[:, 1:], dtype=torch.long).reshape(-1)
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+    assert result.losses[1] == pytest.approx(float(want), rel=1e-5)
+    assert result.losses[2] < result.losses[1]
+    assert meshlm.load(tmp_path / "run").config == meshlm.load(hf_tiny.path).config
+
+
+def test_built_in_demo_corpus_is_tokenized_python_documentation(gpt2_bpe_file, tmp_path):
+    from meshlm.demo_corpus import prepare_demo_corpus
+    from meshlm.tokenizer import load_tokenizer
+
+    folder = prepare_demo_corpus(tmp_path / "demo", seq_len=64)
+    train_rows, val_rows = data.TokenDataset(folder, "train"), data.TokenDataset(folder, "val")
+    assert len(train_rows) > 2000 and len(val_rows) > 100 and train_rows.eos_id == 50256
+    text = load_tokenizer(gpt2_bpe_file).decode(train_rows[list(range(5))].reshape(-1).tolist())
+    assert 'The "assert" statement' in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interrupted runs
+
+
+def metrics_losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def start_run(config: Path, cache: Path) -> subprocess.Popen:
+    # A persistent compilation cache: the resumed processes reuse the first one's executables.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    cmd = [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
+    deadline = time.time() + 120
+    while len(metrics_losses(run_dir)) < n:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.02)
+
+
+def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(dataset, tmp_path):
+    values = dict(
+        model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=60, lr=1e-2, end_lr=1e-3,
+        warmup_steps=5, anneal_steps=50, val_every=0, ckpt_every=3, keep_last=2, keep_every=30, log_every=1000,
+        sample_tokens=0,
+    )  # fmt: skip
+    reference = train.train(TrainConfig.from_dict({**values, "out_dir": str(tmp_path / "ref")}), progress=False)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({**values, "out_dir": str(run_dir)}))
+
+    proc = start_run(config, tmp_path / "jax_cache")
+    wait_for_steps(proc, run_dir, 10)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    stopped_at = metrics_losses(run_dir)[-1][0]
+    assert f"stopped by signal {int(signal.SIGTERM)} at step {stopped_at}" in out
+    assert stopped_at < 60
+
+    proc = start_run(config, tmp_path / "jax_cache")
+    wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 10)
+    time.sleep(np.random.default_rng().uniform(0, 0.2))  # an arbitrary moment, checkpoints every 3 steps
+    proc.kill()
+    proc.wait()
+
+    proc = start_run(config, tmp_path / "jax_cache")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    logged = metrics_losses(run_dir)
+    assert {s for s, _ in logged} == set(range(1, 61))
+    for step, loss in logged:  # every step, including those run twice around the kill, reproduces exactly
+        assert loss == reference.losses[step], step
+    kept = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [30, 57, 60]  # the last two, plus every multiple of keep_every
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration files and bad input
+
+
+def test_seed_json_config_is_mapped(tmp_path):
+    seed = {
+        "layers": 28, "d_model": 4096, "n_heads": 16, "n_vocab": 50400, "norm": "layernorm", "pe": "rotary",
+        "pe_rotary_dims": 64, "seq": 2048, "cores_per_replica": 8, "per_replica_batch": 1,
+        "gradient_accumulation_steps": 16, "warmup_steps": 3000, "anneal_steps": 300000, "lr": 1.2e-4,
+        "end_lr": 1.2e-5, "weight_decay": 0.1, "total_steps": 350000, "tpu_size": 256, "bucket": "neo-models",
+        "model_dir": "mesh_jax_pile_6B_rotary", "train_set": "pile.train.index",
+        "val_set": {"pile": "pile.val.index", "owt": "openwebtext2_new_inputs.val.index"},
+        "eval_harness_tasks": ["lambada"], "val_batches": 100, "val_every": 500, "ckpt_every": 500,
+        "keep_every": 10000, "name": "GPT3_6B_pile_rotary", "wandb_project": "mesh-transformer-jax", "comment": "",
+    }  # fmt: skip
+    path = tmp_path / "6B_roto_256.json"
+    path.write_text(json.dumps(seed))
+    cfg = load_train_config(path, ["lr=1e-4"])
+    assert cfg.model == meshlm.preset("gptj-6b")
+    assert (cfg.batch_size, cfg.micro_batches, cfg.mesh) == (32 * 16, 16, "model=8")
+    assert (cfg.warmup_steps, cfg.anneal_steps, cfg.end_lr, cfg.total_steps) == (3000, 300000, 1.2e-5, 350000)
+    assert (cfg.lr, cfg.keep_every, cfg.val_batches, cfg.out_dir) == (1e-4, 10000, 100, "mesh_jax_pile_6B_rotary")
+    assert cfg.val_data == {"pile": "pile.val.index", "owt": "openwebtext2_new_inputs.val.index"}
+
+
+def test_yaml_config_and_overrides_feed_the_same_dataclass(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: test-tiny, n_layer: 3}\nlr: 3e-4\nbatch_size: 16\nmicro_batches: 4\n")
+    cfg = load_train_config(path, ["model.d_ff=128", "total_steps=7"])
+    assert cfg.model == meshlm.preset("test-tiny").replace(n_layer=3, d_ff=128)
+    assert (cfg.lr, cfg.micro_batch_size, cfg.total_steps) == (3e-4, 4, 7)
+
+
+def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
+    assert load_train_config(REPO / "configs" / "demo-tiny.yaml") == TrainConfig()
+    ft = load_train_config(REPO / "configs" / "gptj-6b-finetune.yaml")
+    assert (ft.compute_dtype, ft.remat, ft.mesh, ft.init_from) == ("bfloat16", "full", "fsdp=-1", "gpt-j-6b")
+
+
+def test_training_state_per_device_follows_the_sharding_rules():
+    n = meshlm.preset("gptj-6b").num_params()
+    assert train.state_bytes_per_device(meshlm.preset("gptj-6b"), {}) == 16 * n
+    # fsdp splits every weight matrix along its embed axis; only the small biases and norms stay whole
+    per_device = train.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})
+    assert 16 * n / 8 < per_device < 16 * n / 8 * 1.01
+
+
+def run_cli_error(capsys, *argv) -> str:
+    assert cli.main(["train", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("meshlm train: error: ")
+    return err
+
+
+def test_bad_inputs_each_give_one_clear_line(tmp_path, capsys, dataset):
+    base = ["--set", "model=test-tiny", "--set", f"out_dir={tmp_path / 'run'}"]
+    assert "does not exist; create it with `meshlm prepare`" in run_cli_error(
+        capsys, *base, "--set", f"data={tmp_path / 'missing'}"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    data.write_index(empty, SEQ, {"train": data.write_split(empty, "train", [np.zeros((0, SEQ + 1), int)], SEQ)})
+    assert "split 'train' holds no sequences" in run_cli_error(capsys, *base, "--set", f"data={empty}")
+    wrong = tmp_path / "wrong_dtype"
+    write_dataset(wrong, np.ones((4, SEQ + 1), int))
+    np.ones((4, SEQ + 1), np.uint32).tofile(wrong / "train" / "00000.bin")  # uint32 where the index says uint16
+    assert "holds 272 bytes, index.json implies 136" in run_cli_error(capsys, *base, "--set", f"data={wrong}")
+    gpt2 = tmp_path / "gpt2_ids"
+    gpt2.mkdir()
+    data.write_index(gpt2, SEQ, {"train": data.write_split(gpt2, "train", [np.ones((8, SEQ + 1), int)], SEQ)})
+    err = run_cli_error(capsys, *base, "--set", f"data={gpt2}", "--set", "batch_size=8")
+    assert "end-of-text id is 50256, beyond the model's vocab_size 512" in err
+    assert "unknown key(s) ['bacth_size']" in run_cli_error(capsys, *base, "--set", "bacth_size=8")
+    err = run_cli_error(capsys, *base, "--set", f"data={dataset}", "--set", "batch_size=12", "--mesh", "data=8")
+    assert "12 sequences per micro-batch, not divisible by the mesh's batch axes data x fsdp = 8" in err
+    assert "config file nope.yaml not found" in run_cli_error(capsys, "nope.yaml")

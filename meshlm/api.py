@@ -55,13 +55,14 @@ def _target_logprobs(
     targets: jax.Array,
     at: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """log p(targets) and argmax == targets, with the LM head run only at the positions `at` [B, K]: for
+    """log p(targets) and the argmax token, with the LM head run only at the positions `at` [B, K]: for
     scoring a short continuation after a long context this skips most of the head's vocab-sized matmul."""
     x = model.hidden_states(params, tokens, cfg, policy)
     logits = model.unembed(params, jnp.take_along_axis(x, at[..., None], axis=1))
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-    return target_logprobs, jnp.argmax(logits, axis=-1) == targets
+    # Padded vocabulary rows (>= n_vocab_used) are never predicted, so the argmax skips them.
+    return target_logprobs, jnp.argmax(logits[..., : cfg.n_vocab_used], axis=-1).astype(jnp.int32)
 
 
 @functools.cache
@@ -121,8 +122,9 @@ class LanguageModel:
     def token_logprobs(
         self, tokens: np.ndarray, targets: np.ndarray, at: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """log p(targets[b, j] | tokens[b, : at[b, j] + 1]) as float32 [B, K], and whether each target is
-        the argmax there. `at` [B, K] (default: every position, K = T) picks the positions to score.
+        """log p(targets[b, j] | tokens[b, : at[b, j] + 1]) as float32 [B, K], and the most likely token
+        there (int32 [B, K], among the tokenizer's n_vocab_used ids). `at` [B, K] picks the positions to
+        score (default: every position, K = T).
 
         The LM head, log-softmax and gather run on the devices at those positions only, so only [B, K]
         numbers come back; this is what scoring (evaluation, perplexity) needs. Each distinct K compiles.
@@ -139,8 +141,8 @@ class LanguageModel:
         with jax.set_mesh(self.mesh):
             score = _compiled(self.config, self.policy, _target_logprobs)
             at_, targets_ = (self._padded(a, pad_seq=False) for a in (at, targets))
-            logprobs, greedy = score(self.params, self._padded(tokens), targets_, at_)
-        return to_host(logprobs)[:B], to_host(greedy)[:B]
+            logprobs, argmax = score(self.params, self._padded(tokens), targets_, at_)
+        return to_host(logprobs)[:B], to_host(argmax)[:B]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

@@ -79,10 +79,11 @@ def score_pairs(
                 tokens[r, :n] = rows[i][:-1]
                 targets[r, : len(cont)] = cont
                 at[r, : len(cont)] = np.arange(n - len(cont), n)
-            logprobs, greedy = lm.token_logprobs(tokens, targets, at)
+            logprobs, argmax = lm.token_logprobs(tokens, targets, at)
             for r, i in enumerate(chunk):
                 c = len(pairs[i][1])
-                results[i] = (float(logprobs[r, :c].sum(dtype=np.float64)), bool(greedy[r, :c].all()))
+                greedy = bool((argmax[r, :c] == targets[r, :c]).all())
+                results[i] = (float(logprobs[r, :c].sum(dtype=np.float64)), greedy)
             bar.update(len(chunk))
     return results
 
@@ -228,30 +229,30 @@ class MeshLM(TemplateLM):
 def greedy_generate(
     lm: LanguageModel, tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, stop: Sequence[str]
 ) -> list[str]:
-    """Greedy continuations by re-running the full forward each step (no KV cache), ended by a stop
-    string or end-of-text; restricted to the tokenizer's ids."""
-    rows = [tokenizer.encode(p) for p in prompts]
+    """Greedy continuations, ended by a stop string or end-of-text. A minimal loop without a KV cache: each
+    step re-runs the forward over the whole batch and takes the argmax at each row's last position."""
+    rows = [tokenizer.encode(p) or [tokenizer.eot_id] for p in prompts]
     starts = [len(r) for r in rows]
-    done = [False] * len(rows)
+    live = list(range(len(rows)))
     for _ in range(max_new_tokens):
-        length = max(len(r) for r in rows)
-        tokens = np.zeros((len(rows), length), np.int32)
-        for r, row in enumerate(rows):
-            tokens[r, : len(row)] = row
-        logits = lm.logits(tokens)
-        for r, row in enumerate(rows):
-            if done[r]:
-                continue
-            nxt = int(np.argmax(logits[r, len(row) - 1, : lm.config.n_vocab_used]))
-            row.append(nxt)
-            text = tokenizer.decode(row[starts[r] :])
-            done[r] = nxt == tokenizer.eot_id or any(s and s in text for s in stop) or len(row) >= lm.config.max_seq_len
-        if all(done):
+        tokens = np.zeros((len(live), max(len(rows[i]) for i in live)), np.int32)
+        for r, i in enumerate(live):
+            tokens[r, : len(rows[i])] = rows[i]
+        last = np.array([[len(rows[i]) - 1] for i in live])
+        _, argmax = lm.token_logprobs(tokens, np.zeros_like(last), last)
+        for r, i in enumerate(live):
+            rows[i].append(int(argmax[r, 0]))
+        live = [
+            i
+            for i in live
+            if rows[i][-1] != tokenizer.eot_id
+            and len(rows[i]) < lm.config.max_seq_len
+            and not any(s in tokenizer.decode(rows[i][starts[i] :]) for s in stop if s)
+        ]
+        if not live:
             break
-    return [
-        tokenizer.decode([t for t in row[start:] if t != tokenizer.eot_id])
-        for row, start in zip(rows, starts, strict=True)
-    ]
+    eot = tokenizer.eot_id
+    return [tokenizer.decode([t for t in row[start:] if t != eot]) for row, start in zip(rows, starts, strict=True)]
 
 
 @functools.cache

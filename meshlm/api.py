@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
@@ -43,11 +45,33 @@ def detect_format(path: str | Path) -> str:
     )
 
 
+def _logits(params: model.Params, tokens: jax.Array, cfg: ModelConfig, policy: model.Policy) -> jax.Array:
+    return model.forward(params, tokens, cfg, policy)
+
+
+def _target_logprobs(
+    params: model.Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    targets: jax.Array,
+    at: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """log p(targets) and the argmax token, with the LM head run only at the positions `at` [B, K]: for
+    scoring a short continuation after a long context this skips most of the head's vocab-sized matmul."""
+    x = model.hidden_states(params, tokens, cfg, policy)
+    logits = model.unembed(params, jnp.take_along_axis(x, at[..., None], axis=1))
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    # Padded vocabulary rows (>= n_vocab_used) are never predicted, so the argmax skips them.
+    return target_logprobs, jnp.argmax(logits[..., : cfg.n_vocab_used], axis=-1).astype(jnp.int32)
+
+
 @functools.cache
-def _compiled_forward(cfg: ModelConfig, policy: model.Policy):
-    """One jitted forward per (config, policy), shared by every model loaded with them: jit then
-    compiles once per input sharding, not once per loaded model."""
-    return jax.jit(lambda params, tokens: model.forward(params, tokens, cfg, policy))
+def _compiled(cfg: ModelConfig, policy: model.Policy, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(params, tokens, cfg, policy, *args)` jitted, one per (config, policy, fn) and shared by every
+    model loaded with them: jit then compiles once per input shape and sharding, not once per model."""
+    return jax.jit(lambda params, tokens, *args: fn(params, tokens, cfg, policy, *args))
 
 
 class LanguageModel:
@@ -75,32 +99,34 @@ class LanguageModel:
             f"{self.dtype}, {describe(self.mesh)})"
         )
 
-    @property
-    def _forward(self):
-        return _compiled_forward(self.config, self.policy)
+    def _check_tokens(self, tokens: np.ndarray, name: str = "tokens") -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{name} must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
+        T, context = tokens.shape[1], self.config.max_seq_len
+        if T > context:
+            raise ValueError(f"sequence length {T} exceeds the model's context ({context})")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"{name}: token ids must lie in [0, {self.config.vocab_size})")
+        return tokens
 
-    @functools.cached_property
-    def _tokens_sharding(self) -> NamedSharding:
-        return named_sharding(self.mesh, ("batch", "seq"))
+    def _padded(self, tokens: np.ndarray, pad_seq: bool = True) -> jax.Array:
+        """Right-pad to a batch the mesh divides and (with `pad_seq`) a length that is a multiple of
+        SEQ_BUCKET, so few shapes compile; causal attention makes right padding harmless."""
+        B, T = tokens.shape
+        ways = batch_ways(self.mesh)
+        padded_b = -(-B // ways) * ways
+        padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len) if pad_seq else T
+        padded = np.zeros((padded_b, padded_t), np.int32)
+        padded[:B, :T] = tokens
+        return from_host(padded, named_sharding(self.mesh, ("batch", "seq")))
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Float32 logits [B, T, vocab_size] for int tokens [B, T] (no padding inside rows)."""
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
+        tokens = self._check_tokens(tokens)
         B, T = tokens.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's context ({self.config.max_seq_len})")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        # Causal attention makes right padding harmless: pad to a few shapes, then cut the padding off.
-        ways = batch_ways(self.mesh)
-        padded_b = -(-B // ways) * ways
-        padded_t = min(-(-T // SEQ_BUCKET) * SEQ_BUCKET, self.config.max_seq_len)
-        padded = np.zeros((padded_b, padded_t), np.int32)
-        padded[:B, :T] = tokens
         with jax.set_mesh(self.mesh):
-            out = self._forward(self.params, from_host(padded, self._tokens_sharding))
+            out = _compiled(self.config, self.policy, _logits)(self.params, self._padded(tokens))
         return to_host(out)[:B, :T]
 
     @functools.cached_property
@@ -199,6 +225,31 @@ class LanguageModel:
             if any(p.stop for p in params):
                 raise
             return None
+
+    def token_logprobs(
+        self, tokens: np.ndarray, targets: np.ndarray, at: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """log p(targets[b, j] | tokens[b, : at[b, j] + 1]) as float32 [B, K], and the most likely token
+        there (int32 [B, K], among the tokenizer's n_vocab_used ids). `at` [B, K] picks the positions to
+        score (default: every position, K = T).
+
+        The LM head, log-softmax and gather run on the devices at those positions only, so only [B, K]
+        numbers come back; this is what scoring (evaluation, perplexity) needs. Each distinct K compiles.
+        """
+        tokens = self._check_tokens(tokens)
+        B, T = tokens.shape
+        if at is None:
+            at = np.broadcast_to(np.arange(T), (B, T))
+        at, targets = np.asarray(at), self._check_tokens(targets, "targets")
+        if at.shape != targets.shape or at.shape[0] != B:
+            raise ValueError(f"targets {targets.shape} and positions {at.shape} must both be [{B}, K]")
+        if at.size and (at.min() < 0 or at.max() >= T):
+            raise ValueError(f"positions must lie in [0, {T})")
+        with jax.set_mesh(self.mesh):
+            score = _compiled(self.config, self.policy, _target_logprobs)
+            at_, targets_ = (self._padded(a, pad_seq=False) for a in (at, targets))
+            logprobs, argmax = score(self.params, self._padded(tokens), targets_, at_)
+        return to_host(logprobs)[:B], to_host(argmax)[:B]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""

@@ -166,6 +166,52 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Evaluate a checkpoint on lm-evaluation-harness tasks, or measure the perplexity of a text file."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from meshlm import api, tokenizer
+
+    if bool(args.tasks) == bool(args.perplexity):
+        raise ValueError("give exactly one of --tasks or --perplexity")
+    try:
+        from meshlm import evaluate
+    except ImportError as e:
+        raise ConfigError(f"meshlm eval needs lm-evaluation-harness ({e}); pip install 'meshlm[eval]'") from None
+    documents = evaluate.read_documents(args.perplexity) if args.perplexity else []
+    tok = tokenizer.load_tokenizer(args.tokenizer)
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
+    if args.perplexity:
+        result = evaluate.perplexity(lm, documents, tok, stride=args.stride, batch_size=args.batch_size)
+        report = (
+            f"perplexity {result['perplexity']:.4f}  (mean NLL {result['nll']:.4f} nats over "
+            f"{result['tokens']:,} tokens in {result['documents']} document(s))"
+        )
+    else:
+        from lm_eval.utils import handle_non_serializable, make_table
+
+        result = evaluate.run_tasks(
+            lm,
+            [t.strip() for t in args.tasks.split(",") if t.strip()],
+            num_fewshot=args.num_fewshot,
+            limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+            include_path=args.include_path,
+            log_samples=args.log_samples,
+            batch_size=args.batch_size,
+            tokenizer=tok,
+        )
+        report = make_table(result) + (make_table(result, "groups") if result.get("groups") else "")
+        result = json.loads(json.dumps(result, default=handle_non_serializable))
+    if jax.process_index() == 0:  # every process computed the same numbers; one reports them
+        print(report)
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.output}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train or fine-tune a GPT-J (resuming from the run folder's latest checkpoint, if any).
 
@@ -264,6 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_serve)
+    p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
+    p.add_argument("checkpoint", help="checkpoint folder (meshlm or Hugging Face GPT-J)")
+    p.add_argument("--tasks", help="comma-separated lm-eval task names, e.g. lambada_openai,piqa,hellaswag")
+    p.add_argument("--perplexity", metavar="FILE", help="a .txt file (one document) or .jsonl ({'text': ...} per line)")
+    p.add_argument("--stride", type=int, default=None, help="perplexity window step in tokens (default: the context)")
+    p.add_argument("--include-path", help="folder of extra lm-eval task YAMLs")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=float, default=None, help="only the first N documents (or a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default: 16)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: meshlm's GPT-2 BPE)")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON output")
+    p.add_argument("--output", help="write the results as JSON to this file")
+    _add_mesh_dtype(p)
+    _add_distributed(p)
+    p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser(
         "train",

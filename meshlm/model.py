@@ -295,10 +295,9 @@ def _run(
     cfg: ModelConfig,
     policy: Policy,
     cache: KVCache | None,
-    at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """Embedding, the blocks (scanned over the stacked layers) and the LM head: float32 logits (only at
-    position `at[b]` of each row when given, which spares a long prompt's prefill a [B, T, vocab] array)."""
+    """Embedding and the blocks (scanned over the stacked layers) up to the final LayerNorm: hidden
+    states [B, T, d_model] and the updated cache."""
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(positions, cfg.rotary_dim)
 
@@ -314,13 +313,35 @@ def _run(
     if policy.remat != "none":
         step = jax.checkpoint(step, policy=remat, prevent_cse=False)
     (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.n_layer)))
+    return layer_norm(x, params["ln_f"], cfg.layer_norm_eps), cache
 
-    if at is not None:
-        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-    x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
+
+def unembed(params: Params, x: jax.Array) -> jax.Array:
+    """The LM head: float32 logits [B, T, vocab_size] from final hidden states [B, T, d_model]."""
+    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(x.dtype), preferred_element_type=jnp.float32)
     logits = logits + params["head"]["b"].astype(jnp.float32)
-    return constrain(logits, ("batch", "seq", "act_vocab")), cache
+    return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy = Policy(),
+    *,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """The final LayerNorm's output [B, T, d_model] for tokens [B, T]: everything but the LM head.
+
+    `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the rotary
+    positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows).
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    x, _ = _run(params, tokens, positions, causal_mask(mask, B, T), cfg, policy, None)
+    return x
 
 
 def forward(
@@ -332,16 +353,8 @@ def forward(
     positions: jax.Array | None = None,
     mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Logits [B, T, vocab_size] in float32 for tokens [B, T].
-
-    `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the rotary
-    positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows).
-    """
-    B, T = tokens.shape
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    logits, _ = _run(params, tokens, positions, causal_mask(mask, B, T), cfg, policy, None)
-    return logits
+    """Logits [B, T, vocab_size] in float32 for tokens [B, T]; `positions` and `mask` as in `hidden_states`."""
+    return unembed(params, hidden_states(params, tokens, cfg, policy, positions=positions, mask=mask))
 
 
 def decode(
@@ -370,8 +383,10 @@ def decode(
     valid = cache.valid.at[jnp.arange(B)[:, None], slots].set(mask, mode="drop")
     allowed = valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
     cache = cache._replace(valid=valid)
-    logits, cache = _run(params, tokens, positions, allowed, cfg, policy, cache, at)
-    return logits, cache._replace(index=cache.index + T)
+    x, cache = _run(params, tokens, positions, allowed, cfg, policy, cache)
+    if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
+        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+    return unembed(params, x), cache._replace(index=cache.index + T)
 
 
 def loss(

@@ -8,6 +8,7 @@ own download and cache.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import subprocess
@@ -125,6 +126,27 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             f"Run `meshlm fetch-tokenizer` (it takes it from PyPI's {WHISPER_SDIST}), or pass a .tiktoken / "
             "tokenizer.json path, or set MESHLM_TOKENIZER"
         ) from None
+
+
+def save_hf_tokenizer(folder: str | Path, path: str | Path | None = None) -> None:
+    """Write the GPT-2 BPE as a Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) into `folder`,
+    built offline from the BPE ranks, so a model folder loads with `transformers.AutoTokenizer`."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = load_tokenizer(path)
+    if not isinstance(tok, TiktokenTokenizer):
+        raise ConfigError("save_hf_tokenizer needs a .tiktoken BPE file, not a tokenizer.json")
+    enc = tok._enc
+    with tempfile.TemporaryDirectory() as tmp:
+        bpe = Path(tmp) / "r50k_base.tiktoken"
+        ranks = sorted(enc._mergeable_ranks.items(), key=lambda item: item[1])  # type: ignore[attr-defined]
+        bpe.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks))
+        pattern = enc._pat_str  # type: ignore[attr-defined]
+        converter = TikTokenConverter(vocab_file=str(bpe), pattern=pattern, extra_special_tokens={EOT_TEXT: EOT_ID})
+        converted = converter.converted()
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    PreTrainedTokenizerFast(tokenizer_object=converted, **special).save_pretrained(str(folder))
 
 
 def fetch_from_pypi(dest: Path = CACHE_FILE) -> Path:

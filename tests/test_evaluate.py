@@ -1,0 +1,208 @@
+"""lm-eval integration: the `meshlm` model against lm-eval's own `hf` backend on the same random GPT-J,
+and `meshlm eval --perplexity` against exp(mean NLL) from transformers' logits."""
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import meshlm
+from meshlm import evaluate, tokenizer
+from tests import oracle
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK_DIR = ROOT / "tests" / "lm_eval_tasks"
+TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext", "meshlm_test_gen"]
+MESH = "data=2,fsdp=2,model=2"
+CONTEXT = 128  # shorter than the longest task documents, so truncation and rolling windows are exercised
+
+
+@pytest.fixture(scope="module")
+def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
+    """A random GPT-J with GPT-J's padded vocabulary, saved with a tokenizer.json for the same BPE."""
+    folder = tmp_path_factory.mktemp("hf_gptj_eval")
+    config = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=50400, n_positions=CONTEXT)
+    model = oracle.random_gptj(seed=3, bos_token_id=50256, eos_token_id=50256, **config)
+    with torch.no_grad():
+        # As in GPT-J, the padded rows above the tokenizer's 50257 ids are never predicted.
+        model.lm_head.bias[meshlm.config.GPT2_VOCAB :] = -1e4
+    model.save_pretrained(folder)
+    tokenizer.save_hf_tokenizer(folder, gpt2_bpe_file)
+    return oracle.HFModel(folder, model)
+
+
+@contextlib.contextmanager
+def in_repo_root():
+    """The task YAMLs name their data files relative to the repository root, as lm-eval reads them."""
+    before = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def harness(model: str, model_args: str, batch_size: int) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    with in_repo_root():
+        return lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=TASKS,
+            batch_size=batch_size,
+            device="cpu",
+            task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+
+
+@pytest.fixture(scope="module")
+def hf_results(hf_gptj):
+    return harness("hf", f"pretrained={hf_gptj.path},dtype=float32", batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def meshlm_results(hf_gptj, gpt2_bpe_file):
+    # The mesh spec travels inside lm-eval's comma-separated model_args.
+    return harness(
+        "meshlm", f"pretrained={hf_gptj.path},tokenizer={gpt2_bpe_file},mesh=data=2,fsdp=2,model=2", batch_size=4
+    )
+
+
+def responses(results: dict, task: str) -> list:
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):
+    expected = evaluate.flatten_metrics(hf_results)
+    got = evaluate.flatten_metrics(meshlm_results)
+    assert set(got) == set(expected) and "meshlm_test_wikitext/word_perplexity" in got
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.parametrize("task", ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext"])
+def test_per_request_loglikelihoods_match_the_hf_backend(hf_results, meshlm_results, task):
+    expected, got = responses(hf_results, task), responses(meshlm_results, task)
+    assert len(got) == len(expected) > 0
+    for exp_doc, got_doc in zip(expected, got, strict=True):
+        for exp_req, got_req in zip(exp_doc, got_doc, strict=True):
+            exp_req = exp_req[0] if isinstance(exp_req, list | tuple) and len(exp_req) == 1 else exp_req
+            got_req = got_req[0] if isinstance(got_req, list | tuple) and len(got_req) == 1 else got_req
+            if task == "meshlm_test_wikitext":
+                # A whole document's log-likelihood is about -4000 for the 325-token one, where one float32 step
+                # is 2.4e-4 and the hf backend sums in float32: agreement to a few float32 steps.
+                assert got_req == pytest.approx(exp_req, rel=2e-7, abs=1e-4)
+            else:
+                assert got_req[0] == pytest.approx(exp_req[0], abs=1e-4)
+                assert got_req[1] == exp_req[1]
+
+
+def test_generate_until_matches_the_hf_backends_greedy_text(hf_results, meshlm_results):
+    expected = responses(hf_results, "meshlm_test_gen")
+    got = responses(meshlm_results, "meshlm_test_gen")
+    assert got == expected
+    assert all(len(r[0]) > 0 and "\n" not in r[0] and "." not in r[0] for r in got)
+
+
+def reference_nlls(hf: oracle.HFModel, tokens: list[int], context: int, stride: int) -> np.ndarray:
+    """Per-token NLLs straight from transformers' logits: token i (after a leading end-of-text) is scored
+    by the window that first reaches it, windows of `context` inputs moving `stride` tokens at a time."""
+    full = [tokenizer.EOT_ID, *tokens]
+    nlls, scored = [], 1
+    while scored < len(full):
+        end = min(scored + (context if scored == 1 else stride), len(full))
+        start = max(0, end - 1 - context)
+        logprobs = torch.log_softmax(torch.as_tensor(hf.logits(np.array([full[start : end - 1]]))[0]), -1).numpy()
+        targets = np.array(full[start + 1 : end])
+        window = -logprobs[np.arange(len(targets)), targets]
+        nlls.extend(window[-(end - scored) :])
+        scored = end
+    return np.array(nlls)
+
+
+def run_cli(*argv: str) -> int:
+    from meshlm import cli
+
+    return cli.main(list(argv))
+
+
+def test_perplexity_of_a_text_is_exp_mean_nll_from_transformers(hf_gptj, gpt2_bpe_file, tmp_path, capsys):
+    text = "The quick brown fox jumps over the lazy dog. It was not amused, and neither was the cat."
+    (tmp_path / "t.txt").write_text(text)
+    ids = tokenizer.load_tokenizer(gpt2_bpe_file).encode(text)
+    full = torch.as_tensor([[tokenizer.EOT_ID, *ids]])
+    with torch.no_grad():
+        logits = hf_gptj.torch_model(full).logits[0, :-1]
+    expected = math.exp(torch.nn.functional.cross_entropy(logits, full[0, 1:]).item())
+
+    out = tmp_path / "ppl.json"
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(tmp_path / "t.txt"), "--tokenizer", gpt2_bpe_file,
+                   "--mesh", MESH, "--batch-size", "4", "--output", str(out)) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["tokens"] == len(ids) and result["documents"] == 1
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    assert f"over {len(ids)} tokens in 1 document(s)" in capsys.readouterr().out
+
+
+def test_strided_perplexity_over_jsonl_documents(hf_gptj, gpt2_bpe_file, tmp_path):
+    docs = [json.loads(line)["text"] for line in (TASK_DIR / "data" / "docs.jsonl").read_text().splitlines()]
+    tok = tokenizer.load_tokenizer(gpt2_bpe_file)
+    stride = 48
+    nlls = np.concatenate([reference_nlls(hf_gptj, tok.encode(d), CONTEXT, stride) for d in docs])
+    assert len(nlls) > 2 * CONTEXT  # the long document needs several overlapping windows
+
+    lm = meshlm.load(hf_gptj.path, mesh=MESH)
+    result = evaluate.perplexity(lm, docs, tok, stride=stride, batch_size=4)
+    assert result["tokens"] == len(nlls)
+    assert result["nll"] == pytest.approx(nlls.mean(), abs=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nlls.mean()), rel=1e-5)
+
+
+def test_eval_cli_prints_the_table_and_writes_the_harness_json(hf_gptj, gpt2_bpe_file, hf_results, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    with in_repo_root():
+        code = run_cli("eval", str(hf_gptj.path), "--tasks", "meshlm_test_mc,meshlm_test_lambada",
+                       "--include-path", str(TASK_DIR), "--tokenizer", gpt2_bpe_file, "--mesh", MESH,
+                       "--batch-size", "4", "--output", str(out))  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "|meshlm_test_mc" in printed and "acc_norm" in printed
+    metrics = evaluate.flatten_metrics(json.loads(out.read_text()))
+    expected = evaluate.flatten_metrics(hf_results)
+    for key in ("meshlm_test_mc/acc", "meshlm_test_mc/acc_norm", "meshlm_test_lambada/perplexity"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5)
+
+
+def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
+    assert run_cli("eval", str(hf_gptj.path)) == 1
+    assert "meshlm eval: error: give exactly one of --tasks or --perplexity" in capsys.readouterr().err
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(tmp_path / "missing.txt")) == 1
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(bad)) == 1
+    assert 'bad.jsonl:2: expected an object with a "text" string' in capsys.readouterr().err
+
+
+def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_gptj, gpt2_bpe_file, hf_results):
+    lm = meshlm.load(hf_gptj.path, mesh=MESH)
+    with in_repo_root():
+        metrics = evaluate.evaluate_tasks(
+            lm, ["meshlm_test_lambada"], include_path=TASK_DIR, batch_size=4, tokenizer=gpt2_bpe_file
+        )
+    expected = evaluate.flatten_metrics(hf_results)
+    assert set(metrics) == {"meshlm_test_lambada/perplexity", "meshlm_test_lambada/acc"}
+    for key, value in metrics.items():
+        assert value == pytest.approx(expected[key], rel=1e-5)

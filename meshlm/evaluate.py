@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from meshlm.api import SEQ_BUCKET, LanguageModel, load
 from meshlm.config import ConfigError
+from meshlm.generate import SamplingParams, generate
 from meshlm.sharding import MESH_AXES, batch_ways
 from meshlm.tokenizer import Tokenizer, load_tokenizer
 
@@ -208,51 +209,35 @@ class MeshLM(TemplateLM):
                 max_new = int(kwargs.pop("max_gen_toks"))
                 if max_new >= self.max_length:
                     raise ValueError(f"max_gen_toks ({max_new}) must be below the context ({self.max_length})")
-                if kwargs.get("do_sample"):
-                    raise ValueError("generate_until: sampling (do_sample) is not supported yet; greedy only")
+                sampling = self._sampling(kwargs, max_new, until)
                 for start in range(0, len(indices), self.batch_size):
                     chunk = indices[start : start + self.batch_size]
                     prompts = [self._fit_prompt(requests[i].args[0], self.max_length - max_new) for i in chunk]
-                    outputs = greedy_generate(self.lm, self.tokenizer, prompts, max_new, until)
-                    for i, text in zip(chunk, outputs, strict=True):
-                        results[i] = postprocess_generated_text(text, until, None)
+                    tokens = [self.tok_encode(p) or [self.eot_token_id] for p in prompts]
+                    outputs = generate(self.lm.generator, tokens, [sampling] * len(tokens), self.tokenizer)
+                    for i, out in zip(chunk, outputs, strict=True):
+                        results[i] = postprocess_generated_text(out.text or "", until, None)
                         self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
                     bar.update(len(chunk))
         return results
+
+    def _sampling(self, kwargs: dict[str, Any], max_new: int, until: Sequence[str]) -> SamplingParams:
+        """The harness's generation kwargs as meshlm sampling settings (greedy unless do_sample)."""
+        sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=float(kwargs.get("temperature", 1.0)) if sample else 0.0,
+            top_k=int(kwargs.get("top_k") or 0) if sample else 0,
+            top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+            stop=tuple(s for s in until if s),
+            stop_token_ids=(self.eot_token_id,),
+            seed=self.seed,
+        )
 
     def _fit_prompt(self, prompt: str, budget: int) -> str:
         """The prompt, cut from the left to `budget` tokens when it is longer."""
         tokens = self.tok_encode(prompt)
         return prompt if len(tokens) <= budget else self.tok_decode(tokens[-budget:])
-
-
-def greedy_generate(
-    lm: LanguageModel, tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, stop: Sequence[str]
-) -> list[str]:
-    """Greedy continuations, ended by a stop string or end-of-text. A minimal loop without a KV cache: each
-    step re-runs the forward over the whole batch and takes the argmax at each row's last position."""
-    rows = [tokenizer.encode(p) or [tokenizer.eot_id] for p in prompts]
-    starts = [len(r) for r in rows]
-    live = list(range(len(rows)))
-    for _ in range(max_new_tokens):
-        tokens = np.zeros((len(live), max(len(rows[i]) for i in live)), np.int32)
-        for r, i in enumerate(live):
-            tokens[r, : len(rows[i])] = rows[i]
-        last = np.array([[len(rows[i]) - 1] for i in live])
-        _, argmax = lm.token_logprobs(tokens, np.zeros_like(last), last)
-        for r, i in enumerate(live):
-            rows[i].append(int(argmax[r, 0]))
-        live = [
-            i
-            for i in live
-            if rows[i][-1] != tokenizer.eot_id
-            and len(rows[i]) < lm.config.max_seq_len
-            and not any(s in tokenizer.decode(rows[i][starts[i] :]) for s in stop if s)
-        ]
-        if not live:
-            break
-    eot = tokenizer.eot_id
-    return [tokenizer.decode([t for t in row[start:] if t != eot]) for row, start in zip(rows, starts, strict=True)]
 
 
 @functools.cache

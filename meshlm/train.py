@@ -30,7 +30,7 @@ from meshlm import api, checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for, to_host
+from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer
@@ -529,22 +529,6 @@ def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.to_dict()))
 
 
-def greedy(lm: api.LanguageModel, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation with one compiled shape: the whole window is recomputed for each new token."""
-    length = len(prompt) + n
-    buf = np.zeros((1, length), np.int32)
-    buf[0, : len(prompt)] = prompt
-    fwd = jax.jit(lambda p, t: model.forward(p, t, lm.config, lm.policy))
-    with jax.set_mesh(lm.mesh):
-        for pos in range(len(prompt), length):
-            logits = to_host(fwd(lm.params, buf))[0, pos - 1, : lm.config.n_vocab_used]
-            buf[0, pos] = int(logits.argmax())
-    return buf[0, len(prompt) :].tolist()
-
-
 def print_sample(lm: api.LanguageModel, prompt: str, n: int) -> None:
-    from meshlm.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    ids = greedy(lm, tok.encode(prompt), n)
-    print(f"sample (greedy): {prompt + tok.decode(ids)!r}")
+    (text,) = lm.generate([prompt], max_new_tokens=n, temperature=0.0, repetition_penalty=1.2)
+    print(f"sample (greedy, repetition penalty 1.2): {prompt + text!r}")

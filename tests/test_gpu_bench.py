@@ -1,0 +1,78 @@
+"""The GPU benchmark's code paths at a tiny shape on the CPU, so the script cannot rot (no speed asserted)."""
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from meshlm.config import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("test-tiny", "test-full-rotary")
+SECTIONS = ("matmul", "copy", *(f"{kind}/{m}" for m in MODELS for kind in ("train", "generate")))
+
+
+def run_script(out: Path, *args: str) -> dict:
+    # One CPU device, and XLA's cheapest backend optimisation: this checks code paths, not speed.
+    env = {**os.environ, "OUT": str(out), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "gpu.json").read_text())
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gpu")
+
+
+@pytest.fixture(scope="module")
+def report(out) -> dict:
+    return run_script(out)
+
+
+def test_every_section_runs_and_reports_numbers(report):
+    sections = report["sections"]
+    assert tuple(sections) == SECTIONS
+    assert {name: r["status"] for name, r in sections.items()} == dict.fromkeys(SECTIONS, "ok")
+    assert positive(sections["matmul"]["tflops"]) and positive(sections["copy"]["gb_per_s"])
+    for name in MODELS:
+        tr = sections[f"train/{name}"]
+        for key in ("tokens_per_s", "step_s", "compile_s", "mfu", "mfu_vs_matmul", "model_tflops", "state_gb"):
+            assert positive(tr[key]), (name, key, tr[key])
+        assert tr["tokens_per_step"] == tr["batch"] * tr["seq_len"]
+        # A random-init model's first losses sit near ln(vocab): the step trained this model on these tokens.
+        assert abs(tr["loss"] - math.log(preset(name).n_vocab_used)) < 0.5
+        gen = sections[f"generate/{name}"]
+        for key in ("prefill_tokens_per_s", "prefill_mfu_vs_matmul", "weight_gb", "batch1_roofline_fraction"):
+            assert positive(gen[key]), (name, key, gen[key])
+        assert len(gen["decode"]) == 2
+        for d in gen["decode"].values():
+            assert d["status"] == "ok" and positive(d["tokens_per_s"]) and positive(d["roofline_fraction"])
+            assert d["bytes_per_step_gb"] > gen["weight_gb"]  # the KV cache is read on top of the weights
+
+
+def test_summary_names_every_section(report, out):
+    md = (out / "gpu.md").read_text()
+    assert report["machine"]["jax"] in md
+    for name in SECTIONS:
+        assert f"**{name}**" in md
+
+
+def test_spent_budget_skips_sections_but_still_reports(tmp_path):
+    report = run_script(tmp_path, "--budget-s", "0")
+    assert {r["status"] for r in report["sections"].values()} == {"skipped"}
+    assert tuple(report["sections"]) == SECTIONS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu
 from meshlm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,9 @@ def test_every_section_runs_and_reports_numbers(report):
         for key in ("tokens_per_s", "step_s", "compile_s", "mfu", "mfu_vs_matmul", "model_tflops", "state_gb"):
             assert positive(tr[key]), (name, key, tr[key])
         assert tr["tokens_per_step"] == tr["batch"] * tr["seq_len"]
-        # A random-init model's first losses sit near ln(vocab): the step trained this model on these tokens.
-        assert abs(tr["loss"] - math.log(preset(name).n_vocab_used)) < 0.5
+        # A random-init model starts near ln(vocab), and the repeated batch is learnt: the step trains.
+        assert abs(tr["first_loss"] - math.log(preset(name).n_vocab_used)) < 0.3
+        assert tr["loss"] < tr["first_loss"]
         gen = sections[f"generate/{name}"]
         for key in ("prefill_tokens_per_s", "prefill_mfu_vs_matmul", "weight_gb", "batch1_roofline_fraction"):
             assert positive(gen[key]), (name, key, gen[key])
@@ -73,6 +75,7 @@ def test_summary_names_every_section(report, out):
 
 
 def test_spent_budget_skips_sections_but_still_reports(tmp_path):
-    report = run_script(tmp_path, "--budget-s", "0")
-    assert {r["status"] for r in report["sections"].values()} == {"skipped"}
+    report = gpu.run(gpu.parse(["--tiny", "--budget-s", "0", "--out", str(tmp_path)]))
     assert tuple(report["sections"]) == SECTIONS
+    assert {r["status"] for r in report["sections"].values()} == {"skipped"}
+    assert json.loads((tmp_path / "gpu.json").read_text())["sections"] == report["sections"]

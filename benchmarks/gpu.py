@@ -4,7 +4,8 @@ Sections, each guarded (a failure such as an OOM is recorded and the rest still 
 the time budget is spent:
   matmul    bf16 square matmul: the achievable TFLOP/s, the peer of every MFU figure below;
   copy      device memory copy: the achievable GB/s, the peer of the decode roofline;
-  train     GPT-J-shaped training (random init, fp32 master weights, bf16 compute, remat, seq 2048,
+  train     GPT-J-shaped training (random init, fp32 master weights, bf16 compute, fp32 or (where memory
+            requires) bf16 Adam moments, remat, seq 2048,
             the largest batch of a list that fits): tokens/s, MFU, step and compile time;
   generate  bf16 generation: prefill tokens/s of a 2048-token prompt, decode tokens/s at batch 1/16/64,
             batch-1 decode as a fraction of the roofline (weight + KV-cache bytes per step / copy GB/s);
@@ -41,7 +42,7 @@ class Shapes:
     matmul_n: int = 8192
     copy_bytes: int = 4 << 30
     seq_len: int = 2048
-    train_batches: tuple[int, ...] = (8, 6, 4, 2, 1)
+    train_batches: tuple[int, ...] = (8, 6, 4, 2, 1)  # tried largest first until one fits
     train_steps: int = 5
     prompt_len: int = 2048
     decode_batches: tuple[int, ...] = (1, 16, 64)
@@ -76,8 +77,18 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def is_oom(err: Exception) -> bool:
+    if isinstance(err, MemoryError):
+        return True
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Peak device bytes of a compiled function by XLA's own accounting (0 where it gives none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def device_memory() -> int:
@@ -110,21 +121,25 @@ def probe_copy(shapes: Shapes) -> dict[str, float]:
 # Training
 
 
-def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str | None:
-    """fp32 Adam moments unless the state (16 bytes/param) would leave under a quarter of memory for
-    activations; then the first moment goes to bf16."""
-    state = train.state_bytes_per_device(cfg, {})
-    return None if state <= 0.75 * memory else "bfloat16"
+def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
+    """fp32 Adam moments if the state (fp32 weights, gradients, moments: 16 bytes/param) plus the
+    optimizer's fp32 update (4) leaves 15% of memory for activations; bf16 moments (4 bytes/param less)
+    otherwise."""
+    need = train.state_bytes_per_device(cfg, {}, bytes_per_param=20)
+    return "float32" if need <= 0.85 * memory else "bfloat16"
 
 
-def bench_train(cfg: config.ModelConfig, shapes: Shapes, remat: str, matmul_tflops: float, deadline: float) -> dict:
+def bench_train(
+    cfg: config.ModelConfig, shapes: Shapes, args: argparse.Namespace, matmul_tflops: float, deadline: float
+) -> dict:
     mesh = make_mesh(None)
     memory = device_memory()
-    mu_dtype = optimizer_dtype(cfg, memory)
+    remat = args.remat
+    state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
     tcfg = config.TrainConfig(
         model=cfg, param_dtype="float32", compute_dtype="bfloat16", remat=remat, warmup_steps=0, anneal_steps=10
     )
-    opt = train.make_optimizer(tcfg, cfg, mu_dtype=mu_dtype)
+    opt = train.make_optimizer(tcfg, cfg, state_dtype=None if state_dtype == "float32" else state_dtype)
     shardings = train.state_shardings(cfg, opt, mesh)
     step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
 
@@ -138,8 +153,8 @@ def bench_train(cfg: config.ModelConfig, shapes: Shapes, remat: str, matmul_tflo
         "seq_len": shapes.seq_len,
         "remat": remat,
         "attention": model.attention_impl,
-        "optimizer_first_moment": mu_dtype or "float32",
-        "state_gb": train.state_bytes_per_device(cfg, {}) / 1e9,
+        "optimizer_state": state_dtype,
+        "state_gb": train.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12) / 1e9,
         "device_memory_gb": memory / 1e9,
         "tried": {},
     }
@@ -153,6 +168,9 @@ def bench_train(cfg: config.ModelConfig, shapes: Shapes, remat: str, matmul_tflo
             start = time.perf_counter()
             compiled = step_fn.lower(state, tokens).compile()
             compile_s = time.perf_counter() - start
+            footprint = compiled_bytes(compiled)
+            if footprint > memory:  # fail fast instead of an allocation error part-way through the step
+                raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
             state, metrics = compiled(state, tokens)  # warm-up; each step donates and replaces the state
             first_loss = float(metrics["loss"])
             start = time.perf_counter()
@@ -163,7 +181,7 @@ def bench_train(cfg: config.ModelConfig, shapes: Shapes, remat: str, matmul_tflo
         except Exception as err:  # an OOM tries the next batch; anything else is the section's error
             if not is_oom(err):
                 raise
-            result["tried"][batch_size] = "out of memory"
+            result["tried"][batch_size] = one_line(err)
             del state
             gc.collect()
             continue
@@ -176,6 +194,7 @@ def bench_train(cfg: config.ModelConfig, shapes: Shapes, remat: str, matmul_tflo
             "first_loss": first_loss,
             "loss": loss,  # after the timed steps, all on the same batch
             "compile_s": compile_s,
+            "compiled_gb": footprint / 1e9,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
             "model_tflops": flops / 1e12,
@@ -340,7 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gbs = copy.get("gb_per_s", float("nan"))
     for name in shapes.models:
         cfg = config.preset(name).replace(max_seq_len=max(shapes.seq_len, shapes.prompt_len))
-        section(f"train/{name}", lambda cfg=cfg: bench_train(cfg, shapes, args.remat, tflops, deadline))
+        section(f"train/{name}", lambda cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline))
         section(f"generate/{name}", lambda cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline))
     return report
 
@@ -374,8 +393,8 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"- **copy** {r['bytes'] >> 20} MiB: {fmt(r['gb_per_s'])} GB/s")
         elif name.startswith("train/"):
             lines.append(
-                f"- **{name}** batch {r['batch']} x {r['seq_len']}, remat {r['remat']}, Adam m "
-                f"{r['optimizer_first_moment']}: {fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
+                f"- **{name}** batch {r['batch']} x {r['seq_len']}, remat {r['remat']}, Adam state "
+                f"{r['optimizer_state']}: {fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
                 f"MFU {fmt(100 * r['mfu'])}% (of spec peak; {fmt(100 * r['mfu_vs_matmul'])}% of measured matmul), "
                 f"compile {fmt(r['compile_s'])} s"
             )
@@ -400,6 +419,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default="dots_no_batch", choices=sorted(model.REMAT_POLICIES))
     p.add_argument("--attention", default="auto", choices=model.ATTENTION_IMPLS)
     p.add_argument("--train-batches", default="", help="comma-separated batch sizes to try, largest first")
+    p.add_argument(
+        "--optimizer-state",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="Adam moments' storage; auto: fp32 unless memory requires bf16",
+    )
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
     return args

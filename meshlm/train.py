@@ -59,10 +59,11 @@ def decay_mask(cfg: ModelConfig) -> model.Params:
 
 
 def make_optimizer(
-    cfg: TrainConfig, model_cfg: ModelConfig, mu_dtype: str | None = None
+    cfg: TrainConfig, model_cfg: ModelConfig, state_dtype: str | None = None
 ) -> optax.GradientTransformation:
-    """The seed's AdamW; `mu_dtype` "bfloat16" stores the first moment in bf16 where memory is short."""
-    return optax.chain(
+    """The seed's AdamW. `state_dtype` "bfloat16" stores both moments in bf16 between steps (they are
+    updated in fp32), which saves 4 bytes per parameter where memory is short."""
+    adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(
             lr_schedule(cfg),
@@ -71,9 +72,22 @@ def make_optimizer(
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             mask=decay_mask(model_cfg),
-            mu_dtype=None if mu_dtype is None else model.dtype_of(mu_dtype),
         ),
     )
+    return adamw if state_dtype is None else stored_as(adamw, model.dtype_of(state_dtype))
+
+
+def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:
+    """`inner` with its floating-point state kept in `dtype` between steps and computed in fp32."""
+
+    def cast(tree: Any, dt: jnp.dtype) -> Any:
+        return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
 
 
 # ---------------------------------------------------------------------------------------------------

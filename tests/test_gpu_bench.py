@@ -6,9 +6,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 from benchmarks import gpu
+from meshlm import train
 from meshlm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +47,7 @@ def out(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(out) -> dict:
-    return run_script(out)
+    return run_script(out, "--optimizer-state", "bfloat16")
 
 
 def test_every_section_runs_and_reports_numbers(report):
@@ -55,6 +60,7 @@ def test_every_section_runs_and_reports_numbers(report):
         for key in ("tokens_per_s", "step_s", "compile_s", "mfu", "mfu_vs_matmul", "model_tflops", "state_gb"):
             assert positive(tr[key]), (name, key, tr[key])
         assert tr["tokens_per_step"] == tr["batch"] * tr["seq_len"]
+        assert tr["optimizer_state"] == "bfloat16"
         # A random-init model starts near ln(vocab), and the repeated batch is learnt: the step trains.
         assert abs(tr["first_loss"] - math.log(preset(name).n_vocab_used)) < 0.3
         assert tr["loss"] < tr["first_loss"]
@@ -79,3 +85,26 @@ def test_spent_budget_skips_sections_but_still_reports(tmp_path):
     assert tuple(report["sections"]) == SECTIONS
     assert {r["status"] for r in report["sections"].values()} == {"skipped"}
     assert json.loads((tmp_path / "gpu.json").read_text())["sections"] == report["sections"]
+
+
+def test_optimizer_state_goes_to_bf16_only_where_memory_requires():
+    h200 = 0.95 * 141e9
+    assert gpu.optimizer_dtype(preset("gptj-6b"), h200) == "bfloat16"  # 6.05B x 20 bytes > 85% of 134 GB
+    assert gpu.optimizer_dtype(preset("gptj-6b"), 2 * h200) == "float32"
+    assert gpu.optimizer_dtype(preset("gptj-1b"), h200) == "float32"
+
+
+def test_bf16_stored_adam_state_stays_bf16_and_follows_fp32_adam():
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+    grads = jax.tree.map(lambda p: jnp.cos(3 * p) + 0.5, params)
+    adam = optax.adam(1e-2)
+    stored = train.stored_as(adam, jnp.bfloat16)
+    state, ref_state = stored.init(params), adam.init(params)
+    for _ in range(3):
+        updates, state = stored.update(grads, state, params)
+        ref_updates, ref_state = adam.update(grads, ref_state, params)
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+        for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True):
+            assert u.dtype == jnp.float32
+            np.testing.assert_allclose(u, r, rtol=2e-2, atol=1e-5)

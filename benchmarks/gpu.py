@@ -344,6 +344,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result = {"status": "ok", **fn()}
             except Exception as err:  # one section's failure must not stop the others
                 result = {"status": "error", "error": one_line(err)}
+                if model.attention_impl == "auto" and jax.default_backend() == "gpu" and not is_oom(err):
+                    # cuDNN may refuse a shape only when XLA compiles it: rerun on XLA's attention.
+                    model.attention_impl = "xla"
+                    try:
+                        result = {"status": "ok", "cudnn_error": result["error"], **fn()}
+                    except Exception as retry_err:
+                        result["error_with_xla_attention"] = one_line(retry_err)
+                    finally:
+                        model.attention_impl = "auto"
             result["wall_s"] = time.monotonic() - t0
             jax.clear_caches()
             gc.collect()

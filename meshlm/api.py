@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -12,7 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats import hf, mtj
+from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
+from meshlm.tokenizer import Tokenizer, load_tokenizer
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
@@ -50,12 +53,20 @@ def _compiled_forward(cfg: ModelConfig, policy: model.Policy):
 class LanguageModel:
     """A GPT-J model placed on a mesh, with the parameters it was loaded with."""
 
-    def __init__(self, config: ModelConfig, params: model.Params, mesh: Mesh, dtype: str = "float32"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: model.Params,
+        mesh: Mesh,
+        dtype: str = "float32",
+        tokenizer: str | Path | Tokenizer | None = None,
+    ):
         self.config = config
         self.params = params
         self.mesh = mesh
         self.dtype = dtype
         self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
+        self._tokenizer = tokenizer
 
     def __repr__(self) -> str:
         c = self.config
@@ -92,6 +103,103 @@ class LanguageModel:
             out = self._forward(self.params, from_host(padded, self._tokens_sharding))
         return to_host(out)[:B, :T]
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The GPT-2 tokenizer: the one given to `load`, else `meshlm.tokenizer.load_tokenizer()`'s."""
+        if self._tokenizer is None or isinstance(self._tokenizer, str | Path):
+            return load_tokenizer(self._tokenizer)
+        return self._tokenizer
+
+    @functools.cached_property
+    def generator(self) -> Generator:
+        """Compiled prefill/decode functions (compiled on first use, once per shape bucket)."""
+        return Generator(self.params, self.config, self.policy, self.mesh)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokens of a prompt; an empty prompt starts from <|endoftext|>, as GPT-2 models were trained."""
+        return self.tokenizer.encode(text) or [self.tokenizer.eot_id]
+
+    def sampling(
+        self,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """Sampling settings; `stop_token_ids` defaults to <|endoftext|> (pass [] to run to max_new_tokens)."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        ids = (self.tokenizer.eot_id,) if stop_token_ids is None else tuple(stop_token_ids)
+        return SamplingParams(max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        repetition_penalty: float = 1.0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[str]:
+        """Continuations of text prompts, decoded together as one batch.
+
+        temperature 0 is greedy decoding; otherwise the logits are divided by `temperature`, cut to the
+        `top_k` most likely tokens (0: all), then to the smallest set reaching probability `top_p`.
+        Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default) or before the
+        first `stop` string (not included). With `seed`, prompt i samples with seed + i, reproducibly.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be strings")
+        base = self.sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids)
+        params = [base.replace(seed=None if seed is None else seed + i) for i in range(len(prompts))]
+        results = self.generate_tokens([self.encode_prompt(p) for p in prompts], params)
+        return [r.text or "" for r in results]
+
+    def generate_tokens(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], chunk: int = 64
+    ) -> list[Completion]:
+        """Token-level generation: one Completion (tokens, log-probabilities, finish reason, text) per prompt."""
+        prompts, params = self._check_prompts(prompts, params)
+        return generate(self.generator, prompts, params, self._text_tokenizer(params), chunk)
+
+    def stream(self, prompt: str, chunk: int = 4, **settings) -> Iterator[str]:
+        """One prompt's continuation, piece by piece as it is generated (settings as in `sampling`).
+        A device call per `chunk` tokens: small chunks stream smoothly, large ones decode faster."""
+        params = self.sampling(**settings)
+        for (seq,) in run(self.generator, [self.encode_prompt(prompt)], [params], self.tokenizer, chunk):
+            if piece := seq.take_text():
+                yield piece
+
+    def _check_prompts(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        prompts = [[int(t) for t in p] for p in prompts]
+        for p in prompts:
+            if not p:
+                raise ValueError("a prompt must have at least one token")
+            if min(p) < 0 or max(p) >= self.config.vocab_size:
+                raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        return prompts, params
+
+    def _text_tokenizer(self, params: Sequence[SamplingParams]) -> Tokenizer | None:
+        """The tokenizer for text output; without stop strings, token-level generation works without one."""
+        try:
+            return self.tokenizer
+        except ConfigError:
+            if any(p.stop for p in params):
+                raise
+            return None
+
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""
         params = self.params
@@ -112,6 +220,7 @@ def load(
     dtype: str = "float32",
     *,
     seed_config: str | Path | None = None,
+    tokenizer: str | Path | None = None,
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
 
@@ -120,6 +229,8 @@ def load(
     `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
     `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
     dimensions that its weights do not record; GPT-J-6B's values are the default.
+    `tokenizer` is a GPT-2 BPE file (.tiktoken or tokenizer.json) for text generation; by default
+    `meshlm.tokenizer.load_tokenizer()` finds one when it is first needed.
     """
     model.dtype_of(dtype)
     path = checkpoint.resolve(path)
@@ -131,7 +242,7 @@ def load(
         cfg, params = hf.load(path, device_mesh, dtype)
     else:
         cfg, params = mtj.load(path, device_mesh, dtype, seed_config=seed_config)
-    return LanguageModel(cfg, params, device_mesh, dtype)
+    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
 
 
 def convert(
@@ -161,10 +272,14 @@ def convert(
 
 
 def from_config(
-    cfg: ModelConfig, mesh: str | Mesh | None = None, dtype: str = "float32", seed: int = 0
+    cfg: ModelConfig,
+    mesh: str | Mesh | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    tokenizer: str | Path | None = None,
 ) -> LanguageModel:
     """A randomly initialised model, created shard by shard directly on `mesh`."""
     device_mesh = make_mesh(mesh)
     shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
     params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
-    return LanguageModel(cfg, params, device_mesh, dtype)
+    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)

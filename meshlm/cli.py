@@ -87,6 +87,85 @@ def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     print(tokenizer.fetch_from_pypi())
 
 
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling threshold (default 0.9; 1 disables)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (default 1.0: none)")
+    p.add_argument("--stop", action="append", default=None, help="stop before this text (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    """Generate text from a checkpoint, streaming tokens as they come. Without --prompt, read prompts from stdin
+    (one per line) until end of input."""
+    from meshlm import api
+
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        seed=args.seed,
+    )
+    lm.sampling(**settings)  # bad settings fail here, before any prompt is read
+    interactive = args.prompt is None
+    if interactive and sys.stdin.isatty():
+        print(f"{lm}\nType a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
+    prompts = [args.prompt] if not interactive else _stdin_prompts()
+    for prompt in prompts:
+        start = time.perf_counter()
+        if not interactive:
+            print(prompt, end="", flush=True)
+        for piece in lm.stream(prompt, **settings):
+            print(piece, end="", flush=True)
+        print(flush=True)
+        if interactive:
+            print(f"[{time.perf_counter() - start:.2f}s]", file=sys.stderr)
+
+
+def _stdin_prompts():
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n").replace("\\n", "\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Serve a checkpoint over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, /health and
+    the seed's /complete, with requests batched together as they arrive."""
+    from pathlib import Path
+
+    from meshlm import api
+
+    try:
+        from meshlm import server
+    except ImportError as e:
+        raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
+
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    server.serve(
+        lm,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        chunk=args.chunk,
+        model_name=name,
+        max_len=args.max_len,
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train or fine-tune a GPT-J (resuming from the run folder's latest checkpoint, if any).
 
@@ -162,6 +241,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_dtype(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_convert)
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)
+    p.add_argument("checkpoint", help="meshlm checkpoint or Hugging Face GPT-J folder")
+    p.add_argument("--prompt", default=None, help="the prompt (default: read prompts from stdin, one per line)")
+    _add_sampling(p)
+    p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
+    _add_mesh_dtype(p)
+    p.set_defaults(handler=cmd_sample)
+
+    p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)", description=cmd_serve.__doc__)
+    p.add_argument("checkpoint", help="meshlm checkpoint or Hugging Face GPT-J folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most before 503 (default 64)")
+    p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")
+    p.add_argument(
+        "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"
+    )
+    p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
+    p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
+    _add_mesh_dtype(p)
+    p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser(
         "train",

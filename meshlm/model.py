@@ -201,13 +201,80 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
-def attention(h: jax.Array, p: Params, sin: jax.Array, cos: jax.Array, allowed: jax.Array) -> jax.Array:
+class KVCache(NamedTuple):
+    """Keys and values of every layer for incremental decoding, preallocated to `length` slots.
+
+    Each row writes at its own `index`, so rows of different lengths (or rows that joined a running
+    batch later) share one cache; `valid` marks the slots that hold real tokens, so left padding and
+    unused slots are never attended to.
+    """
+
+    k: jax.Array  # [L, B, S, H, K]
+    v: jax.Array  # [L, B, S, H, K]
+    valid: jax.Array  # [B, S] bool
+    index: jax.Array  # [B] int32: the slot the row's next token is written to
+
+    def slots(self, length: int) -> jax.Array:
+        """[B, length] cache slots of the next `length` tokens of each row."""
+        return self.index[:, None] + jnp.arange(length, dtype=jnp.int32)
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        """Store k/v [B, T, H, K] of `layer` at slots index..index+T-1 of each row.
+
+        A loop of per-row dynamic_update_slices, which XLA applies in place; a batched scatter made a
+        decode step twice as slow on CPU. The caller keeps index + T within the cache (a row past its
+        end, which only a finished row can be, is written at the last slots instead)."""
+
+        def put(buf: jax.Array, new: jax.Array) -> jax.Array:
+            def row(b: jax.Array, buf: jax.Array) -> jax.Array:
+                update = new[b][None, None].astype(buf.dtype)
+                return jax.lax.dynamic_update_slice(buf, update, (layer, b, self.index[b], 0, 0))
+
+            return jax.lax.fori_loop(0, new.shape[0], row, buf)
+
+        return self._replace(k=put(self.k, k), v=put(self.v, v))
+
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "act_heads", "head_dim")
+
+
+def cache_axes() -> KVCache:
+    """Logical axis names of the cache fields: heads are split like the attention weights."""
+    return KVCache(k=CACHE_AXES, v=CACHE_AXES, valid=("batch", "cache_seq"), index=("batch",))
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32") -> KVCache:
+    """An empty cache of `length` slots per row."""
+    shape = (cfg.n_layer, batch, length, cfg.n_head, cfg.d_head)
+    return KVCache(
+        k=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
+        v=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
+        valid=jnp.zeros((batch, length), bool),
+        index=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def attention(
+    h: jax.Array,
+    p: Params,
+    sin: jax.Array,
+    cos: jax.Array,
+    allowed: jax.Array,
+    cache: KVCache | None = None,
+    layer_index: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Self-attention of h [B, T, D]. With a cache, this layer's new keys/values are stored first and
+    the queries attend over every cached slot (`allowed` is then [B, T, S])."""
     q = apply_rotary(jnp.einsum("btd,dhk->bthk", h, p["q"].astype(h.dtype)), sin, cos)
     k = apply_rotary(jnp.einsum("btd,dhk->bthk", h, p["k"].astype(h.dtype)), sin, cos)
     v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(h.dtype))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
+    if cache is not None:
+        cache = cache.write(layer_index, k, v)
+        k = constrain(cache.k[layer_index].astype(h.dtype), ("batch", "cache_seq", "act_heads", None))
+        v = constrain(cache.v[layer_index].astype(h.dtype), ("batch", "cache_seq", "act_heads", None))
     out = attend(q, k, v, allowed)
-    return jnp.einsum("bthk,hkd->btd", out, p["out"].astype(h.dtype))
+    return jnp.einsum("bthk,hkd->btd", out, p["out"].astype(h.dtype)), cache
 
 
 def mlp(h: jax.Array, p: Params) -> jax.Array:
@@ -217,11 +284,19 @@ def mlp(h: jax.Array, p: Params) -> jax.Array:
 
 
 def block(
-    x: jax.Array, layer: Params, cfg: ModelConfig, sin: jax.Array, cos: jax.Array, allowed: jax.Array
-) -> jax.Array:
+    x: jax.Array,
+    layer: Params,
+    cfg: ModelConfig,
+    sin: jax.Array,
+    cos: jax.Array,
+    allowed: jax.Array,
+    cache: KVCache | None = None,
+    layer_index: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
     h = layer_norm(x, layer["ln"], cfg.layer_norm_eps)
-    x = x + attention(h, layer["attn"], sin, cos, allowed) + mlp(h, layer["mlp"])
-    return constrain(x, ("batch", "seq", "act_embed"))
+    attn, cache = attention(h, layer["attn"], sin, cos, allowed, cache, layer_index)
+    x = x + attn + mlp(h, layer["mlp"])
+    return constrain(x, ("batch", "seq", "act_embed")), cache
 
 
 def causal_mask(mask: jax.Array | None, batch: int, length: int) -> jax.Array:
@@ -230,6 +305,42 @@ def causal_mask(mask: jax.Array | None, batch: int, length: int) -> jax.Array:
     if mask is not None:
         allowed = allowed & mask.astype(bool)[:, None, :]
     return jnp.broadcast_to(allowed, (batch, length, length))
+
+
+def _run(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    allowed: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy,
+    cache: KVCache | None,
+    at: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Embedding, the blocks (scanned over the stacked layers) and the LM head: float32 logits (only at
+    position `at[b]` of each row when given, which spares a long prompt's prefill a [B, T, vocab] array)."""
+    dt = dtype_of(policy.compute_dtype)
+    sin, cos = rotary_tables(positions, cfg.rotary_dim)
+
+    x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    def step(carry: tuple[jax.Array, KVCache | None], xs: tuple[Params, jax.Array]):
+        x, cache = carry
+        layer, layer_index = xs
+        return block(x, layer, cfg, sin, cos, allowed, cache, layer_index), None
+
+    remat = REMAT_POLICIES[policy.remat]
+    if policy.remat != "none":
+        step = jax.checkpoint(step, policy=remat, prevent_cse=False)
+    (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.n_layer)))
+
+    if at is not None:
+        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+    x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
+    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
+    logits = logits + params["head"]["b"].astype(jnp.float32)
+    return constrain(logits, ("batch", "seq", "act_vocab")), cache
 
 
 def forward(
@@ -249,25 +360,38 @@ def forward(
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    dt = dtype_of(policy.compute_dtype)
-    sin, cos = rotary_tables(positions, cfg.rotary_dim)
-    allowed = causal_mask(mask, B, T)
+    logits, _ = _run(params, tokens, positions, causal_mask(mask, B, T), cfg, policy, None)
+    return logits
 
-    x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
-    x = constrain(x, ("batch", "seq", "act_embed"))
 
-    def step(x: jax.Array, layer: Params) -> tuple[jax.Array, None]:
-        return block(x, layer, cfg, sin, cos, allowed), None
+def decode(
+    params: Params,
+    tokens: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    policy: Policy = Policy(),
+    *,
+    mask: jax.Array | None = None,
+    at: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run tokens [B, T] after what `cache` holds: logits [B, T, vocab_size] (or [B, 1, vocab_size] at
+    position `at[b]` of each row, e.g. a prompt's last real token) and the cache advanced by T.
 
-    remat = REMAT_POLICIES[policy.remat]
-    if policy.remat != "none":
-        step = jax.checkpoint(step, policy=remat, prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, params["layers"])
-
-    x = layer_norm(x, params["ln_f"], cfg.layer_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["head"]["w"].astype(dt), preferred_element_type=jnp.float32)
-    logits = logits + params["head"]["b"].astype(jnp.float32)
-    return constrain(logits, ("batch", "seq", "act_vocab"))
+    The same blocks as `forward`; a prompt is one call (prefill), each new token another. `mask` [B, T]
+    marks real tokens; padding takes a slot but is never attended to and does not advance positions,
+    so a row's rotary position is the number of real tokens before it (`cumsum(mask) - 1` for a fresh,
+    left-padded prompt).
+    """
+    B, T = tokens.shape
+    S = cache.valid.shape[1]
+    mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+    positions = cache.valid.sum(-1, dtype=jnp.int32)[:, None] + jnp.cumsum(mask, -1, dtype=jnp.int32) - 1
+    slots = cache.slots(T)
+    valid = cache.valid.at[jnp.arange(B)[:, None], slots].set(mask, mode="drop")
+    allowed = valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
+    cache = cache._replace(valid=valid)
+    logits, cache = _run(params, tokens, positions, allowed, cfg, policy, cache, at)
+    return logits, cache._replace(index=cache.index + T)
 
 
 def loss(

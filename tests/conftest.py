@@ -33,3 +33,18 @@ def gpt2_bpe_file() -> str:
     from meshlm import tokenizer
 
     return str(tokenizer.fetch_from_pypi())
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_gpt2_vocab(tmp_path_factory) -> oracle.HFModel:
+    """A random tiny GPT-J with GPT-J's real (padded) vocabulary, for tests that generate real text."""
+    return oracle.make_hf_model(
+        tmp_path_factory.mktemp("hf_tiny_gpt2_vocab"),
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=4,
+        vocab_size=50400,
+        n_positions=256,
+        seed=1,
+    )

@@ -3,8 +3,9 @@
     python -m tests.multihost_worker OUT_DIR TASK[=ARG] ...
 
 Tasks, run in order: "grads" (loss and gradients of a tiny GPT-J on mesh data=2,fsdp=2,model=2, each
-process feeding only its own rows of the global batch), "save=CKPT" and "restore=CKPT" (write / read
-a meshlm checkpoint and record its logits). Process 0 writes results into OUT_DIR.
+process feeding only its own rows of the global batch), "train=DATASET" (a few optimizer steps of
+`meshlm.train` on that mesh), "save=CKPT" and "restore=CKPT" (write / read a meshlm checkpoint and
+record its logits). Process 0 writes results into OUT_DIR.
 """
 
 import sys
@@ -13,7 +14,8 @@ import jax
 import numpy as np
 
 import meshlm
-from meshlm import distributed, model, sharding
+from meshlm import distributed, model, sharding, train
+from meshlm.config import TrainConfig
 
 CFG = meshlm.preset("test-tiny")
 MESH = "data=2,fsdp=2,model=2"
@@ -31,6 +33,24 @@ def grads(out_dir: str) -> None:
     flat = {jax.tree_util.keystr(k): sharding.to_host(v) for k, v in jax.tree_util.tree_flatten_with_path(g)[0]}
     if distributed.is_main_process():
         np.savez(f"{out_dir}/grads.npz", loss=sharding.to_host(loss), **flat)
+
+
+def train_steps(out_dir: str, dataset: str) -> None:
+    # eps=1 makes each Adam update ~ lr * gradient, so parameters compare at fp32 tolerance (with eps=1e-8 an
+    # early update is ~ lr * sign(g), and rounding can flip the sign of a 1e-9 gradient).
+    cfg = TrainConfig(
+        model=CFG, data=dataset, out_dir=f"{out_dir}/run", mesh=MESH, batch_size=8, total_steps=4, lr=1.0,
+        end_lr=1.0, eps=1.0, warmup_steps=0, anneal_steps=10, val_every=0, ckpt_every=0, log_every=1000,
+        sample_tokens=0,
+    )  # fmt: skip
+    result = train.train(cfg, progress=False, sample=False)
+    assert result.lm is not None
+    flat = {
+        jax.tree_util.keystr(k): sharding.to_host(v)
+        for k, v in jax.tree_util.tree_flatten_with_path(result.lm.params)[0]
+    }
+    if distributed.is_main_process():
+        np.savez(f"{out_dir}/trained.npz", losses=np.array([result.losses[s] for s in sorted(result.losses)]), **flat)
 
 
 def save(out_dir: str, ckpt: str) -> None:
@@ -52,4 +72,4 @@ if __name__ == "__main__":
     out_dir, *tasks = sys.argv[1:]
     for task in tasks:
         name, *arg = task.split("=", 1)
-        {"grads": grads, "save": save, "restore": restore}[name](out_dir, *arg)
+        {"grads": grads, "train": train_steps, "save": save, "restore": restore}[name](out_dir, *arg)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshlm import data
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,10 +51,21 @@ def ok(result: subprocess.CompletedProcess) -> None:
 def runs(tmp_path_factory) -> Path:
     """One process, then two processes, then one again, handing checkpoints across."""
     root = tmp_path_factory.mktemp("multihost")
-    for name in ("one", "two", "back"):
+    for name in ("one", "two", "back", "data"):
         (root / name).mkdir()
-    ok(run(1, str(root / "one"), "grads", f"save={root / 'ckpt1'}"))
-    ok(run(2, str(root / "two"), "grads", f"restore={root / 'ckpt1'}", f"save={root / 'ckpt2'}"))
+    rows = np.random.default_rng(0).integers(0, 500, (32, 17))
+    data.write_index(root / "data", 16, {"train": data.write_split(root / "data", "train", [rows], 16)}, eos_id=0)
+    ok(run(1, str(root / "one"), "grads", f"train={root / 'data'}", f"save={root / 'ckpt1'}"))
+    ok(
+        run(
+            2,
+            str(root / "two"),
+            "grads",
+            f"train={root / 'data'}",
+            f"restore={root / 'ckpt1'}",
+            f"save={root / 'ckpt2'}",
+        )
+    )
     ok(run(1, str(root / "back"), f"restore={root / 'ckpt2'}"))
     return root
 
@@ -60,6 +73,14 @@ def runs(tmp_path_factory) -> Path:
 def test_two_processes_give_the_single_process_gradients(runs):
     one, two = np.load(runs / "one" / "grads.npz"), np.load(runs / "two" / "grads.npz")
     assert set(one.files) == set(two.files) and len(one.files) > 10
+    for name in one.files:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5 * np.abs(one[name]).max(), rtol=0, err_msg=name)
+
+
+def test_two_processes_train_like_one(runs):
+    one, two = np.load(runs / "one" / "trained.npz"), np.load(runs / "two" / "trained.npz")
+    assert len(one["losses"]) == 4 and np.isfinite(one["losses"]).all()
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
     for name in one.files:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5 * np.abs(one[name]).max(), rtol=0, err_msg=name)
 

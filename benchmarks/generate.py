@@ -1,0 +1,114 @@
+"""Generation speed: meshlm (KV cache, compiled decode loop) vs transformers' `generate`, same weights and prompts.
+
+    python benchmarks/generate.py [--d-model 256 --layers 4 --heads 4 --prompt 64 --new 128 --batches 1 16]
+
+Both decode greedily in float32 on this machine's CPU, one after the other in the same process.
+Time to first token is a generation of one new token (prefill plus the first choice); decode speed
+is the extra new tokens per second of a `--new`-token generation beyond that first one; end to end
+is all new tokens over the whole `--new`-token generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import GPTJConfig, GPTJForCausalLM
+
+import meshlm
+from meshlm.generate import SamplingParams
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest seconds of `fn` over `repeats` runs, after one warm-up (compilation) run: the least
+    disturbed by other work on a shared machine."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=50400)
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per row")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    hf_config = GPTJConfig(
+        n_embd=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        rotary_dim=min(64, args.d_model // args.heads),
+        vocab_size=args.vocab,
+        n_positions=2048,
+        bos_token_id=50256,
+        eos_token_id=50256,
+    )
+    torch_model = GPTJForCausalLM(hf_config).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        torch_model.save_pretrained(folder)
+        lm = meshlm.load(folder)
+    print(
+        f"config: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
+        f"prompt {args.prompt}, {args.new} new tokens, greedy, float32, torch threads {torch.get_num_threads()}"
+    )
+
+    rng = np.random.default_rng(0)
+    for batch in args.batches:
+        prompts = rng.integers(0, 50257, (batch, args.prompt))
+        rows = {
+            "meshlm": measure(lambda new, p=prompts: run_meshlm(lm, p, new), batch, args),
+            "transformers": measure(lambda new, p=prompts: run_torch(torch_model, p, new), batch, args),
+        }
+        print(f"\nbatch {batch}")
+        for name, (first, rate, total) in rows.items():
+            print(
+                f"  {name:<13} time to first token {first * 1e3:8.1f} ms   decode {rate:7.0f} tokens/s   "
+                f"end to end {total:7.0f} tokens/s"
+            )
+        (m_first, m_rate, m_total), (t_first, t_rate, t_total) = rows["meshlm"], rows["transformers"]
+        print(
+            f"  ratio meshlm / transformers: decode {m_rate / t_rate:.2f}x, first token {t_first / m_first:.2f}x, "
+            f"end to end {m_total / t_total:.2f}x"
+        )
+
+
+def run_meshlm(lm: meshlm.LanguageModel, prompts: np.ndarray, new: int) -> None:
+    lm.generate_tokens(prompts, SamplingParams(max_new_tokens=new, temperature=0.0))
+
+
+def run_torch(torch_model: GPTJForCausalLM, prompts: np.ndarray, new: int) -> None:
+    tokens = torch.as_tensor(prompts)
+    with torch.inference_mode():
+        torch_model.generate(
+            tokens,
+            attention_mask=torch.ones_like(tokens),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=50256,
+        )
+
+
+def measure(run: Callable[[int], None], batch: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(time to first token in seconds, decode tokens/s, end-to-end tokens/s), over the batch."""
+    first = timed(lambda: run(1), args.repeats)
+    whole = timed(lambda: run(args.new), args.repeats)
+    return first, batch * (args.new - 1) / (whole - first), batch * args.new / whole
+
+
+if __name__ == "__main__":
+    main()

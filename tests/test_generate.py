@@ -1,0 +1,249 @@
+"""Generation: KV-cache decoding against the full forward, greedy decoding against transformers' generate,
+the sampling filters on hand-computed cases (and against transformers' warpers), seeds, stops, `meshlm sample`."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+import meshlm
+from meshlm import cli, model
+from meshlm import generate as gen
+from meshlm.generate import SamplingParams
+
+NEW = 40  # tokens generated in the oracle comparisons
+PROMPT_LENGTHS = (9, 3, 14)  # a padded batch: rows of different lengths, left-padded to one bucket
+
+
+@pytest.fixture(scope="module")
+def lm(hf_tiny):
+    return meshlm.load(hf_tiny.path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(1, 512, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(hf_model, prompt: list[int], new: int, **kwargs) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy generate of one unpadded prompt: the new tokens and the raw logits of each step."""
+    with torch.no_grad():
+        out = hf_model.torch_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    logits = torch.stack(out.logits, 1)[0].float().numpy()
+    return out.sequences[0, len(prompt) :].tolist(), logits
+
+
+def greedy(max_new: int = NEW, **changes) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, **changes)
+
+
+def test_greedy_matches_transformers_for_one_prompt_and_a_padded_batch(lm, hf_tiny, prompts):
+    penalties = (1.0, 1.0, 1.5)  # per-row settings: the last row also checks the repetition penalty
+    expected = [hf_greedy(hf_tiny, p, NEW, repetition_penalty=r) for p, r in zip(prompts, penalties, strict=True)]
+
+    (alone,) = lm.generate_tokens([prompts[0]], greedy())
+    assert alone.tokens == expected[0][0]
+    assert alone.finish_reason == "length"
+
+    batch = lm.generate_tokens(prompts, [greedy(repetition_penalty=r) for r in penalties])
+    for got, (tokens, logits) in zip(batch, expected, strict=True):
+        assert len(got.tokens) == NEW and got.tokens == tokens
+        # log-probabilities are the model's own (before any penalty or filter), as transformers reports them
+        want = torch.log_softmax(torch.as_tensor(logits), -1).numpy()[np.arange(NEW), tokens]
+        np.testing.assert_allclose(got.logprobs, want, atol=1e-4)
+
+
+def test_greedy_on_a_multi_device_mesh_matches_one_device(lm, hf_tiny, prompts):
+    sharded = meshlm.load(hf_tiny.path, mesh="data=2,fsdp=2,model=2")
+    params = [greedy(24)] * len(prompts)
+    assert [c.tokens for c in sharded.generate_tokens(prompts, params)] == [
+        c.tokens for c in lm.generate_tokens(prompts, params)
+    ]
+
+
+def test_cached_decoding_logits_equal_the_full_forward_at_every_step(lm):
+    cfg, params = lm.config, lm.params
+    rng = np.random.default_rng(0)
+    lengths, prompt_len, total = (6, 3), 6, 18
+    seqs = [rng.integers(0, cfg.vocab_size, total - (prompt_len - n)) for n in lengths]
+    # the reference: each row unpadded (right padding is harmless under a causal mask)
+    full = np.zeros((2, total), np.int32)
+    for i, s in enumerate(seqs):
+        full[i, : len(s)] = s
+    expected = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg))(params, full))
+
+    prompt = np.zeros((2, prompt_len), np.int32)
+    mask = np.zeros((2, prompt_len), bool)
+    for i, n in enumerate(lengths):
+        prompt[i, prompt_len - n :], mask[i, prompt_len - n :] = seqs[i][:n], True
+    decode = jax.jit(lambda p, t, c, m: model.decode(p, t, c, cfg, mask=m))
+    logits, cache = decode(params, prompt, model.init_cache(cfg, 2, 32), mask)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(logits[i, prompt_len - n :], expected[i, :n], atol=1e-4, rtol=0)
+    for step in range(total - prompt_len - 1):
+        new = np.array([[s[n + step]] for s, n in zip(seqs, lengths, strict=True)], np.int32)
+        logits, cache = decode(params, new, cache, np.ones((2, 1), bool))
+        for i, n in enumerate(lengths):
+            np.testing.assert_allclose(logits[i, 0], expected[i, n + step], atol=1e-4, rtol=0)
+
+
+def test_sampling_is_reproducible_by_seed_whatever_the_batch(lm, prompts):
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    (alone,) = lm.generate_tokens([prompts[0]], sampled)
+    batch = lm.generate_tokens(prompts, [sampled.replace(seed=s) for s in (7, 8, 9)])
+    again = lm.generate_tokens(prompts, [sampled.replace(seed=s) for s in (7, 8, 9)])
+    assert batch[0].tokens == alone.tokens
+    assert [c.tokens for c in batch] == [c.tokens for c in again]
+    (other,) = lm.generate_tokens([prompts[0]], sampled.replace(seed=8))
+    assert other.tokens != alone.tokens
+    greedy_tokens = lm.generate_tokens([prompts[0]], greedy())[0].tokens
+    assert alone.tokens != greedy_tokens
+    # filters that leave one candidate turn sampling into greedy decoding
+    (top1,) = lm.generate_tokens([prompts[0]], sampled.replace(top_k=1))
+    (tiny_p,) = lm.generate_tokens([prompts[0]], sampled.replace(top_k=0, top_p=1e-6))
+    assert top1.tokens == greedy_tokens == tiny_p.tokens
+
+
+def test_stop_token_ids_end_a_row_without_emitting_the_stop_token(lm, prompts):
+    free = lm.generate_tokens(prompts, greedy())
+    stop = free[0].tokens[5]
+    stopped = lm.generate_tokens(prompts, greedy(stop_token_ids=(stop,)))
+    for f, s in zip(free, stopped, strict=True):
+        cut = f.tokens.index(stop) if stop in f.tokens else NEW
+        assert s.tokens == f.tokens[:cut]
+        assert s.finish_reason == ("stop" if cut < NEW else "length")
+
+
+def rows_of(*values):
+    return jnp.asarray(np.array(values, np.float32))
+
+
+def test_top_k_keeps_the_k_largest_per_row():
+    logits = rows_of([1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0])
+    out = np.asarray(gen.top_k_filter(logits, jnp.array([2, 0])))
+    np.testing.assert_array_equal(out[0], [-np.inf, 3.0, 2.0, -np.inf])
+    np.testing.assert_array_equal(out[1], [1.0, 3.0, 2.0, 0.0])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = jnp.log(rows_of([0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]))
+    out = np.asarray(gen.top_p_filter(logits, jnp.array([0.8, 0.81, 0.5])))
+    assert np.isfinite(out).tolist() == [
+        [True, True, False, False],  # 0.5 + 0.3 reaches 0.8
+        [True, True, True, False],  # 0.8 does not reach 0.81
+        [False, False, False, True],  # the most likely token alone reaches 0.5
+    ]
+
+
+def test_temperature_then_top_k_then_top_p():
+    scaled = gen.apply_temperature(rows_of([2.0, 0.0], [2.0, 0.0]), jnp.array([0.5, 0.0]))
+    np.testing.assert_allclose(scaled, [[4, 0], [2, 0]])  # temperature 0 (greedy) leaves the logits alone
+    base = jnp.log(rows_of([0.6, 0.3, 0.1]))
+    # top_p 0.7 keeps two tokens at temperature 1; temperature 0.25 first sharpens to (0.941, 0.059, ~0): one
+    keep = lambda t, k, p: np.isfinite(gen.filter_logits(base, jnp.array([t]), jnp.array([k]), jnp.array([p])))
+    assert keep(1.0, 0, 0.7).tolist() == [[True, True, False]]
+    assert keep(0.25, 0, 0.7).tolist() == [[True, False, False]]
+    # top-p sees the distribution renormalised after top-k: (0.4, 0.3 | 0.2, 0.1) -> (0.57, 0.43), so p=0.5
+    # keeps one token (without top-k first it would keep 0.4 and 0.3)
+    four = jnp.log(rows_of([0.4, 0.3, 0.2, 0.1]))
+    after = np.isfinite(gen.filter_logits(four, jnp.array([1.0]), jnp.array([2]), jnp.array([0.5])))
+    assert after.tolist() == [[True, False, False, False]]
+    assert np.isfinite(gen.filter_logits(four, jnp.array([1.0]), jnp.array([0]), jnp.array([0.5]))).sum() == 2
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = rows_of([2.0, -2.0, 1.0])
+    seen = jnp.array([[True, True, False]])
+    np.testing.assert_allclose(gen.repetition_penalty(logits, seen, jnp.array([2.0])), [[1.0, -4.0, 1.0]])
+
+
+def test_filters_agree_with_transformers_warpers():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (4, 200)).astype(np.float32)
+    ks, ps = [1, 5, 37, 199], [0.05, 0.5, 0.9, 0.99]
+    got_k = np.asarray(gen.top_k_filter(jnp.asarray(logits), jnp.array(ks)))
+    got_p = np.asarray(gen.top_p_filter(jnp.asarray(logits), jnp.array(ps)))
+    for i in range(4):
+        row = torch.as_tensor(logits[i : i + 1])
+        want_k = TopKLogitsWarper(ks[i])(None, row.clone()).numpy()[0]
+        want_p = TopPLogitsWarper(ps[i])(None, row.clone()).numpy()[0]
+        np.testing.assert_array_equal(np.isfinite(got_k[i]), np.isfinite(want_k))
+        np.testing.assert_array_equal(np.isfinite(got_p[i]), np.isfinite(want_p))
+
+
+def test_padded_vocabulary_rows_are_never_produced(lm):
+    V, used = 64, 50
+    logits = np.zeros((3, V), np.float32)
+    logits[:, used:] = 100.0  # the padded rows would win every time
+    settings = gen.settings_for(
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(top_k=3, seed=2)], 3
+    )
+    rows = gen.Rows(None, jnp.zeros(3, jnp.int32), jnp.zeros((3, V), bool), jnp.zeros(3, jnp.int32), None, settings)
+    token, logprob, top_ids, _ = gen.choose(jnp.asarray(logits), rows, used)
+    assert (np.asarray(token) < used).all() and (np.asarray(top_ids) < used).all()
+    np.testing.assert_allclose(logprob, -np.log(used), rtol=1e-5)
+
+
+def test_settings_are_validated_with_clear_messages():
+    for bad, words in [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(stop=("",)), "stop"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text: a tiny model with GPT-J's vocabulary and the real GPT-2 tokenizer
+
+
+@pytest.fixture(scope="module")
+def text_lm(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+    return meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file)
+
+
+TEXTS = ["Hello world, this is", "The quick brown fox"]
+
+
+def test_generate_text_and_stop_strings(text_lm):
+    free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop_token_ids=[])
+    assert all(len(t) > 10 for t in free)
+    stop = free[0][6:10]
+    stopped = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop=stop, stop_token_ids=[])
+    assert stopped == [t[: t.find(stop)] if stop in t else t for t in free]
+    again = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0.8, seed=5)
+    assert again == text_lm.generate(TEXTS, max_new_tokens=24, temperature=0.8, seed=5)
+    assert "".join(text_lm.stream(TEXTS[0], max_new_tokens=24, temperature=0, stop_token_ids=[])) == free[0]
+
+
+def test_sample_command_streams_and_reads_prompts_from_stdin(
+    text_lm, hf_tiny_gpt2_vocab, gpt2_bpe_file, capsys, monkeypatch
+):
+    expected = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0)
+    args = ["sample", str(hf_tiny_gpt2_vocab.path), "--tokenizer", gpt2_bpe_file, "--temperature", "0"]
+    args += ["--max-new-tokens", "24"]
+    assert cli.main([*args, "--prompt", TEXTS[0]]) == 0
+    assert capsys.readouterr().out == TEXTS[0] + expected[0] + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TEXTS) + "\n"))
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == "".join(e + "\n" for e in expected)
+    assert cli.main([*args, "--top-p", "2"]) == 1
+    assert "top_p" in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""`meshlm serve` as a real process on 127.0.0.1, driven by the official `openai` client and plain HTTP."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import meshlm
+
+MAX_BATCH, MAX_QUEUE = 16, 24
+PROMPT = "Hello world, this is"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MESHLM_TOKENIZER": gpt2_bpe_file}
+    cmd = [sys.executable, "-m", "meshlm", "serve", str(hf_tiny_gpt2_vocab.path), "--port", str(port)]
+    cmd += ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--model-name", "tiny"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    out = proc.stdout.read()
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+    """The same checkpoint in this process, through `LanguageModel.generate`."""
+    return meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file)
+
+
+def test_openai_client_completions(client, reference):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=2)
+    (choice,) = r.choices
+    assert choice.text == reference.generate([PROMPT], max_new_tokens=24, temperature=0)[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 24
+    assert len(choice.logprobs.tokens) == 24 == len(choice.logprobs.token_logprobs)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert all(
+        len(top) == 2 and max(top.values()) >= lp - 1e-6
+        for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs, strict=True)
+    )
+    prompts = [PROMPT, "Once"]
+    echoed = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, echo=True, n=2)
+    assert [c.index for c in echoed.choices] == [0, 1, 2, 3]
+    assert echoed.choices[0].text == PROMPT + choice.text[: len(echoed.choices[0].text) - len(PROMPT)]
+    assert echoed.choices[2].text.startswith("Once")
+
+
+def test_openai_client_streaming_matches_non_streaming(client):
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=11)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_legacy_complete_endpoint(server, client):
+    r = httpx.post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 0.0, "gen_len": 12}, timeout=60)
+    assert r.status_code == 200
+    want = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    assert r.json() == {"completion": want}
+    sampled = httpx.post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 1.0}, timeout=60)
+    assert sampled.status_code == 200 and isinstance(sampled.json()["completion"], str)
+
+
+def test_sixteen_concurrent_requests_are_batched(server, client):
+    def body(i: int) -> dict:
+        return dict(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=48, temperature=0)
+
+    start = time.perf_counter()
+    one_by_one = [client.completions.create(**body(i)).choices[0].text for i in range(16)]
+    sequential = time.perf_counter() - start
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as aclient:
+            results = await asyncio.gather(*(aclient.completions.create(**body(i)) for i in range(16)))
+        return [r.choices[0].text for r in results]
+
+    start = time.perf_counter()
+    concurrent = asyncio.run(together())
+    elapsed = time.perf_counter() - start
+    assert concurrent == one_by_one  # a row gives the same text alone or batched with others
+    assert elapsed < sequential / 2, (elapsed, sequential)
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
+    url = f"{server}/v1/completions"
+    cases = [
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+        ({"prompt": 42}, "prompt"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": PROMPT, "top_p": 1.5}, "top_p"),
+        ({"prompt": PROMPT, "logprobs": 9}, "logprobs"),
+        ({"prompt": PROMPT, "n": 0}, "n"),
+        ({"prompt": "hello " * 300, "max_tokens": 4}, "context"),
+        ({"prompt": PROMPT, "max_tokens": 10_000}, "context"),
+        ({"prompt": [[1, 2], [70000]]}, "prompt"),
+        ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ]
+    for payload, word in cases:
+        r = httpx.post(url, json=payload, timeout=30)
+        assert r.status_code == 400, (payload, r.text)
+        error = r.json()["error"]
+        assert word in error["message"] and error["type"] == "invalid_request_error", (payload, error)
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.post(f"{server}/complete", json={"top_p": 0.9}, timeout=30).status_code == 400
+    assert httpx.get(f"{server}/v1/nothing", timeout=30).status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-5)
+    ok = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_cancelled_stream_stops_its_row(server):
+    before = httpx.get(f"{server}/health").json()["tokens_generated"]
+    payload = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=payload, timeout=30) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(f"{server}/health").json())["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health["active"] == 0
+    assert health["tokens_generated"] - before < 150  # the row stopped well before its 200 tokens
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            payload = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0}
+            requests = MAX_BATCH + MAX_QUEUE + 8  # more than the slots and the queue hold
+            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=payload) for _ in range(requests)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 503} and codes.count(200) >= MAX_BATCH, codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"

@@ -17,7 +17,7 @@ from meshlm import train
 from meshlm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("test-tiny", "test-full-rotary")
+MODELS = ("test-tiny",)
 SECTIONS = ("matmul", "copy", *(f"{kind}/{m}" for m in MODELS for kind in ("train", "generate")))
 
 

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from benchmarks import gpu
-from meshlm import train
+from meshlm import model, train
 from meshlm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,3 +109,22 @@ def test_bf16_stored_adam_state_stays_bf16_and_follows_fp32_adam():
         for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True):
             assert u.dtype == jnp.float32
             np.testing.assert_allclose(u, r, rtol=2e-2, atol=1e-5)
+
+
+def saved_float_shapes(remat: str, T: int) -> list[tuple[int, ...]]:
+    """Shapes of the float activations the backward pass keeps under a remat policy (traced, not run)."""
+    cfg = preset("test-tiny")
+    tokens = jnp.zeros((2, T + 1), jnp.int32)
+    policy = model.Policy(compute_dtype="bfloat16", remat=remat)
+    saved = saved_residuals(lambda p: model.loss(p, tokens, cfg, policy)[0], model.abstract_params(cfg))
+    return [a.shape for a, _ in saved if jnp.issubdtype(a.dtype, jnp.floating)]
+
+
+def test_benchmark_remat_keeps_projections_and_recomputes_attention_scores():
+    cfg, T = preset("test-tiny"), 12  # T differs from every model dimension, so T x T means scores
+    quadratic = [s for s in saved_float_shapes("dots", T) if s.count(T) >= 2]
+    assert quadratic  # the plain "dots" policy keeps the O(T^2) attention scores of every layer...
+    kept = saved_float_shapes("dots_no_batch", T)
+    assert not [s for s in kept if s.count(T) >= 2]  # ...the benchmark's policy recomputes them
+    assert kept.count((cfg.n_layer, 2, T, cfg.n_head, cfg.d_head)) == 3  # and keeps q, k, v
+    assert (cfg.n_layer, 2, T, cfg.d_ff) in kept  # and the MLP's up-projection

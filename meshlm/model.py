@@ -172,13 +172,33 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return jnp.concatenate([x_rot, x[..., rot:]], axis=-1)
 
 
+# "auto": cuDNN's fused (flash) attention on a GPU where it takes the shapes and dtypes, XLA's otherwise;
+# "xla" or "cudnn" force one (a forced "cudnn" raises where cuDNN cannot run).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+attention_impl = "auto"
+
+
+def _use_cudnn(q: jax.Array) -> bool:
+    if attention_impl == "cudnn":
+        return True
+    return attention_impl == "auto" and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Softmax attention with fp32 scores. q [B, T, H, K], k/v [B, S, H, K], allowed [B, T, S]."""
-    scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    scores = jnp.where(allowed[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs, v)
+    """Softmax attention with fp32 scores. q [B, T, H, K], k/v [B, S, H, K], allowed [B, T, S].
+
+    `jax.nn.dot_product_attention` either way: its XLA path is the plain einsum-softmax-einsum with
+    fp32 scores; the cuDNN path fuses it into one kernel (the mask becomes an additive bias)."""
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"unknown attention implementation {attention_impl!r}; allowed: {list(ATTENTION_IMPLS)}")
+    mask = allowed[:, None]
+    if _use_cudnn(q):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            if attention_impl == "cudnn":
+                raise
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
 class KVCache(NamedTuple):

@@ -1,0 +1,444 @@
+"""Speed on one accelerator against the hardware's own limits, measured in one run.
+
+Sections, each guarded (a failure such as an OOM is recorded and the rest still run) and skipped once
+the time budget is spent:
+  matmul    bf16 square matmul: the achievable TFLOP/s, the peer of every MFU figure below;
+  copy      device memory copy: the achievable GB/s, the peer of the decode roofline;
+  train     GPT-J-shaped training (random init, fp32 master weights, bf16 compute, fp32 or (where memory
+            requires) bf16 Adam moments, remat, seq 2048,
+            the largest batch of a list that fits): tokens/s, MFU, step and compile time;
+  generate  bf16 generation: prefill tokens/s of a 2048-token prompt, decode tokens/s at batch 1/16/64,
+            batch-1 decode as a fraction of the roofline (weight + KV-cache bytes per step / copy GB/s);
+for the gptj-6b and the gptj-1b presets. `--tiny` shrinks every shape so the same code runs on a CPU.
+
+    bash benchmarks/gpu.sh            # writes $OUT/gpu.json and $OUT/gpu.md
+    python benchmarks/gpu.py --tiny --out /tmp/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from meshlm import config, model, train
+from meshlm.sharding import make_mesh
+
+
+@dataclass(frozen=True)
+class Shapes:
+    models: tuple[str, ...] = ("gptj-6b", "gptj-1b")
+    matmul_n: int = 8192
+    copy_bytes: int = 4 << 30
+    seq_len: int = 2048
+    train_batches: tuple[int, ...] = (8, 6, 4, 2, 1)  # tried largest first until one fits
+    train_steps: int = 5
+    prompt_len: int = 2048
+    decode_batches: tuple[int, ...] = (1, 16, 64)
+    decode_context: int = 512  # cache slots already filled when decoding starts
+    decode_steps: int = 128
+    repeats: int = 10
+
+
+# One toy model: the second preset of a full run goes through exactly the same functions.
+TINY = Shapes(
+    models=("test-tiny",),
+    matmul_n=128,
+    copy_bytes=1 << 20,
+    seq_len=32,
+    train_batches=(2,),
+    train_steps=2,
+    prompt_len=32,
+    decode_batches=(1, 2),
+    decode_context=8,
+    decode_steps=4,
+    repeats=2,
+)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Seconds per call after one warm-up call; the device is synchronised only at the ends."""
+    jax.block_until_ready(fn())
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def is_oom(err: Exception) -> bool:
+    if isinstance(err, MemoryError):
+        return True
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Peak device bytes of a compiled function by XLA's own accounting (0 where it gives none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def device_memory() -> int:
+    """Bytes the first device may allocate (the host's RAM for a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardware probes
+
+
+def probe_matmul(shapes: Shapes) -> dict[str, float]:
+    n = shapes.matmul_n
+    flops = train.measure_matmul_peak("bfloat16", n=n, repeats=shapes.repeats)
+    return {"n": n, "tflops": flops / 1e12}
+
+
+def probe_copy(shapes: Shapes) -> dict[str, float]:
+    """Read + write of one large bf16 buffer (`x + 1`, which XLA cannot elide)."""
+    x = jnp.ones((shapes.copy_bytes // 2,), jnp.bfloat16)
+    step = jax.jit(lambda x: x + 1)
+    seconds = timed(lambda: step(x), shapes.repeats)
+    return {"bytes": shapes.copy_bytes, "gb_per_s": 2 * shapes.copy_bytes / seconds / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+
+
+def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
+    """fp32 Adam moments if the state (fp32 weights, gradients, moments: 16 bytes/param) plus the
+    optimizer's fp32 update (4) leaves 15% of memory for activations; bf16 moments (4 bytes/param less)
+    otherwise."""
+    need = train.state_bytes_per_device(cfg, {}, bytes_per_param=20)
+    return "float32" if need <= 0.85 * memory else "bfloat16"
+
+
+def bench_train(
+    cfg: config.ModelConfig, shapes: Shapes, args: argparse.Namespace, matmul_tflops: float, deadline: float
+) -> dict:
+    mesh = make_mesh(None)
+    memory = device_memory()
+    remat = args.remat
+    state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
+    tcfg = config.TrainConfig(
+        model=cfg, param_dtype="float32", compute_dtype="bfloat16", remat=remat, warmup_steps=0, anneal_steps=10
+    )
+    opt = train.make_optimizer(tcfg, cfg, state_dtype=None if state_dtype == "float32" else state_dtype)
+    shardings = train.state_shardings(cfg, opt, mesh)
+    step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
+
+    def init_state(key: jax.Array) -> train.TrainState:
+        params = model.init(cfg, key)
+        return train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+
+    make_state = jax.jit(init_state, out_shardings=shardings)
+    result: dict[str, Any] = {
+        "params": cfg.num_params(),
+        "seq_len": shapes.seq_len,
+        "remat": remat,
+        "attention": model.attention_impl,
+        "optimizer_state": state_dtype,
+        "state_gb": train.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12) / 1e9,
+        "device_memory_gb": memory / 1e9,
+        "tried": {},
+    }
+    for batch_size in shapes.train_batches:
+        if time.monotonic() > deadline:
+            result["tried"][batch_size] = "skipped: time budget"
+            continue
+        state = make_state(jax.random.key(0))
+        tokens = jax.random.randint(jax.random.key(1), (1, batch_size, shapes.seq_len + 1), 0, cfg.n_vocab_used)
+        try:
+            start = time.perf_counter()
+            compiled = step_fn.lower(state, tokens).compile()
+            compile_s = time.perf_counter() - start
+            footprint = compiled_bytes(compiled)
+            if footprint > memory:  # fail fast instead of an allocation error part-way through the step
+                raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
+            state, metrics = compiled(state, tokens)  # warm-up; each step donates and replaces the state
+            first_loss = float(metrics["loss"])
+            start = time.perf_counter()
+            for _ in range(shapes.train_steps):
+                state, metrics = compiled(state, tokens)
+            loss = float(metrics["loss"])
+            step_s = (time.perf_counter() - start) / shapes.train_steps
+        except Exception as err:  # an OOM tries the next batch; anything else is the section's error
+            if not is_oom(err):
+                raise
+            result["tried"][batch_size] = one_line(err)
+            del state
+            gc.collect()
+            continue
+        tokens_per_s = batch_size * shapes.seq_len / step_s
+        flops = train.flops_per_token(cfg, shapes.seq_len) * tokens_per_s
+        result["tried"][batch_size] = "ok"
+        result |= {
+            "batch": batch_size,
+            "tokens_per_step": batch_size * shapes.seq_len,
+            "first_loss": first_loss,
+            "loss": loss,  # after the timed steps, all on the same batch
+            "compile_s": compile_s,
+            "compiled_gb": footprint / 1e9,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_s,
+            "model_tflops": flops / 1e12,
+            "mfu": flops / train.peak_flops(mesh, "bfloat16"),
+            "mfu_vs_matmul": flops / (matmul_tflops * 1e12),
+        }
+        return result
+    raise RuntimeError(f"no batch of {list(shapes.train_batches)} fits: {result['tried']}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def bench_generate(
+    cfg: config.ModelConfig, shapes: Shapes, matmul_tflops: float, copy_gbs: float, deadline: float
+) -> dict:
+    policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = jax.jit(lambda k: model.init(cfg, k, "bfloat16"))(jax.random.key(0))
+    weight_bytes = tree_bytes(params)
+
+    @jax.jit
+    def prefill(params: model.Params, tokens: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+        at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1)
+        return model.decode(params, tokens, cache, cfg, policy, at=at)
+
+    T = shapes.prompt_len
+    prompt = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.n_vocab_used)
+    empty = model.init_cache(cfg, 1, T, "bfloat16")
+    seconds = timed(lambda: prefill(params, prompt, empty), shapes.repeats)
+    prefill_flops = train.flops_per_token(cfg, T) / 3 * T / seconds  # the forward third of the training count
+    result: dict[str, Any] = {
+        "params": cfg.num_params(),
+        "weight_gb": weight_bytes / 1e9,
+        "attention": model.attention_impl,
+        "prefill_len": T,
+        "prefill_s": seconds,
+        "prefill_tokens_per_s": T / seconds,
+        "prefill_mfu_vs_matmul": prefill_flops / (matmul_tflops * 1e12),
+        "decode_context": shapes.decode_context,
+        "decode_steps": shapes.decode_steps,
+        "decode": {},
+    }
+
+    def loop(params: model.Params, cache: model.KVCache, token: jax.Array) -> tuple[jax.Array, model.KVCache]:
+        """`decode_steps` greedy tokens on the device: no host round-trip between steps."""
+
+        def body(_: int, carry: tuple[model.KVCache, jax.Array]) -> tuple[model.KVCache, jax.Array]:
+            cache, token = carry
+            logits, cache = model.decode(params, token[:, None], cache, cfg, policy)
+            return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32)
+
+        cache, token = jax.lax.fori_loop(0, shapes.decode_steps, body, (cache, token))
+        return token, cache
+
+    loop = jax.jit(loop, donate_argnums=1)
+    # Decode attends over every slot of the cache, so its cost depends on the slots, not their contents:
+    # mark `decode_context` slots filled instead of prefilling them.
+    slots = shapes.decode_context + 2 * shapes.decode_steps
+    for batch in shapes.decode_batches:
+        if time.monotonic() > deadline:
+            result["decode"][batch] = {"status": "skipped: time budget"}
+            continue
+        try:
+            cache = model.init_cache(cfg, batch, slots, "bfloat16")
+            filled = jnp.arange(slots) < shapes.decode_context
+            cache = cache._replace(
+                valid=jnp.broadcast_to(filled, (batch, slots)),
+                index=jnp.full((batch,), shapes.decode_context, jnp.int32),
+            )
+            token = jnp.zeros((batch,), jnp.int32)
+            token, cache = loop(params, cache, token)  # compiles; fills the first decode_steps slots
+            jax.block_until_ready(token)
+            start = time.perf_counter()
+            token, cache = loop(params, cache, token)
+            jax.block_until_ready(token)
+            step_s = (time.perf_counter() - start) / shapes.decode_steps
+            cache_bytes = tree_bytes((cache.k, cache.v))
+            del cache
+        except Exception as err:  # recorded per batch, the other batches still run
+            if not is_oom(err):
+                raise
+            result["decode"][batch] = {"status": "out of memory"}
+            continue
+        roofline_s = (weight_bytes + cache_bytes) / (copy_gbs * 1e9)
+        result["decode"][batch] = {
+            "status": "ok",
+            "cache_slots": slots,
+            "step_ms": step_s * 1e3,
+            "tokens_per_s": batch / step_s,
+            "bytes_per_step_gb": (weight_bytes + cache_bytes) / 1e9,
+            "roofline_fraction": roofline_s / step_s,
+        }
+    one = result["decode"].get(shapes.decode_batches[0], {})
+    result["batch1_roofline_fraction"] = one.get("roofline_fraction", float("nan"))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Driver and report
+
+
+def machine() -> dict[str, Any]:
+    device = jax.devices()[0]
+    return {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "n_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def one_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shapes = TINY if args.tiny else Shapes()
+    if args.train_batches:
+        shapes = replace(shapes, train_batches=tuple(int(b) for b in args.train_batches.split(",")))
+    model.attention_impl = args.attention
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "tiny": args.tiny,
+        "budget_s": args.budget_s,
+        "command": "python benchmarks/gpu.py " + " ".join(args.argv),
+        "sections": {},
+    }
+
+    def section(name: str, fn: Callable[[], dict]) -> dict:
+        if time.monotonic() > deadline:
+            result = {"status": "skipped", "reason": "time budget spent"}
+        else:
+            t0 = time.monotonic()
+            try:
+                result = {"status": "ok", **fn()}
+            except Exception as err:  # one section's failure must not stop the others
+                result = {"status": "error", "error": one_line(err)}
+                if model.attention_impl == "auto" and jax.default_backend() == "gpu" and not is_oom(err):
+                    # cuDNN may refuse a shape only when XLA compiles it: rerun on XLA's attention.
+                    model.attention_impl = "xla"
+                    try:
+                        result = {"status": "ok", "cudnn_error": result["error"], **fn()}
+                    except Exception as retry_err:
+                        result["error_with_xla_attention"] = one_line(retry_err)
+                    finally:
+                        model.attention_impl = "auto"
+            result["wall_s"] = time.monotonic() - t0
+            jax.clear_caches()
+            gc.collect()
+        report["sections"][name] = result
+        report["elapsed_s"] = time.monotonic() - start
+        write(report, out)
+        print(f"{name}: {result['status']} ({result.get('wall_s', 0):.1f} s)", flush=True)
+        return result
+
+    matmul = section("matmul", lambda: probe_matmul(shapes))
+    copy = section("copy", lambda: probe_copy(shapes))
+    tflops = matmul.get("tflops", float("nan"))
+    gbs = copy.get("gb_per_s", float("nan"))
+    for name in shapes.models:
+        cfg = config.preset(name).replace(max_seq_len=max(shapes.seq_len, shapes.prompt_len))
+        section(f"train/{name}", lambda cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline))
+        section(f"generate/{name}", lambda cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline))
+    return report
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    """Rewritten after every section, so a run stopped from outside still leaves its figures."""
+    (out / "gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "gpu.md").write_text(summary(report))
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else f"{x:,.{digits}f}"
+    return str(x)
+
+
+def summary(report: dict[str, Any]) -> str:
+    m, s = report["machine"], report["sections"]
+    lines = [
+        f"# meshlm on {m['device']} ({m['platform']}), JAX {m['jax']}",
+        "",
+        f"`{report['command']}`, {fmt(report.get('elapsed_s', 0.0), 0)} s",
+        "",
+    ]
+    for name, r in s.items():
+        if r["status"] != "ok":
+            lines.append(f"- **{name}**: {r['status']} {r.get('error', r.get('reason', ''))}")
+        elif name == "matmul":
+            lines.append(f"- **matmul** bf16 {r['n']}x{r['n']}: {fmt(r['tflops'])} TFLOP/s")
+        elif name == "copy":
+            lines.append(f"- **copy** {r['bytes'] >> 20} MiB: {fmt(r['gb_per_s'])} GB/s")
+        elif name.startswith("train/"):
+            lines.append(
+                f"- **{name}** batch {r['batch']} x {r['seq_len']}, remat {r['remat']}, Adam state "
+                f"{r['optimizer_state']}: {fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
+                f"MFU {fmt(100 * r['mfu'])}% (of spec peak; {fmt(100 * r['mfu_vs_matmul'])}% of measured matmul), "
+                f"compile {fmt(r['compile_s'])} s"
+            )
+        else:
+            decode = ", ".join(
+                f"batch {b}: " + (f"{fmt(d['tokens_per_s'], 0)} tokens/s" if d["status"] == "ok" else d["status"])
+                for b, d in r["decode"].items()
+            )
+            lines.append(
+                f"- **{name}**: prefill {r['prefill_len']} tokens {fmt(r['prefill_tokens_per_s'], 0)} tokens/s "
+                f"({fmt(100 * r['prefill_mfu_vs_matmul'])}% of matmul); decode ({r['decode_context']} context) "
+                f"{decode}; batch-1 decode {fmt(100 * r['batch1_roofline_fraction'])}% of the bandwidth roofline"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", default=os.environ.get("MESHLM_GPU_TINY") == "1")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu.json and gpu.md")
+    p.add_argument("--budget-s", type=float, default=420.0, help="sections starting after this are skipped")
+    p.add_argument("--remat", default="dots_no_batch", choices=sorted(model.REMAT_POLICIES))
+    p.add_argument("--attention", default="auto", choices=model.ATTENTION_IMPLS)
+    p.add_argument("--train-batches", default="", help="comma-separated batch sizes to try, largest first")
+    p.add_argument(
+        "--optimizer-state",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="Adam moments' storage; auto: fp32 unless memory requires bf16",
+    )
+    args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    return args
+
+
+if __name__ == "__main__":
+    run(parse())

@@ -9,27 +9,14 @@ matters is the ratio, printed last.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
+from timing import best_time  # benchmarks/timing.py, beside this script
 from transformers import GPTJConfig, GPTJForCausalLM
 
 import meshlm
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `fn` over `repeats` runs, after one warm-up (compilation) run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -66,8 +53,8 @@ def main() -> None:
             torch_model(torch_tokens).logits.numpy()
 
     n_tokens = args.batch * args.seq
-    t_meshlm = timed(lambda: lm.logits(tokens), args.repeats)
-    t_torch = timed(run_torch, args.repeats)
+    t_meshlm = best_time(lambda: lm.logits(tokens), args.repeats)
+    t_torch = best_time(run_torch, args.repeats)
     print(
         f"config: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
         f"batch {args.batch} x seq {args.seq}, float32, torch threads {torch.get_num_threads()}"

@@ -12,27 +12,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from timing import best_time  # benchmarks/timing.py, beside this script
 from transformers import GPTJConfig, GPTJForCausalLM
 
 import meshlm
 from meshlm.generate import SamplingParams
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest seconds of `fn` over `repeats` runs, after one warm-up (compilation) run: the least
-    disturbed by other work on a shared machine."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -105,8 +93,8 @@ def run_torch(torch_model: GPTJForCausalLM, prompts: np.ndarray, new: int) -> No
 
 def measure(run: Callable[[int], None], batch: int, args: argparse.Namespace) -> tuple[float, float, float]:
     """(time to first token in seconds, decode tokens/s, end-to-end tokens/s), over the batch."""
-    first = timed(lambda: run(1), args.repeats)
-    whole = timed(lambda: run(args.new), args.repeats)
+    first = best_time(lambda: run(1), args.repeats)
+    whole = best_time(lambda: run(args.new), args.repeats)
     return first, batch * (args.new - 1) / (whole - first), batch * args.new / whole
 
 

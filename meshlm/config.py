@@ -211,6 +211,10 @@ class TrainConfig:
     remat: str = "none"
     val_every: int = 50
     val_batches: int = 8
+    eval_tasks: list[str] = dataclasses.field(default_factory=list)  # lm-eval task names, run every eval_every
+    eval_every: int = 0  # 0: never
+    eval_limit: int | None = None  # documents per task (None: all)
+    eval_include_path: str | None = None  # a folder of extra lm-eval task YAMLs
     ckpt_every: int = 50  # 0: only at the end (and on SIGTERM/SIGINT)
     keep_last: int = 2
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
@@ -223,10 +227,14 @@ class TrainConfig:
         for key in ("batch_size", "micro_batches", "total_steps", "anneal_steps", "val_batches", "keep_last"):
             _check_int(key, getattr(self, key), minimum=1)
         _check_int("log_every", self.log_every, minimum=1)
-        for key in ("seed", "warmup_steps", "val_every", "ckpt_every", "keep_every", "sample_tokens"):
+        for key in ("seed", "warmup_steps", "val_every", "ckpt_every", "keep_every", "sample_tokens", "eval_every"):
             _check_int(key, getattr(self, key), minimum=0)
         if self.seq_len is not None:
             _check_int("seq_len", self.seq_len, minimum=1)
+        if self.eval_limit is not None:
+            _check_int("eval_limit", self.eval_limit, minimum=1)
+        if not isinstance(self.eval_tasks, list) or not all(isinstance(t, str) and t for t in self.eval_tasks):
+            raise ConfigError(f"train config: eval_tasks must be a list of lm-eval task names, got {self.eval_tasks!r}")
         for key in ("lr", "end_lr", "weight_decay", "z_loss"):
             _check_float(key, getattr(self, key), lambda v: v >= 0, ">= 0")
         for key in ("b1", "b2"):

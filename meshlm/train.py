@@ -468,6 +468,15 @@ def _train(
         log.write(step, values)
         say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
+    def run_eval_tasks(step: int) -> None:
+        from meshlm.evaluate import evaluate_tasks
+
+        lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
+        metrics = evaluate_tasks(lm, cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path)
+        values = {f"eval/{k}": v for k, v in metrics.items()}
+        log.write(step, values)
+        say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
     main = jax.process_index() == 0  # only process 0 prints
     show = print if main else lambda *_: None
     say = tqdm.write if main else lambda *_: None
@@ -503,11 +512,15 @@ def _train(
             if pending:
                 record(*pending)
             pending = (step, metrics)
-            if (cfg.val_every and step % cfg.val_every == 0) or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+            evaluate_now = bool(cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0)
+            validate_now = bool(cfg.val_every and step % cfg.val_every == 0)
+            if validate_now or evaluate_now or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
                 record(*pending)
                 pending = None
-                if cfg.val_every and step % cfg.val_every == 0 and val_sets:
+                if validate_now and val_sets:
                     validate(step)
+                if evaluate_now:
+                    run_eval_tasks(step)
                 if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
                 last_time = time.perf_counter()  # throughput counts training only

@@ -206,3 +206,26 @@ def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_gptj, gpt2_bpe_
     assert set(metrics) == {"meshlm_test_lambada/perplexity", "meshlm_test_lambada/acc"}
     for key, value in metrics.items():
         assert value == pytest.approx(expected[key], rel=1e-5)
+
+
+def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_file, tmp_path, monkeypatch):
+    """`eval_tasks`/`eval_every` in the train config: the logged metrics are those of the weights at that step."""
+    from meshlm import data, train
+    from meshlm.config import TrainConfig
+
+    monkeypatch.setenv("MESHLM_TOKENIZER", gpt2_bpe_file)
+    rows = np.random.default_rng(0).integers(0, 50257, (8, 17))
+    data.write_index(tmp_path / "data", 16, {"train": data.write_split(tmp_path / "data", "train", [rows], 16)})
+    cfg = TrainConfig(
+        model=meshlm.load(hf_gptj.path).config, data=str(tmp_path / "data"), out_dir=str(tmp_path / "run"),
+        init_from=str(hf_gptj.path), batch_size=4, total_steps=2, lr=1e-3, warmup_steps=0, anneal_steps=2,
+        val_every=0, ckpt_every=0, sample_tokens=0, eval_tasks=["meshlm_test_lambada"], eval_every=2,
+        eval_include_path=str(TASK_DIR),
+    )  # fmt: skip
+    with in_repo_root():
+        result = train.train(cfg, progress=False, sample=False)
+        expected = evaluate.evaluate_tasks(result.lm, ["meshlm_test_lambada"], include_path=TASK_DIR)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = {k: v for r in records if r["step"] == 2 for k, v in r.items() if k.startswith("eval/")}
+    assert set(logged) == {"eval/meshlm_test_lambada/perplexity", "eval/meshlm_test_lambada/acc"}
+    assert logged == {f"eval/{k}": pytest.approx(v, rel=1e-6) for k, v in expected.items()}

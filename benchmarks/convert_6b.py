@@ -73,21 +73,33 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def check_fc_out_bias(step_dir: Path, hf_dir: Path, n_layer: int) -> None:
-    """The seed sums fc_out's bias over shards: the exported bias must be that sum (rounded to bf16)."""
-    from safetensors import safe_open
-
-    name = f"transformer.h.{n_layer - 1}.mlp.fc_out.bias"
+def summed_fc_out_bias(step_dir: Path, n_layer: int) -> np.ndarray:
+    """The seed sums fc_out's bias over shards: what both exports must hold (rounded to bf16)."""
     ckpt = mtj.SeedCheckpoint(step_dir)
     seed_name = f"{mtj.ROOT}layer_{n_layer - 1}/~/linear_5/b"
     parts = [ckpt.member("params", seed_name, s).array().astype(np.float32) for s in range(SHARDS)]
-    expected = np.sum(parts, axis=0, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return np.sum(parts, axis=0, dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+
+def check_hf(hf_dir: Path, expected: np.ndarray, n_layer: int) -> None:
+    from safetensors import safe_open
+
+    name = f"transformer.h.{n_layer - 1}.mlp.fc_out.bias"
     for f in hf_dir.glob("*.safetensors"):
         with safe_open(str(f), framework="np") as st:
             if name in st.keys():  # noqa: SIM118
                 assert np.array_equal(st.get_tensor(name), expected), "fc_out bias is not the sum over shards"
                 return
     raise AssertionError(f"{name} not in the export")
+
+
+def check_meshlm(folder: Path, expected: np.ndarray) -> None:
+    import tensorstore as ts
+
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(folder / "params" / "layers.mlp.fc_out.b")}}
+    array = ts.open(spec).result()
+    got = array[array.shape[0] - 1].read().result()
+    assert np.array_equal(got, expected), "meshlm fc_out bias is not the sum over shards"
 
 
 def main() -> None:
@@ -118,13 +130,15 @@ def main() -> None:
 
         convert = [sys.executable, "-m", "meshlm", "convert", str(step_dir)]
         wall, rss = run([*convert, str(work / "hf"), "--to", "hf", "--dtype", "bfloat16"])
-        check_fc_out_bias(step_dir, work / "hf", args.layers)
+        expected = summed_fc_out_bias(step_dir, args.layers)
+        check_hf(work / "hf", expected, args.layers)
         rows.append(("meshlm convert --to hf (streamed)", wall, rss, folder_bytes(work / "hf") / 2**30))
         shutil.rmtree(work / "hf")
 
         if not args.skip_meshlm:
             wall, rss = run([*convert, str(work / "meshlm"), "--to", "meshlm", "--dtype", "bfloat16"])
-            rows.append(("meshlm convert --to meshlm (orbax)", wall, rss, folder_bytes(work / "meshlm") / 2**30))
+            check_meshlm(work / "meshlm", expected)
+            rows.append(("meshlm convert --to meshlm (streamed)", wall, rss, folder_bytes(work / "meshlm") / 2**30))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -3,8 +3,8 @@
 from meshlm.config import ConfigError, ModelConfig, preset
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "LanguageModel", "ModelConfig", "__version__", "from_config", "load", "preset"]
-_API = ("LanguageModel", "from_config", "load")
+__all__ = ["ConfigError", "LanguageModel", "ModelConfig", "__version__", "convert", "from_config", "load", "preset"]
+_API = ("LanguageModel", "convert", "from_config", "load")
 
 
 def __getattr__(name: str):

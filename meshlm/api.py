@@ -307,16 +307,23 @@ def convert(
 ) -> None:
     """Convert a checkpoint to `to` ("meshlm" or "hf"), written in `out_dtype` (default: `dtype`).
 
-    A seed checkpoint goes to Hugging Face one tensor at a time, in memory bounded by the largest
-    tensor; every other conversion loads the model onto `mesh` in `dtype` and saves it.
+    A seed checkpoint (to either format) and a Hugging Face folder (to meshlm) are streamed on the
+    host a slice at a time, in memory bounded by the largest tensor; every other conversion loads the
+    model onto `mesh` in `dtype` and saves it.
     """
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
     if Path(dst).exists() and any(Path(dst).iterdir()):
         raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
-    if to == "hf" and detect_format(src) == "mtj":
+    src_format, streamed_dtype = detect_format(src), out_dtype or dtype
+    streamed = {
+        ("mtj", "hf"): lambda: mtj.convert_to_hf(src, dst, streamed_dtype, seed_config=seed_config),
+        ("mtj", "meshlm"): lambda: mtj.convert_to_meshlm(src, dst, streamed_dtype, seed_config=seed_config),
+        ("hf", "meshlm"): lambda: hf.convert_to_meshlm(src, dst, streamed_dtype),
+    }.get((src_format, to))
+    if streamed is not None:
         if jax.process_index() == 0:  # streamed on the host: other processes have nothing to do
-            mtj.convert_to_hf(src, dst, out_dtype or dtype, seed_config=seed_config)
+            streamed()
         return
     lm = load(src, mesh=mesh, dtype=dtype, seed_config=seed_config)
     lm.save(dst, format=to, dtype=out_dtype)

@@ -4,6 +4,10 @@ A params-only checkpoint folder holds `meshlm.json` (format version, model confi
 `params/` (an orbax PyTree checkpoint). `meshlm.json` is written last, so a folder without it is never
 taken for a complete checkpoint.
 
+`write_params` writes the same `params/` folder without orbax holding whole arrays: each parameter
+becomes a zarr array (orbax's non-OCDBT layout, which orbax restores like its own) written slice by
+slice, so converting a model never needs it all in memory.
+
 A training run keeps its checkpoints in `<out_dir>/checkpoints/<step>/`, written by an orbax
 CheckpointManager: `params/` (same layout as above), `opt_state/`, and `meshlm/metadata` (the same
 description plus step, loader position and train config). Orbax writes each step in a temporary
@@ -15,11 +19,15 @@ any mesh and dtype.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
@@ -70,21 +78,99 @@ def read_description(path: str | Path) -> dict[str, Any]:
     return desc
 
 
+def _check_new(path: Path) -> None:
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
+
+
+def _write_marker(path: Path, desc: dict[str, Any]) -> None:
+    """The marker goes last, atomically: until it exists the folder is not taken for a checkpoint."""
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(desc, indent=2))
+    tmp.replace(path / MARKER)
+
+
 def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra: dict[str, Any] | None = None) -> None:
     """Save parameters (any sharding, any number of processes) as a meshlm checkpoint."""
     path = Path(path).absolute()
-    if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
+    _check_new(path)
     if jax.process_count() > 1:  # every process has looked before any of them writes
         multihost_utils.sync_global_devices(f"meshlm save {path}")
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "params", params)
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
-        desc = description(cfg, params, **(extra or {}))
-        tmp = path / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(desc, indent=2))
-        tmp.replace(path / MARKER)
+        _write_marker(path, description(cfg, params, **(extra or {})))
+
+
+SliceReader = Callable[[tuple[slice, ...]], np.ndarray]
+ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}
+SLICE_BYTES = 128 << 20  # a zarr chunk, and what is read and written at once: one 6B layer's fc_in in bf16
+
+
+def write_params(
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: str,
+    reader: Callable[[str, tuple[int, ...]], SliceReader],
+    progress: bool = True,
+) -> None:
+    """Write a meshlm checkpoint from `reader(name, shape)` -> `read(index)` (the slice `index` of
+    parameter `name`, e.g. "layers.mlp.fc_in.w", as a numpy array in `dtype`), one slice of at most
+    `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size.
+
+    Runs on one process; the result restores on any mesh like any other meshlm checkpoint.
+    """
+    from tqdm import tqdm
+
+    path = Path(path).absolute()
+    _check_new(path)
+    (path / "params").mkdir(parents=True, exist_ok=True)
+    abstract = jax.tree_util.tree_flatten_with_path(model.abstract_params(cfg, dtype))[0]
+    itemsize = np.dtype(model.dtype_of(dtype)).itemsize
+    plans = []
+    for keys, leaf in abstract:
+        names = tuple(str(k.key) for k in keys)
+        row_bytes = math.prod(leaf.shape[1:]) * itemsize
+        rows = max(1, min(leaf.shape[0], SLICE_BYTES // max(row_bytes, 1)))
+        plans.append((names, leaf.shape, (rows, *leaf.shape[1:])))
+    total = sum(math.ceil(shape[0] / chunk[0]) for _, shape, chunk in plans)
+    tree_metadata = {}
+    with tqdm(total=total, desc="writing", unit="slice", leave=False, disable=not progress) as bar:
+        for names, shape, chunk in plans:
+            name = ".".join(names)
+            array = ts.open(
+                {
+                    "driver": "zarr",
+                    "kvstore": {"driver": "file", "path": str(path / "params" / name)},
+                    "metadata": {
+                        "shape": list(shape),
+                        "chunks": list(chunk),
+                        "dtype": ZARR_DTYPES[dtype],
+                        "compressor": {"id": "zstd", "level": 1},
+                    },
+                },
+                create=True,
+            ).result()
+            read = reader(name, shape)
+            rest = tuple(slice(0, n) for n in shape[1:])
+            for start in range(0, shape[0], chunk[0]):
+                rows = slice(start, min(start + chunk[0], shape[0]))
+                array[rows].write(read((rows, *rest))).result()
+                bar.update()
+            tree_metadata[str(names)] = {
+                "key_metadata": [{"key": k, "key_type": 2} for k in names],  # 2: a dict key
+                "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunk)},
+            }
+    orbax_metadata = {
+        "tree_metadata": tree_metadata,
+        "use_ocdbt": False,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+    (path / "params" / "_METADATA").write_text(json.dumps(orbax_metadata))
+    _write_marker(path, _description(cfg, dtype))
 
 
 def restore_params(
@@ -105,7 +191,10 @@ def restore_params(
 
 
 def description(cfg: ModelConfig, params: model.Params, **extra: Any) -> dict[str, Any]:
-    dtype = str(jax.tree.leaves(params)[0].dtype)
+    return _description(cfg, str(jax.tree.leaves(params)[0].dtype), **extra)
+
+
+def _description(cfg: ModelConfig, dtype: str, **extra: Any) -> dict[str, Any]:
     return {"format": "meshlm", "version": FORMAT_VERSION, "model": cfg.to_dict(), "dtype": dtype, **extra}
 
 

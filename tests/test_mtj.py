@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import ConfigError, api, cli
+from meshlm import ConfigError, api, checkpoint, cli
 from meshlm.formats import mtj
 from meshlm.sharding import make_mesh
 from tests import oracle
@@ -108,6 +108,20 @@ def test_converted_to_meshlm_format_restores_on_several_meshes(seed, tmp_path):
     for mesh in ("data=2,model=4", MESH):
         lm = meshlm.load(tmp_path / "ckpt", mesh=mesh)
         np.testing.assert_allclose(lm.logits(TOKENS), expected, atol=1e-4, rtol=0)
+
+
+def test_meshlm_conversion_streams_slices_that_do_not_divide_the_parameters(seed, tmp_path, monkeypatch):
+    """Slices of 1,000 bytes: several per parameter, the last one short; bf16 output equals a bf16 load."""
+    ck = seed(2, "bfloat16", True)
+    monkeypatch.setattr(checkpoint, "SLICE_BYTES", 1000)
+    args = ["convert", str(ck.step_dir), str(tmp_path / "ckpt"), "--to", "meshlm", "--out-dtype", "bfloat16"]
+    assert cli.main([*args, "--seed-config", str(ck.seed_config)]) == 0
+    assert checkpoint.read_description(tmp_path / "ckpt")["dtype"] == "bfloat16"
+    converted = meshlm.load(tmp_path / "ckpt", mesh=MESH, dtype="bfloat16")
+    direct = meshlm.load(ck.step_dir, mesh=MESH, dtype="bfloat16", seed_config=ck.seed_config)
+    pairs = zip(jax.tree_util.tree_leaves_with_path(converted.params), jax.tree.leaves(direct.params), strict=True)
+    for (path, a), b in pairs:
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
 
 
 def test_run_folder_loads_the_latest_step_named_in_meta_json(seed, tmp_path):

@@ -17,13 +17,20 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from meshlm import model
+from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, load_hf_config, to_hf_config
 from meshlm.sharding import plan, to_host
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 Index = tuple[slice, ...]
+
+
+def np_dtype(name: str) -> Any:
+    """The numpy dtype an export in `name` is written in."""
+    if name not in NP_DTYPES:
+        raise ConfigError(f"unknown export dtype {name!r}; allowed: {sorted(NP_DTYPES)}")
+    return NP_DTYPES[name]
 
 
 class Layout(Protocol):
@@ -264,16 +271,22 @@ def _leaf_reader(reader: TensorReader, key: str, shape: tuple[int, ...], dtype: 
     return read
 
 
-def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") -> tuple[ModelConfig, model.Params]:
-    """Read a GPTJForCausalLM folder straight into `mesh`, each device reading only its own shard."""
+def _open(folder: str | Path, dtype: str) -> tuple[ModelConfig, TensorReader, model.Params]:
+    """The folder's config, a reader of its tensors (checked against the config) and the abstract params."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a directory")
     cfg = load_hf_config(folder)
     reader = open_reader(folder)
     abstract = model.abstract_params(cfg, dtype)
-    shardings = plan(abstract, model.logical_axes(cfg), mesh)
     _check_tensors(reader, cfg, abstract, folder)
+    return cfg, reader, abstract
+
+
+def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") -> tuple[ModelConfig, model.Params]:
+    """Read a GPTJForCausalLM folder straight into `mesh`, each device reading only its own shard."""
+    cfg, reader, abstract = _open(folder, dtype)
+    shardings = plan(abstract, model.logical_axes(cfg), mesh)
     np_dtype = NP_DTYPES[dtype]
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
@@ -281,6 +294,14 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
         return jax.make_array_from_callback(leaf.shape, sharding, read)
 
     return cfg, jax.tree_util.tree_map_with_path(build, abstract, shardings)
+
+
+def convert_to_meshlm(folder: str | Path, out: str | Path, dtype: str = "float32") -> ModelConfig:
+    """Write a GPTJForCausalLM folder as a meshlm checkpoint in `dtype`, a slice at a time (bounded memory)."""
+    cfg, reader, _ = _open(folder, dtype)
+    np_dtype = NP_DTYPES[dtype]
+    checkpoint.write_params(out, cfg, dtype, lambda key, shape: _leaf_reader(reader, key, shape, np_dtype))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,8 +333,7 @@ def save(
     Tensors are written in shards of at most `max_shard_bytes` as they are produced, so peak host
     memory is one shard, whatever the model size.
     """
-    if dtype not in NP_DTYPES:
-        raise ConfigError(f"unknown export dtype {dtype!r}; allowed: {sorted(NP_DTYPES)}")
+    np_dtype(dtype)
     write_folder(folder, iter_hf_tensors(params, cfg, dtype), cfg, dtype, max_shard_bytes, jax.process_index() == 0)
 
 

@@ -29,7 +29,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from meshlm import model
+from meshlm import checkpoint, model
 from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
 from meshlm.formats import hf
 from meshlm.sharding import plan
@@ -592,7 +592,30 @@ def load_optimizer_moments(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Streaming conversion to a Hugging Face folder
+# Streaming conversion
+
+
+def convert_to_meshlm(
+    path: str | Path, out: str | Path, dtype: str = "float32", seed_config: str | Path | None = None
+) -> ModelConfig:
+    """Write a seed checkpoint as a meshlm checkpoint in `dtype`, one layer slice at a time (peak memory:
+    a few slices of the largest parameter, whatever the model size)."""
+    np_dtype = hf.np_dtype(dtype)
+    ckpt = SeedCheckpoint(path, seed_config)
+
+    def reader(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
+        read = _leaf_reader(ckpt, key, shape, np_dtype, "params")
+
+        def read_and_release(index: Index) -> np.ndarray:
+            try:
+                return read(index)
+            finally:
+                ckpt.release()
+
+        return read_and_release
+
+    checkpoint.write_params(out, ckpt.config, dtype, reader)
+    return ckpt.config
 
 
 def iter_hf_tensors(ckpt: SeedCheckpoint, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -629,8 +652,7 @@ def convert_to_hf(
     one output shard plus a few copies of the largest tensor)."""
     from tqdm import tqdm
 
-    if dtype not in hf.NP_DTYPES:
-        raise ConfigError(f"unknown export dtype {dtype!r}; allowed: {sorted(hf.NP_DTYPES)}")
+    hf.np_dtype(dtype)
     ckpt = SeedCheckpoint(path, seed_config)
     n = len(hf.hf_tensor_names(ckpt.config))
     tensors = tqdm(iter_hf_tensors(ckpt, dtype), total=n, desc="converting", unit="tensor", leave=False)

@@ -181,7 +181,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         from meshlm import evaluate
     except ImportError as e:
         raise ConfigError(f"meshlm eval needs lm-evaluation-harness ({e}); pip install 'meshlm[eval]'") from None
-    documents = evaluate.read_documents(args.perplexity) if args.perplexity else []
+    documents = evaluate.read_documents(args.perplexity, args.text_field) if args.perplexity else []
     tok = tokenizer.load_tokenizer(args.tokenizer)
     lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
     if args.perplexity:
@@ -313,7 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
     p.add_argument("checkpoint", help="checkpoint folder (meshlm or Hugging Face GPT-J)")
     p.add_argument("--tasks", help="comma-separated lm-eval task names, e.g. lambada_openai,piqa,hellaswag")
-    p.add_argument("--perplexity", metavar="FILE", help="a .txt file (one document) or .jsonl ({'text': ...} per line)")
+    p.add_argument(
+        "--perplexity",
+        metavar="PATH",
+        help="a text file (one document), a .jsonl or .jsonl.zst file ({'text': ...} per line) or a directory of them",
+    )
+    p.add_argument("--text-field", default="text", help="the JSON field holding each document's text (default: text)")
     p.add_argument("--stride", type=int, default=None, help="perplexity window step in tokens (default: the context)")
     p.add_argument("--include-path", help="folder of extra lm-eval task YAMLs")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")

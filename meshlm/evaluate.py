@@ -9,10 +9,12 @@ a few length buckets with a fixed batch, so a whole evaluation compiles only a h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
-from collections.abc import Iterable, Sequence
+import multiprocessing
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from meshlm import corpus
 from meshlm.api import SEQ_BUCKET, LanguageModel, load
 from meshlm.config import ConfigError
 from meshlm.generate import SamplingParams, generate
@@ -277,15 +280,28 @@ def run_tasks(
         raise ConfigError("no tasks given; name lm-eval tasks such as lambada_openai,piqa")
     manager = task_manager(str(include_path) if include_path else None, tasks)
     model = lm if isinstance(lm, MeshLM) else MeshLM(lm, **model_args)
-    return lm_eval.simple_evaluate(
-        model=model,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,
-    )
+    with _pools_without_fork():
+        return lm_eval.simple_evaluate(
+            model=model,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=log_samples,
+            bootstrap_iters=bootstrap_iters,
+        )
+
+
+@contextlib.contextmanager
+def _pools_without_fork() -> Iterator[None]:
+    """lm-eval bootstraps standard errors in a multiprocessing pool; forking a process that runs JAX's
+    threads can deadlock, so its workers start from a fork server instead."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
 
 
 def flatten_metrics(results: dict[str, Any]) -> dict[str, float]:
@@ -302,30 +318,24 @@ def flatten_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 def evaluate_tasks(lm: LanguageModel | MeshLM, tasks: Sequence[str], **kwargs: Any) -> dict[str, float]:
     """Harness metrics for `lm` as a flat {"task/metric": value} dict, for logging during training.
-    Keyword arguments are those of `run_tasks`; standard errors are skipped (`bootstrap_iters=0`), which
-    also keeps lm-eval from forking a process pool inside a JAX process."""
+    Keyword arguments are those of `run_tasks`; standard errors are skipped (`bootstrap_iters=0`):
+    a training log records the metrics only."""
     kwargs.setdefault("bootstrap_iters", 0)
     return flatten_metrics(run_tasks(lm, tasks, **kwargs))
 
 
-def read_documents(path: str | Path) -> list[str]:
-    """Documents to score: each line's "text" of a .jsonl file, or a whole plain-text file as one."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file")
-    if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8")]
-    docs = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ConfigError(f'{path}:{n}: expected an object with a "text" string')
-        docs.append(record["text"])
+def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
+    """Documents to score, read as `meshlm prepare` reads text: a text file is one document, each line of a
+    .jsonl / .jsonl.zst file one document (its `text_field`), a directory all of its files in order."""
+    docs, pieces = [], []
+    for file, kind in corpus.expand([path]):
+        if kind == "tfrecord":
+            raise ConfigError(f"{file}: TFRecords hold token ids, not text; perplexity needs the text")
+        for piece, last in corpus.documents(file, kind, text_field, progress=lambda _: None):
+            pieces.append(piece)
+            if last:
+                docs.append("".join(pieces))
+                pieces = []
     return docs
 
 

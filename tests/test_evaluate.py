@@ -158,6 +158,7 @@ def test_perplexity_of_a_text_is_exp_mean_nll_from_transformers(hf_gptj, gpt2_bp
 
 def test_strided_perplexity_over_jsonl_documents(hf_gptj, gpt2_bpe_file, tmp_path):
     docs = [json.loads(line)["text"] for line in (TASK_DIR / "data" / "docs.jsonl").read_text().splitlines()]
+    assert evaluate.read_documents(TASK_DIR / "data" / "docs.jsonl") == docs  # what `--perplexity` reads
     tok = tokenizer.load_tokenizer(gpt2_bpe_file)
     stride = 48
     nlls = np.concatenate([reference_nlls(hf_gptj, tok.encode(d), CONTEXT, stride) for d in docs])
@@ -193,7 +194,7 @@ def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(bad)) == 1
-    assert 'bad.jsonl:2: expected an object with a "text" string' in capsys.readouterr().err
+    assert "bad.jsonl:2: no 'text' field (choose the field with --text-field)" in capsys.readouterr().err
 
 
 def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_gptj, gpt2_bpe_file, hf_results):

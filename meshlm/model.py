@@ -409,6 +409,30 @@ def decode(
     return unembed(params, x), cache._replace(index=cache.index + T)
 
 
+LOSS_CHUNK = 512  # positions whose logits exist at once in the loss; a divisor of the sequence or all of it
+
+
+def _chunked_nll(params: Params, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(-log p(target), log Z), each [B, T], from hidden states [B, T, D], LM head applied `LOSS_CHUNK`
+    positions at a time and recomputed in the backward pass: the float32 [B, T, vocab] logits (and
+    their gradient) never exist whole, which at GPT-J's 50400-entry vocabulary is most of a step's
+    activation memory."""
+
+    @jax.checkpoint
+    def chunk(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        x, targets = xs
+        logits = unembed(params, x)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        return log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], log_z
+
+    B, T = targets.shape
+    size = LOSS_CHUNK if T % LOSS_CHUNK == 0 else T
+    split = lambda a: jnp.moveaxis(a.reshape(B, T // size, size, *a.shape[2:]), 1, 0)
+    nll, log_z = jax.lax.map(chunk, (split(x), split(targets)))
+    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T)
+    return merge(nll), merge(log_z)
+
+
 def loss(
     params: Params,
     tokens: jax.Array,
@@ -424,10 +448,7 @@ def loss(
     keeps the softmax normaliser near 1 in low-precision training. Returns (loss, metrics).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = forward(params, inputs, cfg, policy)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = log_z - target_logit
+    nll, log_z = _chunked_nll(params, hidden_states(params, inputs, cfg, policy), targets)
     weights = jnp.ones_like(nll) if loss_mask is None else loss_mask.astype(jnp.float32)
     n = jnp.maximum(weights.sum(), 1.0)
     ce = (nll * weights).sum() / n

@@ -1,5 +1,6 @@
 """Training: the recipe's exact values, accumulation, meshes, resume after kills, checkpoints, bad input."""
 
+import copy
 import json
 import os
 import shutil
@@ -222,6 +223,25 @@ def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorise
     assert resumed.losses[121] == pytest.approx(float(want), rel=1e-5, abs=1e-6)
     fc_in = resumed.lm.params["layers"]["mlp"]["fc_in"]["w"]
     assert tuple(fc_in.sharding.spec) == (None, "fsdp", "model")
+
+
+def test_loss_in_chunks_equals_torch_cross_entropy_and_its_gradients(hf_tiny, monkeypatch):
+    monkeypatch.setattr(model, "LOSS_CHUNK", 4)  # 16 positions: the LM head runs on 4 chunks
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 500, (2, SEQ + 1))
+    mask = rng.random((2, SEQ)) < 0.6  # which targets count: checks each position keeps its own target
+    lm = meshlm.load(hf_tiny.path)
+    loss_fn = lambda p: model.loss(p, tokens, lm.config, loss_mask=jnp.asarray(mask))[0]
+    loss, grads = jax.value_and_grad(loss_fn)(lm.params)
+
+    torch_model = copy.deepcopy(hf_tiny.torch_model)  # the fixture is shared: its .grad stays untouched
+    logits = torch_model(torch.as_tensor(tokens[:, :-1])).logits
+    targets = torch.as_tensor(np.where(mask, tokens[:, 1:], -100)).reshape(-1)  # -100: ignored
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+    want.backward()
+    assert float(loss) == pytest.approx(want.item(), rel=1e-6)
+    np.testing.assert_allclose(grads["head"]["w"], torch_model.lm_head.weight.grad.numpy().T, atol=1e-6)
+    np.testing.assert_allclose(grads["embed"]["w"], torch_model.transformer.wte.weight.grad.numpy(), atol=1e-6)
 
 
 def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):

@@ -409,26 +409,26 @@ def decode(
     return unembed(params, x), cache._replace(index=cache.index + T)
 
 
-LOSS_CHUNK = 512  # positions whose logits exist at once in the loss; a divisor of the sequence or all of it
+LOSS_CHUNK = 512  # positions whose logits exist at once in the loss, for sequences it divides
+
+
+def _nll(params: Params, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(-log p(target), log Z), each [B, T], from hidden states [B, T, D]."""
+    logits = unembed(params, x)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], log_z
 
 
 def _chunked_nll(params: Params, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(-log p(target), log Z), each [B, T], from hidden states [B, T, D], LM head applied `LOSS_CHUNK`
-    positions at a time and recomputed in the backward pass: the float32 [B, T, vocab] logits (and
-    their gradient) never exist whole, which at GPT-J's 50400-entry vocabulary is most of a step's
-    activation memory."""
-
-    @jax.checkpoint
-    def chunk(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        x, targets = xs
-        logits = unembed(params, x)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        return log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], log_z
-
+    """`_nll` with the LM head applied `LOSS_CHUNK` positions at a time and recomputed in the backward
+    pass: the float32 [B, T, vocab] logits (and their gradient) never exist whole, which at GPT-J's
+    50400-entry vocabulary and 2048 positions is most of a step's activation memory. Sequences of one
+    chunk or less keep their logits (recomputing them would cost more than they weigh)."""
     B, T = targets.shape
-    size = LOSS_CHUNK if T % LOSS_CHUNK == 0 else T
-    split = lambda a: jnp.moveaxis(a.reshape(B, T // size, size, *a.shape[2:]), 1, 0)
-    nll, log_z = jax.lax.map(chunk, (split(x), split(targets)))
+    if T <= LOSS_CHUNK or T % LOSS_CHUNK:
+        return _nll(params, x, targets)
+    split = lambda a: jnp.moveaxis(a.reshape(B, T // LOSS_CHUNK, LOSS_CHUNK, *a.shape[2:]), 1, 0)
+    nll, log_z = jax.lax.map(jax.checkpoint(lambda xs: _nll(params, *xs)), (split(x), split(targets)))
     merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T)
     return merge(nll), merge(log_z)
 

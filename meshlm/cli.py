@@ -225,6 +225,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.init_from:
         overrides.append(f"init_from={args.init_from}")
+    if args.resume_optimizer:
+        overrides.append("resume_optimizer=true")
+    if args.seed_config:
+        overrides.append(f"seed_config={args.seed_config}")
     if args.mesh:
         overrides.append(f"mesh={args.mesh}")
     if args.out_dir:
@@ -343,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. lr=1e-4 or model.n_layer=2"
     )
     p.add_argument("--init-from", metavar="PATH", help="fine-tune from anything meshlm.load reads (HF GPT-J, ...)")
+    p.add_argument(
+        "--resume-optimizer",
+        action="store_true",
+        help="continue the full seed checkpoint given by --init-from: its Adam moments, count and step",
+    )
+    p.add_argument("--seed-config", metavar="JSON", help="the seed's run JSON, for a seed checkpoint in --init-from")
     p.add_argument("--mesh", metavar="SPEC", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: one device)')
     p.add_argument("--out-dir", metavar="DIR", help="run folder: checkpoints, metrics (default: the config's out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")

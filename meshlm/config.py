@@ -189,7 +189,10 @@ class TrainConfig:
     data: str | None = None  # a prepared dataset folder; None trains on the built-in demo corpus
     val_data: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "folder" or "folder:split"
     out_dir: str = "runs/demo"
-    init_from: str | None = None  # anything `meshlm.load` reads; the optimizer and schedule start fresh
+    init_from: str | None = None  # anything `meshlm.load` reads; the optimizer and schedule start fresh unless:
+    # Continue a full seed checkpoint's run: Adam's moments, its count (so the schedule too) and the step.
+    resume_optimizer: bool = False
+    seed_config: str | None = None  # the seed's run JSON for an init_from seed checkpoint (head count, rotary dims)
     mesh: str | None = None
     seed: int = 0
     seq_len: int | None = None  # demo corpus only; a prepared dataset carries its own
@@ -251,6 +254,12 @@ class TrainConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.val_data.items()
         ):
             raise ConfigError(f"train config: val_data must map names to dataset folders, got {self.val_data!r}")
+        if not isinstance(self.resume_optimizer, bool):
+            raise ConfigError(f"train config: resume_optimizer must be true or false, got {self.resume_optimizer!r}")
+        # Both describe the checkpoint a fresh run starts from; without one they would be silently ignored.
+        for key in ("resume_optimizer", "seed_config"):
+            if getattr(self, key) and not self.init_from:
+                raise ConfigError(f"train config: {key} needs init_from (the seed checkpoint to start from)")
         from meshlm.model import Policy
 
         Policy(self.param_dtype, self.compute_dtype, self.remat)

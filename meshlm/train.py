@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshlm import api, checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
+from meshlm.formats import mtj
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for
 
@@ -94,6 +95,13 @@ def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.Gr
 # The sharded train state and step
 
 
+def schedule_count(opt_state: Any) -> jax.Array:
+    """The count the learning rate is taken at: the step in a meshlm run; a continued seed run's may differ."""
+    return optax.tree_utils.tree_get(
+        opt_state, "count", filtering=lambda path, _: path[-1].tuple_name == "ScaleByScheduleState"
+    )
+
+
 class TrainState(NamedTuple):
     step: jax.Array
     params: model.Params
@@ -152,7 +160,7 @@ def make_train_step(
             "loss_with_z": totals.mean(),
             "grad_norm": optax.tree.norm(grads),
             "micro_grad_sq": micro_sq.mean(),
-            "lr": schedule(state.step),
+            "lr": schedule(schedule_count(state.opt_state)),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -392,12 +400,14 @@ def _train(
     out_dir = Path(cfg.out_dir)
     latest = ckpts.latest_step()
 
-    init_lm = None
+    init_lm = seed_opt = None
     model_cfg = cfg.model
-    if latest is not None:
+    if latest is not None:  # the run's own checkpoints come first, also in a run that continued a seed run
         model_cfg = ModelConfig.from_dict(checkpoint.read_description(ckpts.folder / str(latest))["model"])
     elif cfg.init_from:
-        init_lm = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype)
+        if cfg.resume_optimizer:  # read first: a wrong checkpoint fails before the parameters are loaded
+            seed_opt = load_seed_optimizer(cfg, mesh)
+        init_lm = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
         model_cfg = init_lm.config
     if train_ds.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
@@ -425,6 +435,9 @@ def _train(
                 params = init(jax.random.key(cfg.seed))
             opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
             start = 0
+            if seed_opt is not None:
+                opt_state = jax.device_put(seed_opt.into(opt_state), shardings.opt_state)
+                start = seed_opt.step
         state = TrainState(jax.device_put(jnp.asarray(start, jnp.int32), shardings.step), params, opt_state)
 
     loader = TrainLoader(
@@ -540,6 +553,27 @@ def _train(
     if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result
+
+
+def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
+    """Adam's state and the step of the full seed checkpoint `cfg.init_from`, which the run then continues.
+
+    `total_steps` counts from the seed run's start, as in the seed's own config, so it must exceed the
+    checkpoint's step.
+    """
+    if api.detect_format(cfg.init_from) != "mtj":
+        raise ConfigError(
+            f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
+            "checkpoint carries Adam's moments to resume"
+        )
+    # Moments take the parameters' dtype, as optax's Adam keeps them (make_optimizer is given no state_dtype here).
+    seed = mtj.load_optimizer_moments(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
+    if seed.step >= cfg.total_steps:
+        raise ConfigError(
+            f"resume_optimizer: {cfg.init_from} is at step {seed.step}, total_steps is {cfg.total_steps}; "
+            "total_steps counts from the seed run's start, so set it above the checkpoint's step"
+        )
+    return seed
 
 
 def _scalar(x: jax.Array) -> float:

@@ -169,6 +169,10 @@ def write_seed_checkpoint(
         for offset in (1, 2):
             writer = _Writer(shards, np.float32, rng, sum_biases=False)
             random_model = oracle.random_gptj(seed=seed + 100 * offset, **cfg)
+            if offset == 2:  # second moments are squares: an update divides by their square root
+                with torch.no_grad():
+                    for p in random_model.parameters():
+                        p.square_()
             moments.append((_model_with(source, _encode(random_model, writer)), writer.per_shard))
         (mu, mu_shards), (nu, nu_shards) = moments
         for s, state in enumerate(states):

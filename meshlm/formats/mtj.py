@@ -562,11 +562,14 @@ class SeedOptimizerState:
         import optax
 
         try:
-            return optax.tree_utils.tree_set(
+            state = optax.tree_utils.tree_set(
                 opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
             )
         except KeyError as e:
             raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
+        # Each count its own buffer: tree_set put one array in every place, and a jitted step that
+        # donates the state must not be given the same buffer twice.
+        return jax.tree.map(lambda x: jnp.array(x) if x.ndim == 0 else x, state)
 
 
 def load_optimizer_moments(

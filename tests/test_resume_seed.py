@@ -1,0 +1,132 @@
+"""`meshlm train --init-from STEP_DIR --resume-optimizer`: a seed run continued where it stopped.
+
+The oracles are the fixture's own weights and moments (imported through Hugging Face, not the seed
+reader) and one AdamW step written out in numpy.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import meshlm
+from meshlm import checkpoint, cli, data, model, train
+from meshlm.config import TrainConfig
+from meshlm.loader import TrainLoader
+from meshlm.sharding import make_mesh
+from tests import oracle
+from tests.mtj_fixture import SeedCheckpoint, write_seed_checkpoint
+from tests.test_train import SEQ, run_cli_error, tiny_config, write_dataset
+
+CONFIG = dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, vocab_size=128, n_inner=64, n_positions=64)
+# The schedule is mid-anneal at the seed's Adam count (1227), so count and step (1234) give different rates.
+# eps 1 keeps each update smooth in the gradient (as `smooth` in test_train): with 1e-8, where a second
+# moment is near 0 the update follows 1 / |g| and the mesh's summation order shows at fp32.
+LR, END_LR, ANNEAL, WD, EPS = 1e-2, 1e-3, 2000, 0.1, 1.0
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory) -> SeedCheckpoint:
+    source = oracle.random_gptj(seed=3, **CONFIG)
+    return write_seed_checkpoint(tmp_path_factory.mktemp("seed"), source, shards=2, dtype="float32", full=True)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    rows = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (16, SEQ + 1))
+    return write_dataset(tmp_path_factory.mktemp("data"), rows)  # end-of-text id 0, inside the vocabulary
+
+
+def hf_params(m, folder: Path) -> dict:
+    """A torch GPT-J's tensors in meshlm's layout, through the Hugging Face import."""
+    m.save_pretrained(folder)
+    return jax.tree.map(np.asarray, meshlm.load(folder).params)
+
+
+def lr_at(count: int) -> float:
+    return END_LR + (LR - END_LR) * (1 + np.cos(np.pi * count / ANNEAL)) / 2  # no warmup, mid-anneal
+
+
+def adamw_step(params, grads, mu, nu, count: int, mask):
+    """One step of the seed's optimizer in numpy (float64): clip to global norm 1, Adam, decay on matrices."""
+    norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+    g = jax.tree.map(lambda x: x.astype(np.float64) * min(1.0, 1.0 / norm), grads)
+    mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, mu, g)
+    nu = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g**2, nu, g)
+    c = count + 1
+
+    def update(p, m, v, decay):
+        return p - lr_at(count) * ((m / (1 - 0.9**c)) / (np.sqrt(v / (1 - 0.999**c)) + EPS) + (WD * p if decay else 0))
+
+    return jax.tree.map(update, params, mu, nu, mask), mu, nu
+
+
+def saved_opt_state(run: Path, step: int, cfg: TrainConfig):
+    model_cfg = meshlm.load(run).config
+    opt = train.make_optimizer(cfg, model_cfg)
+    params_target, opt_target = train.abstract_state(
+        train.state_shardings(model_cfg, opt, make_mesh(None)), model_cfg, opt
+    )
+    ckpts = checkpoint.TrainCheckpoints(run / "checkpoints")
+    try:
+        return ckpts.restore(step, params_target, opt_target)[1]
+    finally:
+        ckpts.close()
+
+
+def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, tmp_path):
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=seed_run.step + 1, mesh="fsdp=2,model=2")
+    cfg = cfg.replace(lr=LR, end_lr=END_LR, anneal_steps=ANNEAL, weight_decay=WD, eps=EPS)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    resume = ["--init-from", str(seed_run.step_dir), "--seed-config", str(seed_run.seed_config), "--resume-optimizer"]
+    assert cli.main(["train", str(config), *resume, "--no-progress"]) == 0
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [seed_run.step + 1]
+    assert records[0]["lr"] == pytest.approx(lr_at(seed_run.adam_count), rel=1e-6)  # the seed's count, not its step
+    assert abs(lr_at(seed_run.step) - lr_at(seed_run.adam_count)) > 1e-5
+
+    params = hf_params(seed_run.model, tmp_path / "hf_params")
+    mu, nu = hf_params(seed_run.mu, tmp_path / "hf_mu"), hf_params(seed_run.nu, tmp_path / "hf_nu")
+    tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed))[0]
+    model_cfg = meshlm.load(seed_run.step_dir, seed_config=seed_run.seed_config).config
+    grads = jax.tree.map(np.asarray, jax.grad(lambda p: model.loss(p, tokens, model_cfg)[0])(params))
+    mask = train.decay_mask(model_cfg)
+    want, want_mu, want_nu = adamw_step(params, grads, mu, nu, seed_run.adam_count, mask)
+    fresh, _, _ = adamw_step(params, grads, *(jax.tree.map(np.zeros_like, params),) * 2, 0, mask)
+
+    got = meshlm.load(tmp_path / "run").params
+    opt_state = saved_opt_state(tmp_path / "run", seed_run.step + 1, cfg)
+    adam = optax.tree_utils.tree_get(opt_state, "ScaleByAdamState")
+    for name, tree, expected in (("params", got, want), ("mu", adam.mu, want_mu), ("nu", adam.nu, want_nu)):
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6, err_msg=name)
+    assert int(adam.count) == seed_run.adam_count + 1 == int(train.schedule_count(opt_state))
+    far = max(np.abs(np.asarray(a) - b).max() for a, b in zip(*map(jax.tree.leaves, (got, fresh)), strict=True))
+    assert far > 1e-4  # a fresh optimizer's step lands elsewhere
+
+    # Restarted, the run continues from its own checkpoint, not from the seed's again.
+    assert cli.main(["train", str(config), *resume, "--set", f"total_steps={seed_run.step + 2}", "--no-progress"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [seed_run.step + 1, seed_run.step + 2]
+    restarted = saved_opt_state(tmp_path / "run", seed_run.step + 2, cfg)
+    assert int(optax.tree_utils.tree_get(restarted, "ScaleByAdamState").count) == seed_run.adam_count + 2
+
+
+def test_resume_optimizer_errors_are_one_line(seed_run, dataset, hf_tiny, tmp_path, capsys):
+    base = ["--set", f"data={dataset}", "--set", f"out_dir={tmp_path / 'run'}", "--set", "batch_size=8"]
+    err = run_cli_error(capsys, *base, "--resume-optimizer")
+    assert "resume_optimizer needs init_from (the seed checkpoint to start from)" in err
+    err = run_cli_error(capsys, *base, "--init-from", str(hf_tiny.path), "--resume-optimizer")
+    assert "is not a seed checkpoint; only a full seed (mesh-transformer-jax) checkpoint carries Adam's moments" in err
+    slim = write_seed_checkpoint(tmp_path / "slim", seed_run.model, shards=2, full=False)
+    seed_args = ["--seed-config", str(slim.seed_config), "--resume-optimizer"]
+    err = run_cli_error(capsys, *base, "--init-from", str(slim.step_dir), *seed_args)
+    assert "a slim checkpoint (parameters only); Adam's moments need the full checkpoint" in err
+    seed_args[1] = str(seed_run.seed_config)
+    err = run_cli_error(capsys, *base, "--init-from", str(seed_run.step_dir), *seed_args, "--set", "total_steps=1234")
+    assert "is at step 1234, total_steps is 1234; total_steps counts from the seed run's start" in err

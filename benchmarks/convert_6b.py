@@ -1,7 +1,8 @@
-"""Convert a GPT-J-6B-shaped seed checkpoint (8 shards, bf16, ~12 GB) to Hugging Face and meshlm format.
+"""Convert a GPT-J-6B-shaped seed checkpoint (8 shards, bf16, ~12 GB) to Hugging Face and meshlm format,
+and that meshlm checkpoint on to Hugging Face.
 
 Writes random weights in the seed's exact layout (generated chunk by chunk, never the whole model in
-memory), then times `meshlm convert --to hf` and `--to meshlm` in child processes and reports each
+memory), then times each `meshlm convert` in a child process and reports each
 one's wall time and peak RSS (from wait4, so only that child counts). The peer, measured in the same
 run, is `cp -r` of the same folder: the disk's own floor for reading and writing those bytes.
 Everything is deleted at the end (unless --keep).
@@ -111,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
 
     params = preset("gptj-6b").replace(n_layer=args.layers).num_params()
-    need = params * 2 * 2.2  # seed folder + one output at a time (+ margin)
+    need = params * 2 * 3.2  # the seed folder, the meshlm output and its HF copy (+ margin)
     free = shutil.disk_usage(args.workdir).free
     if free < need:
         sys.exit(f"{args.workdir}: {free / 2**30:.0f} GiB free, this run needs about {need / 2**30:.0f} GiB")
@@ -139,6 +140,10 @@ def main() -> None:
             wall, rss = run([*convert, str(work / "meshlm"), "--to", "meshlm", "--dtype", "bfloat16"])
             check_meshlm(work / "meshlm", expected)
             rows.append(("meshlm convert --to meshlm (streamed)", wall, rss, folder_bytes(work / "meshlm") / 2**30))
+            back = [sys.executable, "-m", "meshlm", "convert", str(work / "meshlm"), str(work / "hf2")]
+            wall, rss = run([*back, "--to", "hf", "--dtype", "bfloat16"])
+            check_hf(work / "hf2", expected, args.layers)
+            rows.append(("that meshlm checkpoint --to hf (streamed)", wall, rss, folder_bytes(work / "hf2") / 2**30))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

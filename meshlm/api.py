@@ -301,32 +301,33 @@ def convert(
     dst: str | Path,
     to: str,
     dtype: str = "float32",
-    out_dtype: str | None = None,
-    mesh: str | Mesh | None = None,
     seed_config: str | Path | None = None,
 ) -> None:
-    """Convert a checkpoint to `to` ("meshlm" or "hf"), written in `out_dtype` (default: `dtype`).
+    """Convert a checkpoint in any format meshlm reads to `to` ("meshlm" or "hf"), written in `dtype`.
 
-    A seed checkpoint (to either format) and a Hugging Face folder (to meshlm) are streamed on the
-    host a slice at a time, in memory bounded by the largest tensor; every other conversion loads the
-    model onto `mesh` in `dtype` and saves it.
+    Streamed on this host a slice at a time, straight from the source's files to the destination's:
+    the model is never loaded, and peak memory stays a small multiple of the largest tensor whatever
+    the model size. In a multi-process job only process 0 converts.
     """
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
+    hf.np_dtype(dtype)
     if Path(dst).exists() and any(Path(dst).iterdir()):
         raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
-    src_format, streamed_dtype = detect_format(src), out_dtype or dtype
-    streamed = {
-        ("mtj", "hf"): lambda: mtj.convert_to_hf(src, dst, streamed_dtype, seed_config=seed_config),
-        ("mtj", "meshlm"): lambda: mtj.convert_to_meshlm(src, dst, streamed_dtype, seed_config=seed_config),
-        ("hf", "meshlm"): lambda: hf.convert_to_meshlm(src, dst, streamed_dtype),
-    }.get((src_format, to))
-    if streamed is not None:
-        if jax.process_index() == 0:  # streamed on the host: other processes have nothing to do
-            streamed()
+    if jax.process_index() != 0:
         return
-    lm = load(src, mesh=mesh, dtype=dtype, seed_config=seed_config)
-    lm.save(dst, format=to, dtype=out_dtype)
+    src = checkpoint.resolve(src)
+    fmt = detect_format(src)
+    if fmt == "meshlm":
+        cfg, source = checkpoint.slice_source(src)
+    elif fmt == "hf":
+        cfg, source = hf.slice_source(src)
+    else:
+        cfg, source = mtj.slice_source(src, seed_config)
+    if to == "meshlm":
+        checkpoint.write_params(dst, cfg, dtype, source)
+    else:
+        hf.write_from(dst, cfg, dtype, source)
 
 
 def from_config(

@@ -103,7 +103,11 @@ def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra:
         _write_marker(path, description(cfg, params, **(extra or {})))
 
 
+# read(index) -> that slice of one parameter, in meshlm's layout, as a numpy array
 SliceReader = Callable[[tuple[slice, ...]], np.ndarray]
+# source(name, full shape) -> the SliceReader of parameter `name` ("layers.mlp.fc_in.w"): what a
+# checkpoint in any format offers a streamed conversion, without the model ever being loaded
+SliceSource = Callable[[str, tuple[int, ...]], SliceReader]
 ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}
 SLICE_BYTES = 128 << 20  # a zarr chunk, and what is read and written at once: one 6B layer's fc_in in bf16
 
@@ -112,12 +116,11 @@ def write_params(
     path: str | Path,
     cfg: ModelConfig,
     dtype: str,
-    reader: Callable[[str, tuple[int, ...]], SliceReader],
+    source: SliceSource,
     progress: bool = True,
 ) -> None:
-    """Write a meshlm checkpoint from `reader(name, shape)` -> `read(index)` (the slice `index` of
-    parameter `name`, e.g. "layers.mlp.fc_in.w", as a numpy array in `dtype`), one slice of at most
-    `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size.
+    """Write a meshlm checkpoint in `dtype` from `source`, one slice of at most `SLICE_BYTES` at a
+    time: peak memory stays a few slices, whatever the model size.
 
     Runs on one process; the result restores on any mesh like any other meshlm checkpoint.
     """
@@ -126,19 +129,15 @@ def write_params(
     path = Path(path).absolute()
     _check_new(path)
     (path / "params").mkdir(parents=True, exist_ok=True)
-    abstract = jax.tree_util.tree_flatten_with_path(model.abstract_params(cfg, dtype))[0]
     itemsize = np.dtype(model.dtype_of(dtype)).itemsize
-    plans = []
-    for keys, leaf in abstract:
-        names = tuple(str(k.key) for k in keys)
-        row_bytes = math.prod(leaf.shape[1:]) * itemsize
-        rows = max(1, min(leaf.shape[0], SLICE_BYTES // max(row_bytes, 1)))
-        plans.append((names, leaf.shape, (rows, *leaf.shape[1:])))
+    plans = []  # (name, shape, chunk): a chunk is what is read and written at once
+    for name, shape in model.param_shapes(cfg).items():
+        rows = max(1, min(shape[0], SLICE_BYTES // max(math.prod(shape[1:]) * itemsize, 1)))
+        plans.append((name, shape, (rows, *shape[1:])))
     total = sum(math.ceil(shape[0] / chunk[0]) for _, shape, chunk in plans)
     tree_metadata = {}
     with tqdm(total=total, desc="writing", unit="slice", leave=False, disable=not progress) as bar:
-        for names, shape, chunk in plans:
-            name = ".".join(names)
+        for name, shape, chunk in plans:
             array = ts.open(
                 {
                     "driver": "zarr",
@@ -152,14 +151,15 @@ def write_params(
                 },
                 create=True,
             ).result()
-            read = reader(name, shape)
+            read = source(name, shape)
             rest = tuple(slice(0, n) for n in shape[1:])
             for start in range(0, shape[0], chunk[0]):
                 rows = slice(start, min(start + chunk[0], shape[0]))
-                array[rows].write(read((rows, *rest))).result()
+                array[rows].write(np.asarray(read((rows, *rest)), model.dtype_of(dtype))).result()
                 bar.update()
-            tree_metadata[str(names)] = {
-                "key_metadata": [{"key": k, "key_type": 2} for k in names],  # 2: a dict key
+            keys = tuple(name.split("."))
+            tree_metadata[str(keys)] = {
+                "key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2: a dict key
                 "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunk)},
             }
     orbax_metadata = {
@@ -171,6 +171,38 @@ def write_params(
     }
     (path / "params" / "_METADATA").write_text(json.dumps(orbax_metadata))
     _write_marker(path, _description(cfg, dtype))
+
+
+def slice_source(path: str | Path) -> tuple[ModelConfig, SliceSource]:
+    """A checkpoint's config and its parameters' slices read straight from the files (tensorstore, as
+    orbax lays them out: OCDBT or one zarr array per parameter), so converting never loads the model."""
+    path = Path(resolve(path)).absolute()
+    cfg = ModelConfig.from_dict(read_description(path)["model"])
+    folder = path / "params"
+    try:
+        layout = json.loads((folder / "_METADATA").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{folder}: no readable orbax metadata ({e})") from None
+    driver = "zarr3" if layout.get("use_zarr3") else "zarr"
+
+    def open_array(name: str, shape: tuple[int, ...]) -> ts.TensorStore:
+        if layout.get("use_ocdbt"):
+            kvstore = {"driver": "ocdbt", "base": {"driver": "file", "path": f"{folder}/"}, "path": name}
+        else:
+            kvstore = {"driver": "file", "path": str(folder / name)}
+        try:
+            array = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
+        except Exception as e:  # tensorstore names the missing or damaged file, then appends its whole spec
+            reason = str(e).split(" [tensorstore_spec=")[0]
+            raise ConfigError(f"{folder}: parameter {name} could not be opened ({reason})") from None
+        if tuple(array.shape) != shape:
+            raise ConfigError(
+                f"{folder}: parameter {name} has shape {list(array.shape)}, meshlm.json implies {list(shape)}"
+            )
+        return array
+
+    arrays = {name: open_array(name, shape) for name, shape in model.param_shapes(cfg).items()}
+    return cfg, lambda name, shape: lambda index: arrays[name][index].read().result()
 
 
 def restore_params(

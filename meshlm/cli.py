@@ -68,15 +68,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     """Convert between checkpoint formats (meshlm, Hugging Face GPT-J, and the seed's step_N folders)."""
     from meshlm import api
 
-    api.convert(
-        args.src,
-        args.dst,
-        to=args.to,
-        dtype=args.dtype,
-        out_dtype=args.out_dtype,
-        mesh=args.mesh,
-        seed_config=args.seed_config,
-    )
+    api.convert(args.src, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config)
     print(f"wrote {args.to} checkpoint to {args.dst}")
 
 
@@ -282,14 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dst", help="destination folder (must not exist or be empty)")
     p.add_argument("--to", required=True, choices=["meshlm", "hf"])
-    p.add_argument("--out-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: --dtype")
+    p.add_argument(
+        "--dtype",
+        "--out-dtype",
+        dest="dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the precision written (default: float32)",
+    )
     p.add_argument(
         "--seed-config",
         default=None,
         help="the seed's run JSON (n_heads, pe_rotary_dims, seq) for a seed checkpoint that is not GPT-J-6B-shaped",
     )
-    _add_mesh_dtype(p)
-    _add_distributed(p)
     p.set_defaults(handler=cmd_convert)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)

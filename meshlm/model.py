@@ -132,6 +132,16 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
     return jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
 
 
+def param_name(path: tuple[Any, ...]) -> str:
+    """A parameter's name as orbax and the converters spell it: its keys joined by "." ("layers.mlp.fc_in.w")."""
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape by name, in the parameter tree's order."""
+    return {param_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+
+
 def count_params(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 

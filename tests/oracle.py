@@ -44,3 +44,8 @@ def make_hf_model(folder: Path, seed: int = 0, safe_serialization: bool = True, 
 
 def load_hf(folder: Path) -> GPTJForCausalLM:
     return GPTJForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def open_hf(folder: Path) -> HFModel:
+    """A folder meshlm wrote, as transformers loads it."""
+    return HFModel(folder, load_hf(folder))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import ConfigError
+from meshlm import ConfigError, cli
 from tests import oracle
 
 CONFIGS = {
@@ -83,12 +83,18 @@ def test_meshlm_checkpoint_round_trip_onto_another_mesh(hf_tiny, tmp_path):
     np.testing.assert_allclose(lm.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
 
 
-def test_streamed_conversion_to_meshlm_format(hf_tiny, tmp_path):
-    """`meshlm convert --to meshlm` from a HF folder writes slice by slice; it restores on any mesh."""
+def test_streamed_conversions_between_the_formats(hf_tiny, tmp_path):
+    """`meshlm convert` streams every pair: HF -> meshlm (zarr arrays), that -> HF, and a checkpoint
+    orbax wrote itself (OCDBT) -> HF; each result restores on a mesh or loads in transformers unchanged."""
     tokens = np.arange(40).reshape(2, 20)
-    meshlm.convert(hf_tiny.path, tmp_path / "ckpt", to="meshlm")
-    lm = meshlm.load(tmp_path / "ckpt", mesh="fsdp=2,model=4")
+    meshlm.convert(hf_tiny.path, tmp_path / "streamed", to="meshlm")
+    lm = meshlm.load(tmp_path / "streamed", mesh="fsdp=2,model=4")
     np.testing.assert_allclose(lm.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
+    lm.save(tmp_path / "orbax")
+    for name in ("streamed", "orbax"):
+        meshlm.convert(tmp_path / name, tmp_path / f"{name}-hf", to="hf")
+        back = oracle.open_hf(tmp_path / f"{name}-hf")
+        np.testing.assert_allclose(back.logits(tokens), hf_tiny.logits(tokens), atol=1e-4)
 
 
 def test_not_gptj_folder_is_refused(hf_tiny, tmp_path):
@@ -136,6 +142,16 @@ def test_truncated_safetensors_is_refused(hf_tiny, tmp_path):
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
         meshlm.load(folder)
+
+
+def test_converting_a_damaged_meshlm_checkpoint_names_the_parameter(hf_tiny, tmp_path, capsys):
+    meshlm.convert(hf_tiny.path, tmp_path / "ckpt", to="meshlm")
+    shutil.rmtree(tmp_path / "ckpt" / "params" / "layers.attn.q")
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshlm convert: error: ") and "parameter layers.attn.q could not be opened" in err
+    assert ".zarray" in err and "does not exist" in err and "\n" not in err
 
 
 def test_path_that_is_not_a_checkpoint(tmp_path):

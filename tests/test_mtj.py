@@ -17,7 +17,7 @@ import torch
 
 import meshlm
 from meshlm import ConfigError, api, checkpoint, cli
-from meshlm.formats import mtj
+from meshlm.formats import hf, mtj
 from meshlm.sharding import make_mesh
 from tests import oracle
 from tests.mtj_fixture import SeedCheckpoint, write_seed_checkpoint
@@ -84,7 +84,8 @@ def test_cli_convert_to_hf_loads_in_transformers(seed, tmp_path):
 
 def test_streamed_hf_conversion_in_bf16_and_in_several_files(seed, tmp_path):
     ck = seed(2, "float32", True)
-    mtj.convert_to_hf(ck.step_dir, tmp_path / "hf", "bfloat16", seed_config=ck.seed_config, max_shard_bytes=20_000)
+    cfg, source = mtj.slice_source(ck.step_dir, ck.seed_config)
+    hf.write_from(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     from safetensors import safe_open
@@ -103,7 +104,7 @@ def test_streamed_hf_conversion_in_bf16_and_in_several_files(seed, tmp_path):
 
 def test_converted_to_meshlm_format_restores_on_several_meshes(seed, tmp_path):
     ck = seed(4, "float32", False)
-    api.convert(ck.step_dir, tmp_path / "ckpt", to="meshlm", mesh="fsdp=4,model=2", seed_config=ck.seed_config)
+    api.convert(ck.step_dir, tmp_path / "ckpt", to="meshlm", seed_config=ck.seed_config)
     expected = torch_logits(ck.model)
     for mesh in ("data=2,model=4", MESH):
         lm = meshlm.load(tmp_path / "ckpt", mesh=mesh)

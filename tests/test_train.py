@@ -21,6 +21,7 @@ from meshlm import checkpoint, cli, data, model, train
 from meshlm.config import ModelConfig, TrainConfig, load_train_config
 from meshlm.loader import LoaderState, TrainLoader
 from meshlm.sharding import make_mesh
+from tests import oracle
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 16
@@ -183,6 +184,13 @@ def memorised(tmp_path_factory):
         val_every=60, ckpt_every=60,
     )  # fmt: skip
     return train.train(cfg, progress=False)
+
+
+def test_a_training_run_converts_to_hf_with_its_latest_weights(memorised, tmp_path):
+    meshlm.convert(memorised.out_dir, tmp_path / "hf", to="hf")
+    tokens = np.arange(2 * SEQ).reshape(2, SEQ)
+    want = meshlm.load(memorised.out_dir).logits(tokens)
+    np.testing.assert_allclose(oracle.open_hf(tmp_path / "hf").logits(tokens), want, atol=1e-4)
 
 
 def test_loss_falls_to_near_zero_when_memorising(memorised):

@@ -119,10 +119,6 @@ HF_NAMES: dict[str, tuple[str, Layout]] = {
 }
 
 
-def path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(getattr(k, "key", k)) for k in path)
-
-
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     """Every tensor name of a GPT-J state dict, in HF's own order (layer by layer)."""
     top = [HF_NAMES["embed.w"][0]]
@@ -237,7 +233,7 @@ def _check_tensors(reader: TensorReader, cfg: ModelConfig, abstract: Any, folder
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ConfigError(f"{folder}: checkpoint lacks tensor(s) {missing[:3]}{more} that config.json implies")
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        key = path_name(path)
+        key = model.param_name(path)
         template, layout = HF_NAMES[key]
         shape = leaf.shape[1:] if key.startswith("layers.") else leaf.shape
         want = _expected_hf_shape(layout, shape)
@@ -290,39 +286,56 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
     np_dtype = NP_DTYPES[dtype]
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        read = _leaf_reader(reader, path_name(path), leaf.shape, np_dtype)
+        read = _leaf_reader(reader, model.param_name(path), leaf.shape, np_dtype)
         return jax.make_array_from_callback(leaf.shape, sharding, read)
 
     return cfg, jax.tree_util.tree_map_with_path(build, abstract, shardings)
 
 
-def convert_to_meshlm(folder: str | Path, out: str | Path, dtype: str = "float32") -> ModelConfig:
-    """Write a GPTJForCausalLM folder as a meshlm checkpoint in `dtype`, a slice at a time (bounded memory)."""
-    cfg, reader, _ = _open(folder, dtype)
-    np_dtype = NP_DTYPES[dtype]
-    checkpoint.write_params(out, cfg, dtype, lambda key, shape: _leaf_reader(reader, key, shape, np_dtype))
-    return cfg
+def slice_source(folder: str | Path) -> tuple[ModelConfig, checkpoint.SliceSource]:
+    """The folder's config and its tensors' slices in meshlm's layout (float32), for streamed conversion."""
+    cfg, reader, _ = _open(folder, "float32")
+    return cfg, lambda key, shape: _leaf_reader(reader, key, shape, np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Writing
 
 
-def iter_hf_tensors(params: model.Params, cfg: ModelConfig, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor, layer by layer, gathering one layer slice at a time."""
-    np_dtype = NP_DTYPES[dtype]
-    flat = {path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+def iter_hf_tensors(
+    cfg: ModelConfig, read: Callable[[str, int | None], np.ndarray], dtype: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array in `dtype`) for every tensor in HF's order; `read(key, layer)` gives meshlm
+    parameter `key` (its layer `layer` when stacked) on the host, and is called only as each is written."""
+    target = np_dtype(dtype)
 
-    def convert(key: str, value: jax.Array) -> np.ndarray:
-        return HF_NAMES[key][1].to_hf(to_host(value).astype(np.float32)).astype(np_dtype)
+    def tensor(key: str, layer: int | None) -> tuple[str, np.ndarray]:
+        template, layout = HF_NAMES[key]
+        ours = np.asarray(read(key, layer)).astype(target, copy=False)
+        return template.format(layer), layout.to_hf(ours)  # cast first: the transpose then moves fewer bytes
 
-    yield HF_NAMES["embed.w"][0], convert("embed.w", flat["embed.w"])
+    yield tensor("embed.w", None)
     layer_keys = [k for k in HF_NAMES if k.startswith("layers.")]
     for i in range(cfg.n_layer):
         for key in layer_keys:
-            yield HF_NAMES[key][0].format(i), convert(key, flat[key][i])
+            yield tensor(key, i)
     for key in ("ln_f.scale", "ln_f.bias", "head.w", "head.b"):
-        yield HF_NAMES[key][0], convert(key, flat[key])
+        yield tensor(key, None)
+
+
+def _write(
+    folder: str | Path,
+    cfg: ModelConfig,
+    dtype: str,
+    read: Callable[[str, int | None], np.ndarray],
+    max_shard_bytes: int,
+    is_writer: bool = True,
+) -> None:
+    from tqdm import tqdm
+
+    total = len(hf_tensor_names(cfg))
+    tensors = tqdm(iter_hf_tensors(cfg, read, dtype), total=total, desc="writing", unit="tensor", leave=False)
+    write_folder(folder, tensors, cfg, dtype, max_shard_bytes, is_writer)
 
 
 def save(
@@ -333,8 +346,29 @@ def save(
     Tensors are written in shards of at most `max_shard_bytes` as they are produced, so peak host
     memory is one shard, whatever the model size.
     """
-    np_dtype(dtype)
-    write_folder(folder, iter_hf_tensors(params, cfg, dtype), cfg, dtype, max_shard_bytes, jax.process_index() == 0)
+    flat = {model.param_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    read = lambda key, layer: to_host(flat[key] if layer is None else flat[key][layer])
+    _write(folder, cfg, dtype, read, max_shard_bytes, jax.process_index() == 0)
+
+
+def write_from(
+    folder: str | Path,
+    cfg: ModelConfig,
+    dtype: str,
+    source: checkpoint.SliceSource,
+    max_shard_bytes: int = 512 << 20,
+) -> None:
+    """Write a Hugging Face folder in `dtype` from a checkpoint's `source`, one tensor at a time (peak
+    memory: one output file plus a few copies of the largest tensor, whatever the model size)."""
+    shapes = model.param_shapes(cfg)
+
+    def read(key: str, layer: int | None) -> np.ndarray:
+        whole = tuple(slice(0, n) for n in shapes[key])
+        if layer is None:
+            return source(key, shapes[key])(whole)
+        return source(key, shapes[key])((slice(layer, layer + 1), *whole[1:]))[0]
+
+    _write(folder, cfg, dtype, read, max_shard_bytes)
 
 
 def write_folder(

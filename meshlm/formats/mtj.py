@@ -20,7 +20,7 @@ import json
 import re
 import struct
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -523,7 +523,7 @@ def _build(ckpt: SeedCheckpoint, mesh: jax.sharding.Mesh, dtype: str, tree: str)
     np_dtype = hf.NP_DTYPES[dtype]
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        read = _leaf_reader(ckpt, hf.path_name(path), leaf.shape, np_dtype, tree)
+        read = _leaf_reader(ckpt, model.param_name(path), leaf.shape, np_dtype, tree)
         array = jax.make_array_from_callback(leaf.shape, sharding, read)
         ckpt.release()
         return array
@@ -595,19 +595,16 @@ def load_optimizer_moments(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Streaming conversion
+# Streamed conversion
 
 
-def convert_to_meshlm(
-    path: str | Path, out: str | Path, dtype: str = "float32", seed_config: str | Path | None = None
-) -> ModelConfig:
-    """Write a seed checkpoint as a meshlm checkpoint in `dtype`, one layer slice at a time (peak memory:
-    a few slices of the largest parameter, whatever the model size)."""
-    np_dtype = hf.np_dtype(dtype)
+def slice_source(path: str | Path, seed_config: str | Path | None = None) -> tuple[ModelConfig, checkpoint.SliceSource]:
+    """The checkpoint's config and its parameters' slices in meshlm's layout (float32), for streamed
+    conversion: each read combines the shards' parts and releases them, so memory stays one slice."""
     ckpt = SeedCheckpoint(path, seed_config)
 
-    def reader(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
-        read = _leaf_reader(ckpt, key, shape, np_dtype, "params")
+    def source(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
+        read = _leaf_reader(ckpt, key, shape, np.float32, "params")
 
         def read_and_release(index: Index) -> np.ndarray:
             try:
@@ -617,47 +614,4 @@ def convert_to_meshlm(
 
         return read_and_release
 
-    checkpoint.write_params(out, ckpt.config, dtype, reader)
-    return ckpt.config
-
-
-def iter_hf_tensors(ckpt: SeedCheckpoint, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor in HF order, read one tensor at a time."""
-    cfg, np_dtype = ckpt.config, hf.NP_DTYPES[dtype]
-    shapes = {
-        hf.path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(model.abstract_params(cfg))[0]
-    }
-
-    def tensor(key: str, layer: int | None) -> tuple[str, np.ndarray]:
-        template, layout = hf.HF_NAMES[key]
-        shape = shapes[key][1:] if layer is not None else shapes[key]
-        ours = ckpt.read(key, layer, _full(shape), shape).astype(np_dtype, copy=False)
-        ckpt.release()
-        return template.format(layer), layout.to_hf(ours)  # cast first: the transpose then moves fewer bytes
-
-    yield tensor("embed.w", None)
-    layer_keys = [k for k in hf.HF_NAMES if k.startswith("layers.")]
-    for i in range(cfg.n_layer):
-        for key in layer_keys:
-            yield tensor(key, i)
-    for key in ("ln_f.scale", "ln_f.bias", "head.w", "head.b"):
-        yield tensor(key, None)
-
-
-def convert_to_hf(
-    path: str | Path,
-    out: str | Path,
-    dtype: str = "float32",
-    seed_config: str | Path | None = None,
-    max_shard_bytes: int = 512 << 20,
-) -> ModelConfig:
-    """Write a seed checkpoint as a Hugging Face folder in `dtype`, one tensor at a time (peak memory:
-    one output shard plus a few copies of the largest tensor)."""
-    from tqdm import tqdm
-
-    hf.np_dtype(dtype)
-    ckpt = SeedCheckpoint(path, seed_config)
-    n = len(hf.hf_tensor_names(ckpt.config))
-    tensors = tqdm(iter_hf_tensors(ckpt, dtype), total=n, desc="converting", unit="tensor", leave=False)
-    hf.write_folder(out, tensors, ckpt.config, dtype, max_shard_bytes)
-    return ckpt.config
+    return ckpt.config, source

@@ -319,11 +319,11 @@ def convert(
     src = checkpoint.resolve(src)
     fmt = detect_format(src)
     if fmt == "meshlm":
-        cfg, source = checkpoint.slice_source(src)
+        cfg, source = checkpoint.slice_source(src, dtype)
     elif fmt == "hf":
-        cfg, source = hf.slice_source(src)
+        cfg, source = hf.slice_source(src, dtype)
     else:
-        cfg, source = mtj.slice_source(src, seed_config)
+        cfg, source = mtj.slice_source(src, dtype, seed_config)
     if to == "meshlm":
         checkpoint.write_params(dst, cfg, dtype, source)
     else:

@@ -119,8 +119,8 @@ def write_params(
     source: SliceSource,
     progress: bool = True,
 ) -> None:
-    """Write a meshlm checkpoint in `dtype` from `source`, one slice of at most `SLICE_BYTES` at a
-    time: peak memory stays a few slices, whatever the model size.
+    """Write a meshlm checkpoint in `dtype` from `source` (whose slices come in `dtype`), one slice of
+    at most `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size.
 
     Runs on one process; the result restores on any mesh like any other meshlm checkpoint.
     """
@@ -155,7 +155,7 @@ def write_params(
             rest = tuple(slice(0, n) for n in shape[1:])
             for start in range(0, shape[0], chunk[0]):
                 rows = slice(start, min(start + chunk[0], shape[0]))
-                array[rows].write(np.asarray(read((rows, *rest)), model.dtype_of(dtype))).result()
+                array[rows].write(read((rows, *rest))).result()
                 bar.update()
             keys = tuple(name.split("."))
             tree_metadata[str(keys)] = {
@@ -173,9 +173,10 @@ def write_params(
     _write_marker(path, _description(cfg, dtype))
 
 
-def slice_source(path: str | Path) -> tuple[ModelConfig, SliceSource]:
-    """A checkpoint's config and its parameters' slices read straight from the files (tensorstore, as
-    orbax lays them out: OCDBT or one zarr array per parameter), so converting never loads the model."""
+def slice_source(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
+    """A checkpoint's config and its parameters' slices in `dtype`, read straight from the files
+    (tensorstore, as orbax lays them out: OCDBT or one zarr array per parameter), so converting never
+    loads the model."""
     path = Path(resolve(path)).absolute()
     cfg = ModelConfig.from_dict(read_description(path)["model"])
     folder = path / "params"
@@ -202,7 +203,8 @@ def slice_source(path: str | Path) -> tuple[ModelConfig, SliceSource]:
         return array
 
     arrays = {name: open_array(name, shape) for name, shape in model.param_shapes(cfg).items()}
-    return cfg, lambda name, shape: lambda index: arrays[name][index].read().result()
+    target = np.dtype(model.dtype_of(dtype))
+    return cfg, lambda name, shape: lambda index: arrays[name][index].read().result().astype(target, copy=False)
 
 
 def restore_params(

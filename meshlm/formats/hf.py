@@ -292,10 +292,10 @@ def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") ->
     return cfg, jax.tree_util.tree_map_with_path(build, abstract, shardings)
 
 
-def slice_source(folder: str | Path) -> tuple[ModelConfig, checkpoint.SliceSource]:
-    """The folder's config and its tensors' slices in meshlm's layout (float32), for streamed conversion."""
-    cfg, reader, _ = _open(folder, "float32")
-    return cfg, lambda key, shape: _leaf_reader(reader, key, shape, np.float32)
+def slice_source(folder: str | Path, dtype: str) -> tuple[ModelConfig, checkpoint.SliceSource]:
+    """The folder's config and its tensors' slices in meshlm's layout and `dtype`, for streamed conversion."""
+    cfg, reader, _ = _open(folder, dtype)
+    return cfg, lambda key, shape: _leaf_reader(reader, key, shape, np_dtype(dtype))
 
 
 # ---------------------------------------------------------------------------------------------------

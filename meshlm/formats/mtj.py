@@ -598,13 +598,16 @@ def load_optimizer_moments(
 # Streamed conversion
 
 
-def slice_source(path: str | Path, seed_config: str | Path | None = None) -> tuple[ModelConfig, checkpoint.SliceSource]:
-    """The checkpoint's config and its parameters' slices in meshlm's layout (float32), for streamed
+def slice_source(
+    path: str | Path, dtype: str, seed_config: str | Path | None = None
+) -> tuple[ModelConfig, checkpoint.SliceSource]:
+    """The checkpoint's config and its parameters' slices in meshlm's layout and `dtype`, for streamed
     conversion: each read combines the shards' parts and releases them, so memory stays one slice."""
+    np_dtype = hf.np_dtype(dtype)
     ckpt = SeedCheckpoint(path, seed_config)
 
     def source(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
-        read = _leaf_reader(ckpt, key, shape, np.float32, "params")
+        read = _leaf_reader(ckpt, key, shape, np_dtype, "params")
 
         def read_and_release(index: Index) -> np.ndarray:
             try:

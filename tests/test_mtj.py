@@ -136,7 +136,7 @@ def test_run_folder_loads_the_latest_step_named_in_meta_json(seed, tmp_path):
     np.testing.assert_allclose(lm.logits(TOKENS), torch_logits(ck.model), atol=1e-4, rtol=0)
 
 
-def test_fsspec_url(seed):
+def test_fsspec_url(seed, tmp_path):
     import fsspec
 
     ck = seed(2, "bfloat16", False)
@@ -144,6 +144,8 @@ def test_fsspec_url(seed):
     fs.put(str(ck.step_dir), "/seedrun/step", recursive=True)
     lm = meshlm.load("memory://seedrun/step", mesh=MESH, seed_config=ck.seed_config)
     np.testing.assert_allclose(lm.logits(TOKENS), torch_logits(ck.model), atol=1e-4, rtol=0)
+    meshlm.convert("memory://seedrun/step", tmp_path / "hf", to="hf", seed_config=ck.seed_config)
+    np.testing.assert_allclose(torch_logits(oracle.load_hf(tmp_path / "hf")), torch_logits(ck.model), atol=1e-4)
 
 
 def test_adam_moments_import_in_meshlm_layout(seed, tmp_path):

@@ -287,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the seed's run JSON (n_heads, pe_rotary_dims, seq) for a seed checkpoint that is not GPT-J-6B-shaped",
     )
+    _add_distributed(p)  # started by a multi-process launcher, only process 0 converts
     p.set_defaults(handler=cmd_convert)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)

@@ -197,6 +197,11 @@ class Step(NamedTuple):
     done: np.ndarray  # [B] bool: the row has finished (stop token or max_new_tokens)
 
 
+def any_sampling(params: Seq[SamplingParams | None]) -> bool:
+    """Whether any row draws at random (temperature above 0), rather than all decoding greedily."""
+    return any(sp is not None and sp.temperature > 0 for sp in params)
+
+
 def settings_for(params: Seq[SamplingParams | None], n_rows: int) -> Settings:
     """Host arrays for `n_rows` rows; rows beyond `params` (padding) are greedy and produce nothing."""
     stop_ids = np.full((n_rows, MAX_STOP_IDS), -1, np.int32)
@@ -221,8 +226,12 @@ def settings_for(params: Seq[SamplingParams | None], n_rows: int) -> Settings:
     )
 
 
-def choose(logits: jax.Array, rows: Rows, n_vocab_used: int) -> tuple[jax.Array, ...]:
-    """The next token of every row from logits [B, V], and its log-probability under the model."""
+def choose(logits: jax.Array, rows: Rows, n_vocab_used: int, sampling: bool = True) -> tuple[jax.Array, ...]:
+    """The next token of every row from logits [B, V], and its log-probability under the model.
+
+    `sampling` (static) says whether any row has a temperature above 0; without it every row is
+    greedy and no draw is compiled. (A `lax.cond` deciding that on the device cost more, on CPU,
+    than the whole greedy choice.)"""
     V = logits.shape[-1]
     s = rows.settings
     logits = jnp.where(jnp.arange(V) < n_vocab_used, logits, -jnp.inf)  # padded vocabulary rows
@@ -236,8 +245,7 @@ def choose(logits: jax.Array, rows: Rows, n_vocab_used: int) -> tuple[jax.Array,
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, rows.count)
         return sample(x, keys)
 
-    sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda x: greedy, x)
-    token = jnp.where(s.temperature > 0, sampled, greedy)
+    token = jnp.where(s.temperature > 0, draw(x), greedy) if sampling else greedy
     logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     return token, logprob, top_ids.astype(jnp.int32), top_logprobs
 
@@ -256,7 +264,7 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("cfg", "policy", "cache_len"))
+@partial(jax.jit, static_argnames=("cfg", "policy", "cache_len", "sampling"))
 def _prefill(
     params: model.Params,
     tokens: jax.Array,
@@ -266,6 +274,7 @@ def _prefill(
     cfg: ModelConfig,
     policy: model.Policy,
     cache_len: int,
+    sampling: bool,
 ) -> tuple[Rows, tuple[jax.Array, ...]]:
     """Fresh rows from right-padded prompts [B, P], with each row's first token chosen.
 
@@ -281,13 +290,19 @@ def _prefill(
     seen = jnp.zeros((B, cfg.vocab_size), bool).at[jnp.arange(B)[:, None], tokens].max(mask)
     zeros = jnp.zeros((B,), jnp.int32)
     rows = Rows(cache, zeros, seen, zeros, settings.max_new <= 0, settings)
-    out = choose(logits[:, 0], rows, cfg.n_vocab_used)
+    out = choose(logits[:, 0], rows, cfg.n_vocab_used, sampling)
     return advance(rows, cache, out[0]), (*(o[:, None] for o in out), ~rows.done[:, None])
 
 
-@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames="rows")
+@partial(jax.jit, static_argnames=("cfg", "policy", "sampling"), donate_argnames="rows")
 def _decode(
-    params: model.Params, rows: Rows, n_steps: jax.Array, *, cfg: ModelConfig, policy: model.Policy
+    params: model.Params,
+    rows: Rows,
+    n_steps: jax.Array,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    sampling: bool,
 ) -> tuple[Rows, tuple[jax.Array, ...]]:
     """Up to `n_steps` (<= MAX_CHUNK) decode steps in one `while_loop`, stopping early once every row is done."""
     B = rows.token.shape[0]
@@ -306,7 +321,7 @@ def _decode(
     def body(carry: tuple) -> tuple:
         i, rows, bufs = carry
         logits, cache = model.decode(params, rows.token[:, None], rows.cache, cfg, policy)
-        out = choose(logits[:, 0], rows, cfg.n_vocab_used)
+        out = choose(logits[:, 0], rows, cfg.n_vocab_used, sampling)
         bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, ~rows.done), strict=True))
         return i + 1, advance(rows, cache, out[0]), bufs
 
@@ -319,7 +334,7 @@ def _insert(rows: Rows, new: Rows, slots: jax.Array) -> Rows:
     """Write `new` rows into `rows` at `slots` (slots out of range, for padding rows, are dropped)."""
 
     def put(dst: jax.Array, src: jax.Array) -> jax.Array:
-        if dst.ndim == 5:  # cache k/v: [L, B, S, H, K], batch on axis 1
+        if dst.ndim == 5:  # cache k/v: [L, B, H, S, K], batch on axis 1
             return dst.at[:, slots].set(src, mode="drop")
         return dst.at[slots].set(src, mode="drop")
 
@@ -374,17 +389,19 @@ class Generator:
             mask[i, : len(prompt)] = True
         tokens, mask = self._from_host(tokens), self._from_host(mask)
         settings = jax.tree.map(self._from_host, settings_for(params, n_rows))
+        static = dict(cfg=self.cfg, policy=self.policy, cache_len=cache_len, sampling=any_sampling(params))
         with jax.set_mesh(self.mesh):
-            rows, out = _prefill(
-                self.params, tokens, mask, settings, cfg=self.cfg, policy=self.policy, cache_len=cache_len
-            )
+            rows, out = _prefill(self.params, tokens, mask, settings, **static)
         return rows, self._to_host(out, rows)
 
-    def decode(self, rows: Rows, n_steps: int) -> tuple[Rows, Step]:
-        """Up to `n_steps` (at most MAX_CHUNK) more tokens for every running row, in one device call."""
+    def decode(self, rows: Rows, n_steps: int, sampling: bool = True) -> tuple[Rows, Step]:
+        """Up to `n_steps` (at most MAX_CHUNK) more tokens for every running row, in one device call.
+        `sampling=False` promises that every row is greedy (`any_sampling` of the rows' settings)."""
         n_steps = min(n_steps, MAX_CHUNK)
         with jax.set_mesh(self.mesh):
-            rows, out = _decode(self.params, rows, np.int32(n_steps), cfg=self.cfg, policy=self.policy)
+            rows, out = _decode(
+                self.params, rows, np.int32(n_steps), cfg=self.cfg, policy=self.policy, sampling=sampling
+            )
         return rows, self._to_host(out, rows)
 
     def insert(self, rows: Rows, new: Rows, slots: Seq[int]) -> Rows:
@@ -536,7 +553,7 @@ def run(
             return
         finished = np.array([s.finished for s in seqs] + [True] * (rows.token.shape[0] - len(seqs)))
         rows = generator.finish(rows, finished)  # a stop string ends a row early
-        rows, step = generator.decode(rows, chunk)
+        rows, step = generator.decode(rows, chunk, any_sampling(params))
 
 
 def generate(

@@ -211,6 +211,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """`attend` over a cache layer: q [B, T, H, K], k/v [B, H, S, K] as stored, allowed [B, T, S].
+
+    Plain einsums on the stored layout: handing the cache to `attend` in its [B, S, H, K] layout
+    made XLA transpose every cached key and value of every layer at every decode step."""
+    scores = jnp.einsum("bthk,bhsk->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.where(allowed[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bhsk->bthk", probs, v)
+
+
 class KVCache(NamedTuple):
     """Keys and values of every layer for incremental decoding, preallocated to `length` slots.
 
@@ -219,8 +230,8 @@ class KVCache(NamedTuple):
     unused slots are never attended to.
     """
 
-    k: jax.Array  # [L, B, S, H, K]
-    v: jax.Array  # [L, B, S, H, K]
+    k: jax.Array  # [L, B, H, S, K]: heads before slots, the layout the attention einsums read directly
+    v: jax.Array  # [L, B, H, S, K]
     valid: jax.Array  # [B, S] bool
     index: jax.Array  # [B] int32: the slot the row's next token is written to
 
@@ -237,15 +248,15 @@ class KVCache(NamedTuple):
 
         def put(buf: jax.Array, new: jax.Array) -> jax.Array:
             def row(b: jax.Array, buf: jax.Array) -> jax.Array:
-                update = new[b][None, None].astype(buf.dtype)
-                return jax.lax.dynamic_update_slice(buf, update, (layer, b, self.index[b], 0, 0))
+                update = new[b].swapaxes(0, 1)[None, None].astype(buf.dtype)  # [T, H, K] -> [1, 1, H, T, K]
+                return jax.lax.dynamic_update_slice(buf, update, (layer, b, 0, self.index[b], 0))
 
             return jax.lax.fori_loop(0, new.shape[0], row, buf)
 
         return self._replace(k=put(self.k, k), v=put(self.v, v))
 
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "act_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "act_heads", "cache_seq", "head_dim")
 
 
 def cache_axes() -> KVCache:
@@ -255,7 +266,7 @@ def cache_axes() -> KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32") -> KVCache:
     """An empty cache of `length` slots per row."""
-    shape = (cfg.n_layer, batch, length, cfg.n_head, cfg.d_head)
+    shape = (cfg.n_layer, batch, cfg.n_head, length, cfg.d_head)
     return KVCache(
         k=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
         v=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
@@ -279,11 +290,15 @@ def attention(
     k = apply_rotary(jnp.einsum("btd,dhk->bthk", h, p["k"].astype(h.dtype)), sin, cos)
     v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(h.dtype))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    if cache is not None:
+    if cache is None:
+        out = attend(q, k, v, allowed)
+    else:
         cache = cache.write(layer_index, k, v)
-        k = constrain(cache.k[layer_index].astype(h.dtype), ("batch", "cache_seq", "act_heads", None))
-        v = constrain(cache.v[layer_index].astype(h.dtype), ("batch", "cache_seq", "act_heads", None))
-    out = attend(q, k, v, allowed)
+        k, v = (constrain(c[layer_index].astype(h.dtype), CACHE_AXES[1:]) for c in (cache.k, cache.v))
+        if q.shape[1] == 1:  # a decode step: read the cache as stored
+            out = attend_cached(q, k, v, allowed)
+        else:  # a prompt: worth one transpose for `attend`'s fused kernel where there is one
+            out = attend(q, k.swapaxes(1, 2), v.swapaxes(1, 2), allowed)
     return jnp.einsum("bthk,hkd->btd", out, p["out"].astype(h.dtype)), cache
 
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
-from meshlm.generate import SamplingParams, Sequence
+from meshlm.generate import SamplingParams, Sequence, any_sampling
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
@@ -164,7 +164,8 @@ class Engine:
     def _decode(self) -> None:
         finished = np.array([r is None or r.seq.finished or r.cancelled for r in self.slots])
         self.rows = self.gen.finish(self.rows, finished)
-        self.rows, step = self.gen.decode(self.rows, self.chunk)
+        sampling = any_sampling([r.seq.sampling for r in self.slots if r is not None])
+        self.rows, step = self.gen.decode(self.rows, self.chunk, sampling)
         for slot, row in enumerate(self.slots):
             if row is not None:
                 self._deliver(slot, row, step, slot)

@@ -214,8 +214,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
 def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
     """`attend` over a cache layer: q [B, T, H, K], k/v [B, H, S, K] as stored, allowed [B, T, S].
 
-    Plain einsums on the stored layout: handing the cache to `attend` in its [B, S, H, K] layout
-    made XLA transpose every cached key and value of every layer at every decode step."""
+    Plain einsums on the stored layout: `attend` takes keys and values as [B, S, H, K], and giving it
+    the cache that way made XLA transpose every cached key and value of every layer at every step."""
     scores = jnp.einsum("bthk,bhsk->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
     scores = jnp.where(allowed[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

@@ -312,8 +312,7 @@ def convert(
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
     hf.np_dtype(dtype)
-    if Path(dst).exists() and any(Path(dst).iterdir()):
-        raise ConfigError(f"{dst}: already exists and is not empty; choose a new folder")
+    checkpoint.check_new_folder(dst)
     if jax.process_index() != 0:
         return
     src = checkpoint.resolve(src)

@@ -78,7 +78,9 @@ def read_description(path: str | Path) -> dict[str, Any]:
     return desc
 
 
-def _check_new(path: Path) -> None:
+def check_new_folder(path: str | Path) -> None:
+    """Refuse to write into a folder that holds anything: nothing saved there is ever overwritten."""
+    path = Path(path)
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
 
@@ -93,7 +95,7 @@ def _write_marker(path: Path, desc: dict[str, Any]) -> None:
 def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra: dict[str, Any] | None = None) -> None:
     """Save parameters (any sharding, any number of processes) as a meshlm checkpoint."""
     path = Path(path).absolute()
-    _check_new(path)
+    check_new_folder(path)
     if jax.process_count() > 1:  # every process has looked before any of them writes
         multihost_utils.sync_global_devices(f"meshlm save {path}")
     checkpointer = ocp.StandardCheckpointer()
@@ -127,7 +129,7 @@ def write_params(
     from tqdm import tqdm
 
     path = Path(path).absolute()
-    _check_new(path)
+    check_new_folder(path)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(model.dtype_of(dtype)).itemsize
     plans = []  # (name, shape, chunk): a chunk is what is read and written at once

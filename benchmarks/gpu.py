@@ -150,7 +150,7 @@ def bench_train(
 
     make_state = jax.jit(init_state, out_shardings=shardings)
     result: dict[str, Any] = {
-        "params": cfg.num_params(),
+        "params": model.count_params(cfg),
         "seq_len": shapes.seq_len,
         "remat": remat,
         "attention": model.attention_impl,
@@ -232,7 +232,7 @@ def bench_generate(
     seconds = timed(lambda: prefill(params, prompt, empty), shapes.repeats)
     prefill_flops = train.flops_per_token(cfg, T) / 3 * T / seconds  # the forward third of the training count
     result: dict[str, Any] = {
-        "params": cfg.num_params(),
+        "params": model.count_params(cfg),
         "weight_gb": weight_bytes / 1e9,
         "attention": model.attention_impl,
         "prefill_len": T,

@@ -60,7 +60,7 @@ def _target_logprobs(
     """log p(targets) and the argmax token, with the LM head run only at the positions `at` [B, K]: for
     scoring a short continuation after a long context this skips most of the head's vocab-sized matmul."""
     x = model.hidden_states(params, tokens, cfg, policy)
-    logits = model.unembed(params, jnp.take_along_axis(x, at[..., None], axis=1))
+    logits = model.unembed(params, jnp.take_along_axis(x, at[..., None], axis=1), cfg)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     # Padded vocabulary rows (>= n_vocab_used) are never predicted, so the argmax skips them.
@@ -95,7 +95,7 @@ class LanguageModel:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"LanguageModel({c.n_layer} layers, d_model {c.d_model}, {c.num_params():,} params, "
+            f"LanguageModel({c.n_layer} layers, d_model {c.d_model}, {model.count_params(c):,} params, "
             f"{self.dtype}, {describe(self.mesh)})"
         )
 

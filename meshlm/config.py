@@ -16,9 +16,33 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or inconsistent; the message names the key."""
 
 
+# The architectural choices the GPT-J family differs in; each field's default is GPT-J's.
+RESIDUALS = ("parallel", "parallel_two_norms", "sequential")
+NORMS = ("layernorm", "layernorm-nobias", "rmsnorm", "scalenorm", "rmsnorm-bias", "scalenorm-bias")
+POSITIONS = ("rotary", "learned", "t5")
+ROTARY_STYLES = ("interleaved", "half")
+ACTIVATIONS = ("gelu_new", "gelu")
+ATTENTION_KINDS = ("global", "local")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a GPT-J-class model. Runtime choices (dtypes, remat) live in `model.Policy`."""
+    """The architecture of a GPT-J-class model. Runtime choices (dtypes, remat) live in `Policy`.
+
+    The defaults describe GPT-J; the family differs in a few named choices:
+      residual        "parallel": x + attn(ln(x)) + mlp(ln(x)), one norm (GPT-J, CodeGen, the seed);
+                      "parallel_two_norms": x + attn(ln(x)) + mlp(ln_mlp(x)) (GPT-NeoX);
+                      "sequential": x += attn(ln(x)); x += mlp(ln_mlp(x)) (GPT-Neo, NeoX without
+                      use_parallel_residual)
+      norm            the seed's norms: layernorm (-nobias: no offset), rmsnorm and scalenorm as the
+                      seed defines them (x / (|x|_2 + 1e-5) times a per-channel or a single scale),
+                      optionally with an offset ("-bias")
+      position        "rotary" on the first `rotary_dim` dims of each head ("interleaved" pairs as GPT-J,
+                      rotate-"half" as NeoX); "learned" absolute positions added to the embedding
+                      (GPT-Neo, the seed's `fixed`); "t5" relative bias buckets shared by the layers
+      attention_layers  "global" or "local" (causal window of `local_window` tokens), cycled over the
+                      layers (GPT-Neo alternates); `scale_attn` False drops the 1/sqrt(d_head) (GPT-Neo)
+    """
 
     n_layer: int
     d_model: int
@@ -29,6 +53,19 @@ class ModelConfig:
     n_vocab_used: int = GPT2_VOCAB
     max_seq_len: int = 2048
     layer_norm_eps: float = 1e-5
+    residual: str = "parallel"
+    norm: str = "layernorm"
+    position: str = "rotary"
+    rotary_style: str = "interleaved"
+    rotary_base: float = 10000.0
+    attention_layers: tuple[str, ...] = ("global",)
+    local_window: int = 0
+    scale_attn: bool = True
+    qkv_bias: bool = False
+    out_bias: bool = False
+    tie_embeddings: bool = False
+    head_bias: bool = True
+    activation: str = "gelu_new"
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "n_vocab_used", "max_seq_len"):
@@ -48,18 +85,72 @@ class ModelConfig:
                 f"model config: n_vocab_used ({self.n_vocab_used}) must be <= vocab_size "
                 f"({self.vocab_size}), the padded embedding rows"
             )
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, int | float):
+            raise ConfigError(f"model config: layer_norm_eps must be a number, got {self.layer_norm_eps!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"model config: layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        for key, allowed in (
+            ("residual", RESIDUALS),
+            ("norm", NORMS),
+            ("position", POSITIONS),
+            ("rotary_style", ROTARY_STYLES),
+            ("activation", ACTIVATIONS),
+        ):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model config: {key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
+        for key in ("scale_attn", "qkv_bias", "out_bias", "tie_embeddings", "head_bias"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"model config: {key} must be true or false, got {getattr(self, key)!r}")
+        if isinstance(self.rotary_base, bool) or not isinstance(self.rotary_base, int | float) or self.rotary_base <= 1:
+            raise ConfigError(f"model config: rotary_base must be a number > 1, got {self.rotary_base!r}")
+        if self.position != "rotary" and self.rotary_dim:
+            raise ConfigError(
+                f"model config: rotary_dim is {self.rotary_dim} but position is {self.position!r}; "
+                "set rotary_dim to 0 (only rotary positions rotate)"
+            )
+        layers = self.attention_layers
+        if isinstance(layers, str | list):  # from YAML/JSON, or a single kind for every layer
+            object.__setattr__(self, "attention_layers", (layers,) if isinstance(layers, str) else tuple(layers))
+        if not self.attention_layers or any(k not in ATTENTION_KINDS for k in self.attention_layers):
+            raise ConfigError(
+                f"model config: attention_layers must be a list of {list(ATTENTION_KINDS)} (cycled over the "
+                f"layers), got {layers!r}"
+            )
+        if not isinstance(self.local_window, int) or isinstance(self.local_window, bool) or self.local_window < 0:
+            raise ConfigError(f"model config: local_window must be an integer >= 0, got {self.local_window!r}")
+        if "local" in self.layer_kinds and self.local_window == 0:
+            raise ConfigError("model config: attention_layers has local layers, so local_window must be > 0")
 
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """ "global" or "local" for each layer: `attention_layers` cycled over `n_layer`."""
+        return tuple(self.attention_layers[i % len(self.attention_layers)] for i in range(self.n_layer))
+
+    @property
+    def norm_has_bias(self) -> bool:
+        return self.norm in ("layernorm", "rmsnorm-bias", "scalenorm-bias")
+
+    @property
+    def norm_is_scalar(self) -> bool:
+        """scalenorm's scale is one number, not one per channel."""
+        return self.norm.startswith("scalenorm")
+
+    @property
+    def two_norms(self) -> bool:
+        """Whether each block has a second norm before its MLP."""
+        return self.residual != "parallel"
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        values["attention_layers"] = list(self.attention_layers)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -74,11 +165,46 @@ class ModelConfig:
             raise ConfigError(f"model config: missing key(s) {missing}")
         return cls(**values)
 
-    def num_params(self) -> int:
-        """Parameter count from shapes alone (no allocation), as Hugging Face counts it."""
-        from meshlm import model
 
-        return model.count_params(self)
+def _pythia(n_layer: int, d_model: int, n_head: int, vocab_size: int = 50304) -> ModelConfig:
+    """GPT-NeoX / Pythia: two norms in parallel, rotate-half rotary on a quarter of each head, biased
+    attention, exact GELU, an untied head without bias, and the GPT-NeoX BPE's 50277 ids."""
+    return ModelConfig(
+        n_layer=n_layer,
+        d_model=d_model,
+        n_head=n_head,
+        d_ff=4 * d_model,
+        rotary_dim=d_model // n_head // 4,
+        vocab_size=vocab_size,
+        n_vocab_used=50277,
+        residual="parallel_two_norms",
+        rotary_style="half",
+        qkv_bias=True,
+        out_bias=True,
+        head_bias=False,
+        activation="gelu",
+    )
+
+
+def _gpt_neo(n_layer: int, d_model: int, n_head: int) -> ModelConfig:
+    """GPT-Neo: sequential blocks, learned positions, global and local (256-token) layers alternating,
+    no score scaling, biased out projection, tied head without bias, GPT-2's vocabulary."""
+    return ModelConfig(
+        n_layer=n_layer,
+        d_model=d_model,
+        n_head=n_head,
+        d_ff=4 * d_model,
+        rotary_dim=0,
+        vocab_size=GPT2_VOCAB,
+        residual="sequential",
+        position="learned",
+        attention_layers=("global", "local"),
+        local_window=256,
+        scale_attn=False,
+        out_bias=True,
+        tie_embeddings=True,
+        head_bias=False,
+    )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -89,6 +215,18 @@ PRESETS: dict[str, ModelConfig] = {
     "gptj-tiny": ModelConfig(n_layer=4, d_model=256, n_head=4, d_ff=1024, rotary_dim=32, max_seq_len=512),
     # The built-in `meshlm train` demo: narrow enough that the 50k-row LM head trains on 2 CPU cores in minutes.
     "gptj-demo": ModelConfig(n_layer=4, d_model=128, n_head=4, d_ff=512, rotary_dim=16, max_seq_len=256),
+    "pythia-70m": _pythia(6, 512, 8),
+    "pythia-160m": _pythia(12, 768, 12),
+    "pythia-410m": _pythia(24, 1024, 16),
+    "pythia-1b": _pythia(16, 2048, 8),
+    "pythia-1.4b": _pythia(24, 2048, 16),
+    "pythia-2.8b": _pythia(32, 2560, 32),
+    "pythia-6.9b": _pythia(32, 4096, 32, vocab_size=50432),
+    "pythia-12b": _pythia(36, 5120, 40, vocab_size=50688),
+    "gpt-neox-20b": _pythia(44, 6144, 64, vocab_size=50432),
+    "gpt-neo-125m": _gpt_neo(12, 768, 12),
+    "gpt-neo-1.3b": _gpt_neo(24, 2048, 16),
+    "gpt-neo-2.7b": _gpt_neo(32, 2560, 20),
     # Test-sized models: small vocabularies so a forward pass compiles and runs in milliseconds.
     "test-tiny": ModelConfig(
         n_layer=2, d_model=64, n_head=4, d_ff=256, rotary_dim=8, vocab_size=512, n_vocab_used=500, max_seq_len=128
@@ -106,74 +244,34 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}") from None
 
 
-HF_REQUIRED_KEYS = ("n_embd", "n_layer", "n_head", "vocab_size")
+# ---------------------------------------------------------------------------------------------------
+# How to run a model
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+REMAT_NAMES = ("none", "full", "dots", "dots_no_batch")
+# "auto": cuDNN's fused (flash) attention on a GPU where it takes the shapes and dtypes, XLA's otherwise;
+# "xla" or "cudnn" force one (a forced "cudnn" raises where cuDNN cannot run).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
-def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face `GPTJConfig` dict to ModelConfig, refusing anything that is not GPT-J."""
-    model_type = hf.get("model_type")
-    if model_type != "gptj":
-        raise ConfigError(f"{source}: model_type is {model_type!r}, not 'gptj'; meshlm reads GPT-J models only")
-    missing = [k for k in HF_REQUIRED_KEYS if k not in hf]
-    if missing:
-        raise ConfigError(f"{source}: GPT-J config is missing key(s) {missing}")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation != "gelu_new":
-        raise ConfigError(f"{source}: activation_function {activation!r} is not supported (only 'gelu_new')")
-    if hf.get("tie_word_embeddings", False):
-        raise ConfigError(f"{source}: tie_word_embeddings=true is not GPT-J (its LM head is untied)")
-    d_model = hf["n_embd"]
-    n_head = hf["n_head"]
-    rotary_dim = hf.get("rotary_dim") or d_model // n_head
-    vocab = hf["vocab_size"]
-    return ModelConfig(
-        n_layer=hf["n_layer"],
-        d_model=d_model,
-        n_head=n_head,
-        d_ff=hf.get("n_inner") or 4 * d_model,
-        rotary_dim=rotary_dim,
-        vocab_size=vocab,
-        n_vocab_used=min(vocab, GPT2_VOCAB),
-        max_seq_len=hf.get("n_positions", 2048),
-        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-    )
+@dataclass(frozen=True)
+class Policy:
+    """How to run the model: parameter storage dtype, compute dtype, what to rematerialise, and which
+    attention implementation to use."""
 
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "auto"
 
-def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """The config.json that `transformers.GPTJForCausalLM.from_pretrained` expects."""
-    return {
-        "architectures": ["GPTJForCausalLM"],
-        "model_type": "gptj",
-        "n_embd": cfg.d_model,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": cfg.d_ff,
-        "rotary_dim": cfg.rotary_dim,
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.max_seq_len,
-        "layer_norm_epsilon": cfg.layer_norm_eps,
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": False,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "attn_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "resid_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": torch_dtype,
-    }
-
-
-def load_hf_config(folder: str | Path) -> ModelConfig:
-    path = Path(folder) / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found; a Hugging Face model folder needs config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return from_hf_config(hf, source=str(path))
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "compute_dtype"):
+            if getattr(self, key) not in DTYPE_NAMES:
+                raise ConfigError(f"unknown dtype {getattr(self, key)!r}; allowed: {list(DTYPE_NAMES)}")
+        if self.remat not in REMAT_NAMES:
+            raise ConfigError(f"unknown remat policy {self.remat!r}; allowed: {list(REMAT_NAMES)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ConfigError(f"unknown attention implementation {self.attention!r}; allowed: {list(ATTENTION_IMPLS)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,8 +358,6 @@ class TrainConfig:
         for key in ("resume_optimizer", "seed_config"):
             if getattr(self, key) and not self.init_from:
                 raise ConfigError(f"train config: {key} needs init_from (the seed checkpoint to start from)")
-        from meshlm.model import Policy
-
         Policy(self.param_dtype, self.compute_dtype, self.remat)
 
     @property

@@ -192,7 +192,11 @@ def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Call
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention)."""
-    matmul_params = model_cfg.num_params() - model_cfg.vocab_size * model_cfg.d_model  # the embedding is a gather
+    # the embedding and learned positions are gathers (a tied embedding is the head's matmul too)
+    gathered = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
+    if model_cfg.position == "learned":
+        gathered += model_cfg.max_seq_len * model_cfg.d_model
+    matmul_params = model.count_params(model_cfg) - gathered
     return 6 * matmul_params + 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
 
 
@@ -493,7 +497,8 @@ def _train(
     main = jax.process_index() == 0  # only process 0 prints
     show = print if main else lambda *_: None
     say = tqdm.write if main else lambda *_: None
-    show(f"meshlm train: {model_cfg.num_params():,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
+    n_params = model.count_params(model_cfg)
+    show(f"meshlm train: {n_params:,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
     bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not (progress and main))
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time = time.perf_counter()

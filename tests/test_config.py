@@ -1,11 +1,12 @@
 import pytest
 
-from meshlm import config
+from meshlm import config, model
+from meshlm.formats import hf
 from meshlm.config import ConfigError, ModelConfig
 
 
 def test_gptj_6b_parameter_count_from_shapes():
-    assert config.preset("gptj-6b").num_params() == 6_050_882_784
+    assert model.count_params(config.preset("gptj-6b")) == 6_050_882_784
 
 
 def test_gptj_6b_preset_matches_the_published_shape():
@@ -47,12 +48,12 @@ def test_unknown_preset_lists_the_available_ones():
 
 def test_hf_config_round_trip():
     c = config.preset("test-full-rotary")
-    back = config.from_hf_config(config.to_hf_config(c))
+    back = hf.from_hf_config(hf.to_hf_config(c))
     assert back == c.replace(n_vocab_used=min(c.vocab_size, config.GPT2_VOCAB))
 
 
 @pytest.mark.parametrize(
-    "hf, message",
+    "hf_config, message",
     [
         ({"model_type": "gpt2", "n_embd": 8}, "model_type is 'gpt2', not 'gptj'"),
         ({"model_type": "gptj", "n_embd": 64, "n_head": 4}, r"missing key\(s\) \['n_layer', 'vocab_size'\]"),
@@ -69,6 +70,6 @@ def test_hf_config_round_trip():
         ),
     ],
 )
-def test_non_gptj_hf_config_is_refused(hf, message):
+def test_non_gptj_hf_config_is_refused(hf_config, message):
     with pytest.raises(ConfigError, match=message):
-        config.from_hf_config(hf)
+        hf.from_hf_config(hf_config)

@@ -378,7 +378,7 @@ def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
 
 
 def test_training_state_per_device_follows_the_sharding_rules():
-    n = meshlm.preset("gptj-6b").num_params()
+    n = model.count_params(meshlm.preset("gptj-6b"))
     assert train.state_bytes_per_device(meshlm.preset("gptj-6b"), {}) == 16 * n
     # fsdp splits every weight matrix along its embed axis; only the small biases and norms stay whole
     per_device = train.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import checkpoint, model
-from meshlm.config import ConfigError, ModelConfig, load_hf_config, to_hf_config
+from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
 from meshlm.sharding import plan, to_host
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -31,6 +31,79 @@ def np_dtype(name: str) -> Any:
     if name not in NP_DTYPES:
         raise ConfigError(f"unknown export dtype {name!r}; allowed: {sorted(NP_DTYPES)}")
     return NP_DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# config.json
+
+HF_REQUIRED_KEYS = ("n_embd", "n_layer", "n_head", "vocab_size")
+
+
+def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Map a Hugging Face `GPTJConfig` dict to ModelConfig, refusing anything that is not GPT-J."""
+    model_type = hf.get("model_type")
+    if model_type != "gptj":
+        raise ConfigError(f"{source}: model_type is {model_type!r}, not 'gptj'; meshlm reads GPT-J models only")
+    missing = [k for k in HF_REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise ConfigError(f"{source}: GPT-J config is missing key(s) {missing}")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation != "gelu_new":
+        raise ConfigError(f"{source}: activation_function {activation!r} is not supported (only 'gelu_new')")
+    if hf.get("tie_word_embeddings", False):
+        raise ConfigError(f"{source}: tie_word_embeddings=true is not GPT-J (its LM head is untied)")
+    d_model = hf["n_embd"]
+    n_head = hf["n_head"]
+    rotary_dim = hf.get("rotary_dim") or d_model // n_head
+    vocab = hf["vocab_size"]
+    return ModelConfig(
+        n_layer=hf["n_layer"],
+        d_model=d_model,
+        n_head=n_head,
+        d_ff=hf.get("n_inner") or 4 * d_model,
+        rotary_dim=rotary_dim,
+        vocab_size=vocab,
+        n_vocab_used=min(vocab, GPT2_VOCAB),
+        max_seq_len=hf.get("n_positions", 2048),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """The config.json that `transformers.GPTJForCausalLM.from_pretrained` expects."""
+    return {
+        "architectures": ["GPTJForCausalLM"],
+        "model_type": "gptj",
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": cfg.d_ff,
+        "rotary_dim": cfg.rotary_dim,
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": False,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def load_hf_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found; a Hugging Face model folder needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return from_hf_config(hf, source=str(path))
 
 
 class Layout(Protocol):

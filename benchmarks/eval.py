@@ -74,7 +74,8 @@ def main() -> None:
 
     mesh = lm.lm.mesh
     print(
-        f"model {args.preset} ({model.count_params(cfg):,} params, context {cfg.max_seq_len}), {args.requests} loglikelihood "
+        f"model {args.preset} ({meshlm.model.count_params(cfg):,} params, context {cfg.max_seq_len}), "
+        f"{args.requests} loglikelihood "
         f"requests, batch {args.batch_size}; meshlm on {meshlm.sharding.describe(mesh)}, hf on torch "
         f"{torch.__version__} CPU ({torch.get_num_threads()} threads); jax {jax.__version__}"
     )

@@ -89,7 +89,9 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (args.batch, args.seq + 1)).astype(np.int32)
     n_tokens = args.batch * args.seq
     flops = train.flops_per_token(cfg, args.seq) * n_tokens
-    print(f"config {args.preset}: {model.count_params(cfg):,} params, batch {args.batch} x seq {args.seq}, fp32, ", end="")
+    print(
+        f"config {args.preset}: {model.count_params(cfg):,} params, batch {args.batch} x seq {args.seq}, fp32, ", end=""
+    )
     print(f"torch threads {torch.get_num_threads()}, {jax.devices()[0].platform}")
 
     peak = max(train.measure_matmul_peak(), torch_matmul_peak())

@@ -1,8 +1,8 @@
 import pytest
 
 from meshlm import config, model
-from meshlm.formats import hf
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.formats import hf
 
 
 def test_gptj_6b_parameter_count_from_shapes():

@@ -14,35 +14,13 @@ from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.formats import hf, mtj
+from meshlm.formats import hf, registry
+from meshlm.formats.slices import np_dtype, place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, load_tokenizer
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
-
-
-def detect_format(path: str | Path) -> str:
-    """'meshlm', 'hf' or 'mtj' (the seed's step_N folder or run folder), from the files in `path`."""
-    if mtj.is_url(path):
-        if mtj.is_seed_checkpoint(path):
-            return "mtj"
-        raise ConfigError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such file or directory")
-    if not path.is_dir():
-        raise ConfigError(f"{path}: expected a checkpoint folder, got a file")
-    if checkpoint.is_checkpoint(path):
-        return "meshlm"
-    if (path / "config.json").exists():
-        return "hf"
-    if mtj.is_seed_checkpoint(path):
-        return "mtj"
-    raise ConfigError(
-        f"{path}: not a checkpoint meshlm can read (expected meshlm.json, a Hugging Face config.json, "
-        "or the seed's shard_0/ folder)"
-    )
 
 
 def _logits(params: model.Params, tokens: jax.Array, cfg: ModelConfig, policy: model.Policy) -> jax.Array:
@@ -284,15 +262,13 @@ def load(
     `meshlm.tokenizer.load_tokenizer()` finds one when it is first needed.
     """
     model.dtype_of(dtype)
-    path = checkpoint.resolve(path)
-    fmt = detect_format(path)
+    path, fmt = registry.resolve(path)
     device_mesh = make_mesh(mesh)
-    if fmt == "meshlm":
+    if fmt == "meshlm" and seed_config is None:  # orbax restores its own arrays onto any mesh
         cfg, params = checkpoint.restore_params(path, device_mesh, dtype)
-    elif fmt == "hf":
-        cfg, params = hf.load(path, device_mesh, dtype)
     else:
-        cfg, params = mtj.load(path, device_mesh, dtype, seed_config=seed_config)
+        cfg, source = registry.open(path, fmt, dtype, seed_config)
+        params = place(cfg, source, device_mesh, dtype)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
 
 
@@ -311,18 +287,12 @@ def convert(
     """
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
-    hf.np_dtype(dtype)
+    np_dtype(dtype)
     checkpoint.check_new_folder(dst)
     if jax.process_index() != 0:
         return
-    src = checkpoint.resolve(src)
-    fmt = detect_format(src)
-    if fmt == "meshlm":
-        cfg, source = checkpoint.slice_source(src, dtype)
-    elif fmt == "hf":
-        cfg, source = hf.slice_source(src, dtype)
-    else:
-        cfg, source = mtj.slice_source(src, dtype, seed_config)
+    src, fmt = registry.resolve(src)
+    cfg, source = registry.open(src, fmt, dtype, seed_config)
     if to == "meshlm":
         checkpoint.write_params(dst, cfg, dtype, source)
     else:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from jax.experimental import multihost_utils
 
 from meshlm import model
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
 
 FORMAT_VERSION = 1
@@ -45,7 +45,8 @@ def _marker(path: Path) -> Path:
     return path / MARKER if (path / MARKER).is_file() else path / TRAIN_DESCRIPTION
 
 
-def is_checkpoint(path: str | Path) -> bool:
+def detect(path: str | Path) -> bool:
+    """Whether `path` (or the run folder's latest step) is a meshlm checkpoint."""
     return _marker(Path(resolve(path))).is_file()
 
 
@@ -105,11 +106,6 @@ def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra:
         _write_marker(path, description(cfg, params, **(extra or {})))
 
 
-# read(index) -> that slice of one parameter, in meshlm's layout, as a numpy array
-SliceReader = Callable[[tuple[slice, ...]], np.ndarray]
-# source(name, full shape) -> the SliceReader of parameter `name` ("layers.mlp.fc_in.w"): what a
-# checkpoint in any format offers a streamed conversion, without the model ever being loaded
-SliceSource = Callable[[str, tuple[int, ...]], SliceReader]
 ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}
 SLICE_BYTES = 128 << 20  # a zarr chunk, and what is read and written at once: one 6B layer's fc_in in bf16
 
@@ -175,7 +171,7 @@ def write_params(
     _write_marker(path, _description(cfg, dtype))
 
 
-def slice_source(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
+def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     """A checkpoint's config and its parameters' slices in `dtype`, read straight from the files
     (tensorstore, as orbax lays them out: OCDBT or one zarr array per parameter), so converting never
     loads the model."""

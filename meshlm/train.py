@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshlm import api, checkpoint, model
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
-from meshlm.formats import mtj
+from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for
 
@@ -566,7 +566,7 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
     `total_steps` counts from the seed run's start, as in the seed's own config, so it must exceed the
     checkpoint's step.
     """
-    if api.detect_format(cfg.init_from) != "mtj":
+    if registry.detect(cfg.init_from) != "mtj":
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
             "checkpoint carries Adam's moments to resume"

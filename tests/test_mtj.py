@@ -17,7 +17,7 @@ import torch
 
 import meshlm
 from meshlm import ConfigError, api, checkpoint, cli
-from meshlm.formats import hf, mtj
+from meshlm.formats import hf, mtj, registry
 from meshlm.sharding import make_mesh
 from tests import oracle
 from tests.mtj_fixture import SeedCheckpoint, write_seed_checkpoint
@@ -84,7 +84,7 @@ def test_cli_convert_to_hf_loads_in_transformers(seed, tmp_path):
 
 def test_streamed_hf_conversion_in_bf16_and_in_several_files(seed, tmp_path):
     ck = seed(2, "float32", True)
-    cfg, source = mtj.slice_source(ck.step_dir, "bfloat16", ck.seed_config)
+    cfg, source = mtj.open(ck.step_dir, "bfloat16", ck.seed_config)
     hf.write_from(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
@@ -131,7 +131,7 @@ def test_run_folder_loads_the_latest_step_named_in_meta_json(seed, tmp_path):
     shutil.copytree(ck.step_dir, root / ck.step_dir.name)
     (root / "step_10").mkdir()  # an older step, not the one meta.json names last
     (root / "meta.json").write_text(json.dumps({"step": ck.step, "checkpoints": [10, ck.step], "aux": {}}))
-    assert api.detect_format(root) == "mtj"
+    assert registry.detect(root) == "mtj"
     lm = meshlm.load(root, mesh=MESH, seed_config=ck.seed_config)
     np.testing.assert_allclose(lm.logits(TOKENS), torch_logits(ck.model), atol=1e-4, rtol=0)
 

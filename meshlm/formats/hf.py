@@ -17,21 +17,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from meshlm import checkpoint, model
+from meshlm import model
 from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
-from meshlm.sharding import plan, to_host
-
-NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-Index = tuple[slice, ...]
-
-
-def np_dtype(name: str) -> Any:
-    """The numpy dtype an export in `name` is written in."""
-    if name not in NP_DTYPES:
-        raise ConfigError(f"unknown export dtype {name!r}; allowed: {sorted(NP_DTYPES)}")
-    return NP_DTYPES[name]
-
+from meshlm.formats.slices import Index, SliceSource, normalise, np_dtype
+from meshlm.sharding import to_host
 
 # ---------------------------------------------------------------------------------------------------
 # config.json
@@ -317,10 +306,6 @@ def _check_tensors(reader: TensorReader, cfg: ModelConfig, abstract: Any, folder
             )
 
 
-def normalise(index: Index, shape: tuple[int, ...]) -> Index:
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-
-
 def _leaf_reader(reader: TensorReader, key: str, shape: tuple[int, ...], dtype: Any) -> Callable[[Index], np.ndarray]:
     template, layout = HF_NAMES[key]
     stacked = key.startswith("layers.")
@@ -340,34 +325,20 @@ def _leaf_reader(reader: TensorReader, key: str, shape: tuple[int, ...], dtype: 
     return read
 
 
-def _open(folder: str | Path, dtype: str) -> tuple[ModelConfig, TensorReader, model.Params]:
-    """The folder's config, a reader of its tensors (checked against the config) and the abstract params."""
+def detect(path: str | Path) -> bool:
+    """A Hugging Face model folder: it has a config.json (which `open` then checks)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def open(folder: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
+    """The folder's config and its tensors' slices in meshlm's layout and `dtype`, read lazily (the
+    tensors' names and shapes are checked against the config first)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a directory")
     cfg = load_hf_config(folder)
     reader = open_reader(folder)
-    abstract = model.abstract_params(cfg, dtype)
-    _check_tensors(reader, cfg, abstract, folder)
-    return cfg, reader, abstract
-
-
-def load(folder: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32") -> tuple[ModelConfig, model.Params]:
-    """Read a GPTJForCausalLM folder straight into `mesh`, each device reading only its own shard."""
-    cfg, reader, abstract = _open(folder, dtype)
-    shardings = plan(abstract, model.logical_axes(cfg), mesh)
-    np_dtype = NP_DTYPES[dtype]
-
-    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        read = _leaf_reader(reader, model.param_name(path), leaf.shape, np_dtype)
-        return jax.make_array_from_callback(leaf.shape, sharding, read)
-
-    return cfg, jax.tree_util.tree_map_with_path(build, abstract, shardings)
-
-
-def slice_source(folder: str | Path, dtype: str) -> tuple[ModelConfig, checkpoint.SliceSource]:
-    """The folder's config and its tensors' slices in meshlm's layout and `dtype`, for streamed conversion."""
-    cfg, reader, _ = _open(folder, dtype)
+    _check_tensors(reader, cfg, model.abstract_params(cfg, dtype), folder)
     return cfg, lambda key, shape: _leaf_reader(reader, key, shape, np_dtype(dtype))
 
 
@@ -428,7 +399,7 @@ def write_from(
     folder: str | Path,
     cfg: ModelConfig,
     dtype: str,
-    source: checkpoint.SliceSource,
+    source: SliceSource,
     max_shard_bytes: int = 512 << 20,
 ) -> None:
     """Write a Hugging Face folder in `dtype` from a checkpoint's `source`, one tensor at a time (peak

@@ -29,16 +29,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from meshlm import checkpoint, model
+from meshlm import model
 from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
 from meshlm.formats import hf
-from meshlm.sharding import plan
+from meshlm.formats.slices import Index, SliceReader, SliceSource, normalise, np_dtype, place
 
 CHUNKS = 16  # the seed splits every shard's leaf list into this many files
 ROOT = "causal_transformer_shard/~/"
 GPTJ_D_HEAD, GPTJ_ROTARY_DIM, GPTJ_CONTEXT = 256, 64, 2048  # GPT-J's own values: not recoverable from weights
 
-Index = tuple[slice, ...]
 
 # How the shards' pieces of one tensor combine into the whole.
 COLS, ROWS, SUM, FIRST = "cols", "rows", "sum", "first"
@@ -155,7 +154,7 @@ class Files:
             return f.read().decode()
 
     def open(self, *parts: str) -> BinaryIO:
-        return self.fs.open(self.join(*parts), "rb") if self.url else open(self.join(*parts), "rb")
+        return self.fs.open(self.join(*parts), "rb") if self.url else Path(self.join(*parts)).open("rb")
 
     def __str__(self) -> str:
         return self.root
@@ -428,8 +427,26 @@ class SeedCheckpoint:
         return self._maps[member]
 
     def release(self) -> None:
-        """Drop what was read so far: called after each tensor, so resident memory stays one tensor."""
+        """Drop what was read so far: called after each read, so resident memory stays one slice."""
         self._maps.clear()
+
+    def source(self, tree: str, dtype: str) -> SliceSource:
+        """The parameters ("params") or Adam's moments ("mu", "nu") as slices in meshlm's layout: each
+        read combines the shards' parts and releases them."""
+        target = np_dtype(dtype)
+
+        def reader(key: str, shape: tuple[int, ...]) -> SliceReader:
+            read = _leaf_reader(self, key, shape, target, tree)
+
+            def read_and_release(index: Index) -> np.ndarray:
+                try:
+                    return read(index)
+                finally:
+                    self.release()
+
+            return read_and_release
+
+        return reader
 
     def scalar(self, position: int) -> int:
         m = self.leaves[0][position]
@@ -505,7 +522,7 @@ def _leaf_reader(
     stacked = key.startswith("layers.")
 
     def read(index: Index) -> np.ndarray:
-        index = hf.normalise(index, shape)
+        index = normalise(index, shape)
         if not stacked:
             return ckpt.read(key, None, index, shape, tree).astype(dtype)
         layers = range(*index[0].indices(shape[0]))
@@ -515,35 +532,6 @@ def _leaf_reader(
         return out
 
     return read
-
-
-def _build(ckpt: SeedCheckpoint, mesh: jax.sharding.Mesh, dtype: str, tree: str) -> model.Params:
-    abstract = model.abstract_params(ckpt.config, dtype)
-    shardings = plan(abstract, model.logical_axes(ckpt.config), mesh)
-    np_dtype = hf.NP_DTYPES[dtype]
-
-    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        read = _leaf_reader(ckpt, model.param_name(path), leaf.shape, np_dtype, tree)
-        array = jax.make_array_from_callback(leaf.shape, sharding, read)
-        ckpt.release()
-        return array
-
-    return jax.tree_util.tree_map_with_path(build, abstract, shardings)
-
-
-def load(
-    path: str | Path,
-    mesh: jax.sharding.Mesh,
-    dtype: str = "float32",
-    seed_config: str | Path | None = None,
-) -> tuple[ModelConfig, model.Params]:
-    """Read a seed step_N folder (or its run folder) straight into `mesh`, each device reading its own shard.
-
-    `seed_config` is the seed's run JSON; it supplies n_heads, pe_rotary_dims and seq, which the
-    weights do not record (without it, GPT-J's head size 256, rotary_dim 64 and context 2048 are used).
-    """
-    ckpt = SeedCheckpoint(path, seed_config)
-    return ckpt.config, _build(ckpt, mesh, dtype, "params")
 
 
 @dataclass
@@ -587,34 +575,23 @@ def load_optimizer_moments(
     if not ckpt.layout.full:
         raise ConfigError(f"{ckpt}: a slim checkpoint (parameters only); Adam's moments need the full checkpoint")
     return SeedOptimizerState(
-        mu=_build(ckpt, mesh, dtype, "mu"),
-        nu=_build(ckpt, mesh, dtype, "nu"),
+        mu=place(ckpt.config, ckpt.source("mu", dtype), mesh, dtype),
+        nu=place(ckpt.config, ckpt.source("nu", dtype), mesh, dtype),
         count=ckpt.scalar(0),
         step=ckpt.step,
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# Streamed conversion
+def detect(path: str | Path) -> bool:
+    """A step_N folder (holds shard_0/) or a run folder whose meta.json names its checkpoints."""
+    return is_seed_checkpoint(path)
 
 
-def slice_source(
-    path: str | Path, dtype: str, seed_config: str | Path | None = None
-) -> tuple[ModelConfig, checkpoint.SliceSource]:
-    """The checkpoint's config and its parameters' slices in meshlm's layout and `dtype`, for streamed
-    conversion: each read combines the shards' parts and releases them, so memory stays one slice."""
-    np_dtype = hf.np_dtype(dtype)
+def open(path: str | Path, dtype: str, seed_config: str | Path | None = None) -> tuple[ModelConfig, SliceSource]:
+    """The checkpoint's config and its parameters' slices in meshlm's layout and `dtype`.
+
+    `seed_config` is the seed's run JSON; it supplies n_heads, pe_rotary_dims and seq, which the
+    weights do not record (without it, GPT-J's head size 256, rotary_dim 64 and context 2048 are used).
+    """
     ckpt = SeedCheckpoint(path, seed_config)
-
-    def source(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
-        read = _leaf_reader(ckpt, key, shape, np_dtype, "params")
-
-        def read_and_release(index: Index) -> np.ndarray:
-            try:
-                return read(index)
-            finally:
-                ckpt.release()
-
-        return read_and_release
-
-    return ckpt.config, source
+    return ckpt.config, ckpt.source("params", dtype)

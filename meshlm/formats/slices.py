@@ -1,0 +1,53 @@
+"""What every checkpoint format offers: its parameters as slices, read lazily, and the one function
+that places such a source onto a device mesh.
+
+A `SliceSource` maps a meshlm parameter name ("layers.mlp.fc_in.w") and its full shape to a
+`SliceReader`, which returns any slice of that parameter in meshlm's layout as a numpy array. Loading
+places a source onto a mesh (each device reads only its own shard); converting streams it into another
+format's writer. Either way the model is never held whole on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from meshlm import model
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.sharding import plan
+
+Index = tuple[slice, ...]
+# read(index) -> that slice of one parameter, in meshlm's layout, as a numpy array
+SliceReader = Callable[[Index], np.ndarray]
+# source(name, full shape) -> the SliceReader of parameter `name`
+SliceSource = Callable[[str, tuple[int, ...]], SliceReader]
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def np_dtype(name: str) -> Any:
+    """The numpy dtype that slices (and written files) in `name` have."""
+    if name not in NP_DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; allowed: {sorted(NP_DTYPES)}")
+    return NP_DTYPES[name]
+
+
+def normalise(index: Index, shape: tuple[int, ...]) -> Index:
+    """Explicit start and stop for every dimension (jax passes `slice(None)` for whole dimensions)."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def place(cfg: ModelConfig, source: SliceSource, mesh: jax.sharding.Mesh, dtype: str = "float32") -> model.Params:
+    """The parameters of `cfg` from `source`, as global arrays sharded over `mesh` by the logical-axis
+    rules: each device's shard is read from the source directly, so no host holds the whole model."""
+    abstract = model.abstract_params(cfg, dtype)
+    shardings = plan(abstract, model.logical_axes(cfg), mesh)
+
+    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        return jax.make_array_from_callback(leaf.shape, sharding, source(model.param_name(path), leaf.shape))
+
+    return jax.tree_util.tree_map_with_path(build, abstract, shardings)

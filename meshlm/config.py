@@ -433,6 +433,35 @@ SEED_DIRECT_KEYS = {
 }
 # Keys the seed used for its TPU/GCS/wandb plumbing; accepted and ignored.
 SEED_IGNORED_KEYS = {"bucket", "name", "wandb_project", "comment", "eval_harness_tasks", "early_cast", "optimizer"}
+# The seed's `pe` and `norm` -> ModelConfig's position and norm. `fixed` is a learned table despite its
+# name; layernorm-desync keeps one LayerNorm per model shard, the same math as one replicated LayerNorm.
+SEED_POSITIONS = {"rotary": "rotary", "fixed": "learned", "t5": "t5"}
+SEED_NORMS = {
+    "layernorm": "layernorm",
+    "layernorm-desync": "layernorm",
+    "layernorm-nobias": "layernorm-nobias",
+    "rmsnorm": "rmsnorm",
+    "scalenorm": "scalenorm",
+    "rmsnorm-bias": "rmsnorm-bias",
+    "scalenorm-bias": "scalenorm-bias",
+}
+
+
+def seed_variant(seed: dict[str, Any], where: str = "seed config") -> tuple[str, str]:
+    """The seed JSON's `pe` and `norm` (absent: GPT-J's rotary and layernorm), checked."""
+    values = {"pe": seed.get("pe", "rotary"), "norm": seed.get("norm", "layernorm")}
+    for key, table in (("pe", SEED_POSITIONS), ("norm", SEED_NORMS)):
+        if values[key] not in table:
+            raise ConfigError(f"{where}: {key} must be one of {list(table)}, got {values[key]!r}")
+    return values["pe"], values["norm"]
+
+
+def seed_model_fields(seed: dict[str, Any], d_head: int, where: str = "seed config") -> dict[str, Any]:
+    """ModelConfig's position, norm and rotary_dim for a seed JSON. Rotary applies to `pe_rotary_dims`
+    of each head, by the seed's default the whole head (`d_head`); other positions rotate nothing."""
+    pe, norm = seed_variant(seed, where)
+    rotary_dim = seed.get("pe_rotary_dims", d_head) if pe == "rotary" else 0
+    return {"position": SEED_POSITIONS[pe], "norm": SEED_NORMS[norm], "rotary_dim": rotary_dim}
 
 
 def is_seed_config(values: dict[str, Any]) -> bool:
@@ -442,17 +471,17 @@ def is_seed_config(values: dict[str, Any]) -> bool:
 def from_seed_config(seed: dict[str, Any]) -> dict[str, Any]:
     """Map a mesh-transformer-jax JSON config to TrainConfig keys.
 
-    The seed's global batch per step is `per_replica_batch * (tpu_size / cores_per_replica) *
+    Every `pe` and `norm` of the seed maps onto the model config (`seed_model_fields`). The seed's
+    global batch per step is `per_replica_batch * (tpu_size / cores_per_replica) *
     gradient_accumulation_steps`; `cores_per_replica` becomes the `model` (tensor-parallel) mesh axis.
     """
     seed = dict(seed)
-    for key, allowed in (("norm", "layernorm"), ("pe", "rotary")):
-        if seed.pop(key, allowed) != allowed:
-            raise ConfigError(f"seed config: {key} must be {allowed!r} (meshlm implements GPT-J only)")
     d_model = seed["d_model"]
     model = {new: seed.pop(old) for old, new in SEED_MODEL_KEYS.items() if old in seed}
+    model.update(seed_model_fields(seed, d_model // model["n_head"]))
+    for key in ("pe", "norm", "pe_rotary_dims"):
+        seed.pop(key, None)
     model["d_ff"] = seed.pop("d_ff", 4 * d_model)
-    model["rotary_dim"] = seed.pop("pe_rotary_dims", d_model // model["n_head"])
     if "seq" in seed:
         model["max_seq_len"] = seed.pop("seq")
     model["n_vocab_used"] = min(GPT2_VOCAB, model.get("vocab_size", 50400))

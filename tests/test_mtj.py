@@ -241,7 +241,7 @@ def test_shape_that_fits_no_gptj(damaged):
 
 def test_leaf_count_that_fits_no_gptj(damaged):
     _rewrite_chunk(damaged / "shard_0" / "4.npz", lambda a: a[:-1])
-    assert "fits no GPT-J checkpoint of the seed" in load_error(damaged)
+    assert "fits no checkpoint of the seed with pe 'rotary', norm 'layernorm'" in load_error(damaged)
 
 
 def test_unknown_head_count_asks_for_the_seed_config(seed):

@@ -7,7 +7,12 @@ so `layer_10` precedes `layer_2`), the leaf list cut into 16 contiguous chunks s
 
 The seed's semantics, which a plain concatenation gets wrong: the embedding is the concatenation of
 the shards' row slices PLUS the sum of every shard's bias (each shard adds its bias to every token);
-fc_out's bias is likewise summed over shards; norms are replicated (shard 0's copy is used).
+fc_out's bias is likewise summed over shards; a LayerNorm is replicated (shard 0's copy is used), an
+RMSNorm averages the shards' copies, and layernorm-desync keeps one per shard (see `DESYNC_FOLDS`).
+
+The run JSON's `pe` and `norm` (GPT-J's rotary and layernorm without one) decide which parameters a
+checkpoint holds: `fixed` adds `pos_embs` (column slices), `t5` one `rel_embedding` table (its rows
+are heads), and each norm has its own Haiku module and parameters (`Variant`).
 
 Nothing is read until needed: `np.savez` stores its members uncompressed, so each member of a local
 file is memory-mapped where it lies in the zip, and every device reads only the rows and columns of
@@ -30,7 +35,15 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
+from meshlm.config import (
+    GPT2_VOCAB,
+    SEED_NORMS,
+    SEED_POSITIONS,
+    ConfigError,
+    ModelConfig,
+    seed_model_fields,
+    seed_variant,
+)
 from meshlm.formats import hf
 from meshlm.formats.slices import Index, SliceReader, SliceSource, normalise, np_dtype, place
 
@@ -39,14 +52,17 @@ ROOT = "causal_transformer_shard/~/"
 GPTJ_D_HEAD, GPTJ_ROTARY_DIM, GPTJ_CONTEXT = 256, 64, 2048  # GPT-J's own values: not recoverable from weights
 
 
-# How the shards' pieces of one tensor combine into the whole.
-COLS, ROWS, SUM, FIRST = "cols", "rows", "sum", "first"
+# How the shards' pieces of one tensor combine into the whole; NORM: as the variant's norm does.
+COLS, ROWS, SUM, MEAN, FIRST, NORM = "cols", "rows", "sum", "mean", "first", "norm"
 
-# meshlm parameter -> (seed module, with {} for the layer, Haiku parameter, combination, head layout)
+# meshlm parameter -> (seed module, with {} for the layer and {norm} for the norm's module, Haiku
+# parameter, combination, head layout)
 SEED_NAMES: dict[str, tuple[str, str, str, str | None]] = {
     "embed.w": ("embedding_shard/~/linear", "w", ROWS, None),
-    "layers.ln.scale": ("layer_{}/~/replicated_layer_norm", "scale", FIRST, None),
-    "layers.ln.bias": ("layer_{}/~/replicated_layer_norm", "offset", FIRST, None),
+    "pos_embed.w": ("embedding_shard", "pos_embs", COLS, None),
+    "rel_bias.w": ("relative_position_embs", "rel_embedding", ROWS, None),
+    "layers.ln.scale": ("layer_{}/~/{norm}", "scale", NORM, None),
+    "layers.ln.bias": ("layer_{}/~/{norm}", "offset", NORM, None),
     "layers.attn.q": ("layer_{}/~/linear", "w", COLS, "out"),
     "layers.attn.k": ("layer_{}/~/linear_2", "w", COLS, "out"),
     "layers.attn.v": ("layer_{}/~/linear_1", "w", COLS, "out"),
@@ -55,25 +71,92 @@ SEED_NAMES: dict[str, tuple[str, str, str, str | None]] = {
     "layers.mlp.fc_in.b": ("layer_{}/~/linear_4", "b", COLS, None),
     "layers.mlp.fc_out.w": ("layer_{}/~/linear_5", "w", ROWS, None),
     "layers.mlp.fc_out.b": ("layer_{}/~/linear_5", "b", SUM, None),
-    "ln_f.scale": ("projection_shard/~/replicated_layer_norm", "scale", FIRST, None),
-    "ln_f.bias": ("projection_shard/~/replicated_layer_norm", "offset", FIRST, None),
+    "ln_f.scale": ("projection_shard/~/{norm}", "scale", NORM, None),
+    "ln_f.bias": ("projection_shard/~/{norm}", "offset", NORM, None),
     "head.w": ("projection_shard/~/linear", "w", COLS, None),
     "head.b": ("projection_shard/~/linear", "b", COLS, None),
 }
 EMBED_BIAS = ("embedding_shard/~/linear", "b")
 
 
-def _tables(d_model: int, d_ff: int, vocab: int, shards: int) -> tuple[dict, dict]:
+# layernorm-desync in several shards: shard s's heads, FF columns and vocabulary columns see shard s's
+# own norm. meshlm keeps one norm (scale 1, offset 0) and folds each shard's scale into its columns'
+# rows and its offset, through the weight, into their bias: (n*g + b) @ W = n @ (g*W) + b @ W.
+# meshlm parameter -> the weight whose columns it is (a bias) or that it is
+DESYNC_FOLDS = {
+    "layers.attn.q": "layers.attn.q",
+    "layers.attn.k": "layers.attn.k",
+    "layers.attn.v": "layers.attn.v",
+    "layers.attn.q_bias": "layers.attn.q",
+    "layers.attn.k_bias": "layers.attn.k",
+    "layers.attn.v_bias": "layers.attn.v",
+    "layers.mlp.fc_in.w": "layers.mlp.fc_in.w",
+    "layers.mlp.fc_in.b": "layers.mlp.fc_in.w",
+    "head.w": "head.w",
+    "head.b": "head.w",
+}
+
+# The seed's norm -> (Haiku module, how the shards' copies combine). ReplicatedLayerNorm uses shard 0's
+# copy (all_gather(...)[0]) and stores its offset even where it is unused (layernorm-nobias); RMSNorm
+# averages the copies (pmean); hk.LayerNorm (layernorm-desync) gives each shard its own.
+SEED_NORM_MODULES = {
+    "layernorm": ("replicated_layer_norm", FIRST),
+    "layernorm-nobias": ("replicated_layer_norm", FIRST),
+    "layernorm-desync": ("layer_norm", FIRST),
+    "rmsnorm": ("rms_norm", MEAN),
+    "scalenorm": ("rms_norm", MEAN),
+    "rmsnorm-bias": ("rms_norm", MEAN),
+    "scalenorm-bias": ("rms_norm", MEAN),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The seed run's `pe` and `norm`, as its JSON names them: they decide which parameters its
+    checkpoints hold, and how meshlm computes the same."""
+
+    pe: str = "rotary"
+    norm: str = "layernorm"
+
+    @property
+    def norm_module(self) -> str:
+        return SEED_NORM_MODULES[self.norm][0]
+
+    @property
+    def norm_combination(self) -> str:
+        return SEED_NORM_MODULES[self.norm][1]
+
+    @property
+    def norm_params(self) -> tuple[str, ...]:
+        stores_offset = self.norm.startswith("layernorm") or self.norm.endswith("-bias")
+        return ("offset", "scale") if stores_offset else ("scale",)
+
+    def norm_shape(self, d_model: int) -> tuple[int, ...]:
+        return () if self.norm.startswith("scalenorm") else (d_model,)
+
+    def folded(self, shards: int) -> bool:
+        """Whether each shard's own norm is folded into its columns (see `DESYNC_FOLDS`)."""
+        return self.norm == "layernorm-desync" and shards > 1
+
+    def __str__(self) -> str:
+        return f"pe {self.pe!r}, norm {self.norm!r}"
+
+
+def _tables(cfg: ModelConfig, shards: int, variant: Variant) -> tuple[dict, dict]:
     """Per-shard shapes: of the top-level parameters, and of each layer's ("module/param")."""
-    S, D, F, V = shards, d_model, d_ff, vocab
+    S, D, F, V = shards, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    norm = {f"{variant.norm_module}/{p}": variant.norm_shape(D) for p in variant.norm_params}
     top = {
         "embedding_shard/~/linear/b": (D,),
         "embedding_shard/~/linear/w": (V // S, D),
         "projection_shard/~/linear/b": (V // S,),
         "projection_shard/~/linear/w": (D, V // S),
-        "projection_shard/~/replicated_layer_norm/offset": (D,),
-        "projection_shard/~/replicated_layer_norm/scale": (D,),
+        **{f"projection_shard/~/{name}": shape for name, shape in norm.items()},
     }
+    if variant.pe == "fixed":
+        top["embedding_shard/pos_embs"] = (cfg.max_seq_len, D // S)
+    if variant.pe == "t5":
+        top["relative_position_embs/rel_embedding"] = (cfg.n_head // S, model.T5_BUCKETS)
     per_layer = {
         "linear/w": (D, D // S),
         "linear_1/w": (D, D // S),
@@ -83,15 +166,14 @@ def _tables(d_model: int, d_ff: int, vocab: int, shards: int) -> tuple[dict, dic
         "linear_4/w": (D, F // S),
         "linear_5/b": (D,),
         "linear_5/w": (F // S, D),
-        "replicated_layer_norm/offset": (D,),
-        "replicated_layer_norm/scale": (D,),
+        **norm,
     }
     return top, per_layer
 
 
-def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
+def shard_shapes(cfg: ModelConfig, shards: int, variant: Variant = Variant()) -> dict[str, tuple[int, ...]]:
     """Every parameter's per-shard shape, in the seed's flattening order (Haiku's dicts, keys sorted)."""
-    top, per_layer = _tables(cfg.d_model, cfg.d_ff, cfg.vocab_size, shards)
+    top, per_layer = _tables(cfg, shards, variant)
     shapes = dict(top)
     for i in range(cfg.n_layer):
         shapes.update({f"layer_{i}/~/{name}": shape for name, shape in per_layer.items()})
@@ -99,12 +181,19 @@ def shard_shapes(cfg: ModelConfig, shards: int) -> dict[str, tuple[int, ...]]:
     return {ROOT + name: shapes[name] for name in sorted(shapes, key=lambda n: tuple(n.rsplit("/", 1)))}
 
 
-def param_names(n_layer: int) -> list[str]:
-    return list(shard_shapes(ModelConfig(n_layer=n_layer, d_model=1, n_head=1, d_ff=1, rotary_dim=0), 1))
+def _unit_config(n_layer: int) -> ModelConfig:
+    """Any config of `n_layer` layers: for names and counts, which do not depend on sizes."""
+    return ModelConfig(n_layer=n_layer, d_model=1, n_head=1, d_ff=1, rotary_dim=0)
 
 
-PARAMS_PER_LAYER = len(_tables(1, 1, 1, 1)[1])
-TOP_PARAMS = len(_tables(1, 1, 1, 1)[0])
+def param_names(n_layer: int, variant: Variant = Variant()) -> list[str]:
+    return list(shard_shapes(_unit_config(n_layer), 1, variant))
+
+
+def param_counts(variant: Variant) -> tuple[int, int]:
+    """How many parameters each layer, and the rest of the model, hold."""
+    top, per_layer = _tables(_unit_config(1), 1, variant)
+    return len(per_layer), len(top)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,16 +364,20 @@ def _resolve_step(files: Files) -> Files:
 
 
 def read_seed_config(path: str | Path) -> dict[str, Any]:
-    """The architecture values weights cannot tell (heads, rotary dims, context) from the seed's run JSON."""
+    """The architecture values weights cannot tell (heads, rotary dims, context) from the seed's run JSON,
+    and its `pe` and `norm` as the seed names them (checked; GPT-J's rotary and layernorm if absent)."""
     try:
         seed = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: seed config not found") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if "n_heads" not in seed:
-        raise ConfigError(f"{path}: not a seed config (no 'n_heads' key)")
-    out = {"n_head": seed["n_heads"], "rotary_dim": seed.get("pe_rotary_dims"), "max_seq_len": seed.get("seq")}
+    for key in ("n_heads", "d_model"):
+        if key not in seed:
+            raise ConfigError(f"{path}: not a seed config (no {key!r} key)")
+    fields = seed_model_fields(seed, seed["d_model"] // seed["n_heads"], where=str(path))
+    out = {"n_head": seed["n_heads"], "rotary_dim": fields["rotary_dim"], "max_seq_len": seed.get("seq")}
+    out["pe"], out["norm"] = seed_variant(seed, where=str(path))
     # what the weights do tell, to check that this JSON belongs to this checkpoint
     out.update(n_layer=seed.get("layers"), d_model=seed.get("d_model"), vocab_size=seed.get("n_vocab"))
     return {k: v for k, v in out.items() if v is not None}
@@ -296,10 +389,12 @@ class Layout:
 
     n_layer: int
     full: bool
+    variant: Variant = Variant()
 
     @property
     def n_params(self) -> int:
-        return PARAMS_PER_LAYER * self.n_layer + TOP_PARAMS
+        per_layer, fixed = param_counts(self.variant)
+        return per_layer * self.n_layer + fixed
 
     @property
     def n_leaves(self) -> int:
@@ -312,15 +407,15 @@ class Layout:
         return {"mu": 1, "nu": 1 + self.n_params}[tree]
 
     @classmethod
-    def from_count(cls, n: int, where: str) -> Layout:
-        per_layer, fixed = PARAMS_PER_LAYER, TOP_PARAMS
+    def from_count(cls, n: int, variant: Variant, where: str, hint: str = "") -> Layout:
+        per_layer, fixed = param_counts(variant)
         if (n - 1 - fixed) % per_layer == 0 and n - 1 - fixed > 0:
-            return cls((n - 1 - fixed) // per_layer, full=False)
+            return cls((n - 1 - fixed) // per_layer, full=False, variant=variant)
         if n % 3 == 0 and (n // 3 - 1 - fixed) % per_layer == 0 and n // 3 - 1 - fixed > 0:
-            return cls((n // 3 - 1 - fixed) // per_layer, full=True)
+            return cls((n // 3 - 1 - fixed) // per_layer, full=True, variant=variant)
         raise ConfigError(
-            f"{where}: holds {n} arrays, which fits no GPT-J checkpoint of the seed "
-            f"(slim: {per_layer}*layers+{fixed + 1}, full: 3*({per_layer}*layers+{fixed})+3)"
+            f"{where}: holds {n} arrays, which fits no checkpoint of the seed with {variant} "
+            f"(slim: {per_layer}*layers+{fixed + 1}, full: 3*({per_layer}*layers+{fixed})+3){hint}"
         )
 
 
@@ -333,13 +428,17 @@ class SeedCheckpoint:
         self._maps: dict[Member, np.ndarray] = {}
         self.shards = self._count_shards(files)
         self.leaves = [self._index_shard(files.child(f"shard_{s}")) for s in range(self.shards)]
-        self.layout = Layout.from_count(len(self.leaves[0]), f"{files}/shard_0")
+        given = read_seed_config(seed_config) if seed_config else {}
+        self.variant = Variant(given.pop("pe", "rotary"), given.pop("norm", "layernorm"))
+        # without the run JSON a variant's checkpoint is read as GPT-J's, and fails on its counts or shapes
+        self._hint = "" if seed_config else "; a pe/norm variant other than GPT-J's needs the seed's run JSON"
+        self.layout = Layout.from_count(len(self.leaves[0]), self.variant, f"{files}/shard_0", self._hint)
         for s, leaves in enumerate(self.leaves[1:], 1):
             if len(leaves) != len(self.leaves[0]):
                 raise ConfigError(f"{files}/shard_{s}: holds {len(leaves)} arrays, shard_0 {len(self.leaves[0])}")
-        self.names = param_names(self.layout.n_layer)
+        self.names = param_names(self.layout.n_layer, self.variant)
         self._position = {name: i for i, name in enumerate(self.names)}
-        self.config = self._infer_config(read_seed_config(seed_config) if seed_config else {})
+        self.config = self._infer_config(given)
         self._check_shapes()
 
     def __str__(self) -> str:
@@ -361,8 +460,17 @@ class SeedCheckpoint:
     def member(self, tree: str, name: str, shard: int) -> Member:
         return self.leaves[shard][self.layout.start(tree) + self._position[name]]
 
+    @property
+    def folded(self) -> bool:
+        """Whether each shard's own norm is folded into its columns (`DESYNC_FOLDS`)."""
+        return self.variant.folded(self.shards)
+
+    def seed_name(self, module: str, param: str, layer: int | None = None) -> str:
+        """The full name of a `SEED_NAMES` module's parameter in this checkpoint's variant."""
+        return ROOT + module.format(layer, norm=self.variant.norm_module) + "/" + param
+
     def _shape(self, module: str, param: str, layer: int | None = None) -> tuple[int, ...]:
-        return self.member("params", ROOT + module.format(layer) + "/" + param, 0).shape
+        return self.member("params", self.seed_name(module, param, layer), 0).shape
 
     def _infer_config(self, given: dict[str, int]) -> ModelConfig:
         S = self.shards
@@ -371,6 +479,22 @@ class SeedCheckpoint:
         if len(embed) != 2 or len(fc_in) != 2:
             raise ConfigError(f"{self}: embedding {list(embed)} / fc_in {list(fc_in)} are not matrices; not GPT-J")
         vocab, d_model, d_ff = embed[0] * S, embed[1], fc_in[1] * S
+        q = self._shape("layer_{}/~/linear", "w", 0)
+        if len(q) == 2 and q[1] and d_model % q[1] == 0 and d_model // q[1] != S:
+            raise ConfigError(
+                f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
+                f"{d_model // q[1]} shards: is a shard_ folder missing?"
+            )
+        found = {"n_layer": self.layout.n_layer, "d_model": d_model, "vocab_size": vocab}
+        # the tables of learned and relative positions tell the context and the head count
+        if self.variant.pe == "fixed" and len(table := self._shape("embedding_shard", "pos_embs")) == 2:
+            found["max_seq_len"] = table[0]
+        if self.variant.pe == "t5" and len(table := self._shape("relative_position_embs", "rel_embedding")) == 2:
+            found["n_head"] = table[0] * S
+        for key, value in found.items():
+            if key in given and given[key] != value:
+                raise ConfigError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
+        given = {**found, **given}
         if "n_head" in given:
             n_head = given["n_head"]
         elif d_model % GPTJ_D_HEAD == 0:
@@ -380,16 +504,6 @@ class SeedCheckpoint:
                 f"{self}: d_model {d_model} is not a multiple of GPT-J's head size {GPTJ_D_HEAD}; the number "
                 "of heads is not stored in the weights: pass the seed's run JSON (--seed-config)"
             )
-        q = self._shape("layer_{}/~/linear", "w", 0)
-        if len(q) == 2 and q[1] and d_model % q[1] == 0 and d_model // q[1] != S:
-            raise ConfigError(
-                f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
-                f"{d_model // q[1]} shards: is a shard_ folder missing?"
-            )
-        found = {"n_layer": self.layout.n_layer, "d_model": d_model, "vocab_size": vocab}
-        for key, value in found.items():
-            if key in given and given[key] != value:
-                raise ConfigError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
         try:
             return ModelConfig(
                 n_layer=self.layout.n_layer,
@@ -400,24 +514,27 @@ class SeedCheckpoint:
                 vocab_size=vocab,
                 n_vocab_used=min(vocab, GPT2_VOCAB),
                 max_seq_len=given.get("max_seq_len", GPTJ_CONTEXT),
+                position=SEED_POSITIONS[self.variant.pe],
+                norm=SEED_NORMS[self.variant.norm],
+                qkv_bias=self.folded,
             )
         except ConfigError as e:
-            raise ConfigError(f"{self}: the shapes fit no GPT-J config ({e})") from None
+            raise ConfigError(f"{self}: the shapes fit no model of the seed with {self.variant} ({e})") from None
 
     def _check_shapes(self) -> None:
         c, S = self.config, self.shards
         if c.d_model % S or c.d_ff % S or c.n_head % S:
             raise ConfigError(f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}")
         trees = ("params", "mu", "nu") if self.layout.full else ("params",)
-        for name, want in shard_shapes(c, S).items():
+        for name, want in shard_shapes(c, S, self.variant).items():
             for s in range(S):
                 for tree in trees:
                     got = self.member(tree, name, s).shape
                     if got != want:
                         raise ConfigError(
                             f"{self}/shard_{s}: {tree} {name.removeprefix(ROOT)} has shape {list(got)}, "
-                            f"expected {list(want)} for a GPT-J with d_model {c.d_model}, d_ff {c.d_ff}, "
-                            f"vocab {c.vocab_size} in {S} shards"
+                            f"expected {list(want)} for d_model {c.d_model}, d_ff {c.d_ff}, vocab {c.vocab_size}, "
+                            f"{self.variant} in {S} shards{self._hint}"
                         )
 
     def _array(self, member: Member) -> np.ndarray:
@@ -466,23 +583,70 @@ class SeedCheckpoint:
     ) -> np.ndarray:
         """The float32 slice `index` of meshlm parameter `key` (layer `layer`) whose full shape is `shape`.
 
-        For Adam's moments (`tree` "mu"/"nu") a bias the seed keeps per shard takes shard 0's moment
-        (every shard receives the same gradient for it) and the embedding bias has no counterpart.
+        For Adam's moments (`tree` "mu"/"nu") a bias the seed keeps per shard and an RMSNorm's copies
+        take shard 0's moment (every shard receives the same gradient for them) and the embedding bias
+        has no counterpart.
         """
-        module, param, how, heads = SEED_NAMES[key]
-        name = ROOT + module.format(layer) + "/" + param
-        parts = [self._array(self.member(tree, name, s)) for s in range(self.shards)]
-        seed_index = _seed_index(index, shape, heads)
-        if how == FIRST or (how == SUM and tree != "params"):
-            out = np.asarray(parts[0][seed_index], np.float32)
-        elif how == SUM:
-            out = np.sum([np.asarray(p[seed_index], np.float32) for p in parts], axis=0, dtype=np.float32)
+        if self.folded and key in DESYNC_FOLDS:
+            out = self._read_folded(key, layer, index, shape)
         else:
-            out = _read_concat(parts, 0 if how == ROWS else len(seed_index) - 1, seed_index)
-        if key == "embed.w" and tree == "params":
-            biases = [self._array(self.member(tree, ROOT + "/".join(EMBED_BIAS), s)) for s in range(self.shards)]
-            out += np.sum([np.asarray(b[index[1]], np.float32) for b in biases], axis=0, dtype=np.float32)
+            out = self._read_combined(key, layer, index, shape, tree)
         return out.reshape(tuple(s.stop - s.start for s in index))
+
+    def _parts(self, tree: str, module: str, param: str, layer: int | None) -> list[np.ndarray]:
+        """Every shard's array of one seed parameter."""
+        name = self.seed_name(module, param, layer)
+        return [self._array(self.member(tree, name, s)) for s in range(self.shards)]
+
+    def _read_combined(
+        self, key: str, layer: int | None, index: Index, shape: tuple[int, ...], tree: str
+    ) -> np.ndarray:
+        """The shards' parts of `key` combined by its `SEED_NAMES` rule, in the seed's 2-D layout."""
+        module, param, how, heads = SEED_NAMES[key]
+        if how == NORM:
+            if self.folded:  # each shard's norm lives in its columns (`DESYNC_FOLDS`): one identity norm
+                return np.full(tuple(s.stop - s.start for s in index), param == "scale", np.float32)
+            how = self.variant.norm_combination
+        parts = self._parts(tree, module, param, layer)
+        seed_index = _seed_index(index, shape, heads)
+        if how == FIRST or (how in (SUM, MEAN) and tree != "params"):
+            out = np.asarray(parts[0][seed_index], np.float32)
+        elif how in (SUM, MEAN):
+            combine = np.sum if how == SUM else np.mean
+            out = combine([np.asarray(p[seed_index], np.float32) for p in parts], axis=0, dtype=np.float32)
+        else:
+            axis = 0 if how == ROWS else len(seed_index) - 1
+            out = _read_concat([p.shape[axis] for p in parts], axis, seed_index, lambda s, local: parts[s][local])
+        if key == "embed.w" and tree == "params":
+            biases = self._parts(tree, *EMBED_BIAS, None)
+            out += np.sum([np.asarray(b[index[1]], np.float32) for b in biases], axis=0, dtype=np.float32)
+        return out
+
+    def _read_folded(self, key: str, layer: int | None, index: Index, shape: tuple[int, ...]) -> np.ndarray:
+        """A weight, or the bias of its columns, with each shard's own norm folded in (`DESYNC_FOLDS`):
+        shard s's columns of the weight scaled row-wise by its norm's scale; of the bias, its norm's
+        offset times those columns added (to the stored bias, where the seed has one)."""
+        weight = DESYNC_FOLDS[key]
+        module, _, _, heads = SEED_NAMES[weight]
+        norm = SEED_NAMES["layers.ln.scale" if key.startswith("layers.") else "ln_f.scale"][0]
+        w = self._parts("params", module, "w", layer)
+        scale, offset = (self._parts("params", norm, p, layer) for p in ("scale", "offset"))
+        if key == weight:
+            seed_index = _seed_index(index, shape, heads)
+
+            def piece(s: int, local: Index) -> np.ndarray:
+                return np.asarray(w[s][local], np.float32) * np.asarray(scale[s][local[0]], np.float32)[:, None]
+
+        else:  # a bias is indexed like its weight's columns: the weight's index less the rows
+            rows = w[0].shape[0]
+            seed_index = _seed_index((slice(0, rows), *index), (rows, *shape), heads)[1:]
+            stored = self._parts("params", *SEED_NAMES[key][:2], layer) if key in SEED_NAMES else None
+
+            def piece(s: int, local: Index) -> np.ndarray:
+                out = np.asarray(offset[s], np.float32) @ np.asarray(w[s][:, local[0]], np.float32)
+                return out + np.asarray(stored[s][local], np.float32) if stored else out
+
+        return _read_concat([p.shape[-1] for p in w], len(seed_index) - 1, seed_index, piece)
 
 
 def _seed_index(index: Index, shape: tuple[int, ...], heads: str | None) -> Index:
@@ -496,24 +660,20 @@ def _seed_index(index: Index, shape: tuple[int, ...], heads: str | None) -> Inde
     return index
 
 
-def _read_concat(parts: list[np.ndarray], axis: int, index: Index) -> np.ndarray:
-    """`index` of the concatenation of `parts` along `axis` in float32, touching only the parts it overlaps."""
+def _read_concat(sizes: list[int], axis: int, index: Index, piece: Callable[[int, Index], np.ndarray]) -> np.ndarray:
+    """`index` of the concatenation along `axis` of the shards' pieces (of `sizes` along it) in float32,
+    asking `piece(s, local index)` only for the shards it overlaps."""
     want = index[axis]
     out = np.empty(tuple(s.stop - s.start for s in index), np.float32)
     offset = 0
-    for part in parts:
-        n = part.shape[axis]
+    for s, n in enumerate(sizes):
         lo, hi = max(want.start, offset), min(want.stop, offset + n)
         if lo < hi:
             local, dest = list(index), [slice(None)] * len(index)
             local[axis], dest[axis] = slice(lo - offset, hi - offset), slice(lo - want.start, hi - want.start)
-            out[tuple(dest)] = part[tuple(local)]
+            out[tuple(dest)] = piece(s, tuple(local))
         offset += n
     return out
-
-
-def _full(shape: tuple[int, ...]) -> Index:
-    return tuple(slice(0, n) for n in shape)
 
 
 def _leaf_reader(
@@ -570,10 +730,16 @@ def load_optimizer_moments(
 
     The seed keeps a separate bias per shard for the embedding and fc_out; meshlm has one fc_out bias
     (its moments are shard 0's: all shards see the same gradient) and no embedding bias (dropped).
+    RMSNorms' copies likewise take shard 0's moments.
     """
     ckpt = SeedCheckpoint(step_dir, seed_config)
     if not ckpt.layout.full:
         raise ConfigError(f"{ckpt}: a slim checkpoint (parameters only); Adam's moments need the full checkpoint")
+    if ckpt.folded:
+        raise ConfigError(
+            f"{ckpt}: layernorm-desync in {ckpt.shards} shards loads with each shard's norm folded into its "
+            "columns, where Adam's moments of those norms have no place; continue without resuming the optimizer"
+        )
     return SeedOptimizerState(
         mu=place(ckpt.config, ckpt.source("mu", dtype), mesh, dtype),
         nu=place(ckpt.config, ckpt.source("nu", dtype), mesh, dtype),
@@ -590,8 +756,9 @@ def detect(path: str | Path) -> bool:
 def open(path: str | Path, dtype: str, seed_config: str | Path | None = None) -> tuple[ModelConfig, SliceSource]:
     """The checkpoint's config and its parameters' slices in meshlm's layout and `dtype`.
 
-    `seed_config` is the seed's run JSON; it supplies n_heads, pe_rotary_dims and seq, which the
-    weights do not record (without it, GPT-J's head size 256, rotary_dim 64 and context 2048 are used).
+    `seed_config` is the seed's run JSON; it supplies n_heads, pe, norm, pe_rotary_dims and seq, which
+    the weights do not record (without it: GPT-J's rotary and layernorm, head size 256, rotary_dim 64
+    and context 2048).
     """
     ckpt = SeedCheckpoint(path, seed_config)
     return ckpt.config, ckpt.source("params", dtype)

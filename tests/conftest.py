@@ -1,6 +1,7 @@
 """Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
 
 import os
+from pathlib import Path
 
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -48,3 +49,30 @@ def hf_tiny_gpt2_vocab(tmp_path_factory) -> oracle.HFModel:
         n_positions=256,
         seed=1,
     )
+
+
+@pytest.fixture(scope="session")
+def neox_style_tokenizer(tmp_path_factory) -> Path:
+    """A 512-id byte-level BPE trained here (no hub), laid out like GPT-NeoX's: `<|endoftext|>` is id 0. The
+    folder holds what `save_pretrained` writes (tokenizer.json, tokenizer_config.json, ...)."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    data = Path(__file__).parent / "lm_eval_tasks" / "data"
+    texts = [p.read_text() for p in sorted(data.glob("*.jsonl"))] + [topics[k] for k in sorted(topics)[:40]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<|padding|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    folder = tmp_path_factory.mktemp("neox_style_tokenizer")
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(folder))
+    return folder

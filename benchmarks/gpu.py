@@ -131,14 +131,25 @@ def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
 
 
 def bench_train(
-    cfg: config.ModelConfig, shapes: Shapes, args: argparse.Namespace, matmul_tflops: float, deadline: float
+    cfg: config.ModelConfig,
+    shapes: Shapes,
+    args: argparse.Namespace,
+    matmul_tflops: float,
+    deadline: float,
+    attention: str,
 ) -> dict:
     mesh = make_mesh(None)
     memory = device_memory()
     remat = args.remat
     state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
     tcfg = config.TrainConfig(
-        model=cfg, param_dtype="float32", compute_dtype="bfloat16", remat=remat, warmup_steps=0, anneal_steps=10
+        model=cfg,
+        param_dtype="float32",
+        compute_dtype="bfloat16",
+        remat=remat,
+        attention=attention,
+        warmup_steps=0,
+        anneal_steps=10,
     )
     opt = train.make_optimizer(tcfg, cfg, state_dtype=None if state_dtype == "float32" else state_dtype)
     shardings = train.state_shardings(cfg, opt, mesh)
@@ -153,7 +164,7 @@ def bench_train(
         "params": model.count_params(cfg),
         "seq_len": shapes.seq_len,
         "remat": remat,
-        "attention": model.attention_impl,
+        "attention": attention,
         "optimizer_state": state_dtype,
         "state_gb": train.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12) / 1e9,
         "device_memory_gb": memory / 1e9,
@@ -215,9 +226,9 @@ def tree_bytes(tree: Any) -> int:
 
 
 def bench_generate(
-    cfg: config.ModelConfig, shapes: Shapes, matmul_tflops: float, copy_gbs: float, deadline: float
+    cfg: config.ModelConfig, shapes: Shapes, matmul_tflops: float, copy_gbs: float, deadline: float, attention: str
 ) -> dict:
-    policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
+    policy = config.Policy(param_dtype="bfloat16", compute_dtype="bfloat16", attention=attention)
     params = jax.jit(lambda k: model.init(cfg, k, "bfloat16"))(jax.random.key(0))
     weight_bytes = tree_bytes(params)
 
@@ -234,7 +245,7 @@ def bench_generate(
     result: dict[str, Any] = {
         "params": model.count_params(cfg),
         "weight_gb": weight_bytes / 1e9,
-        "attention": model.attention_impl,
+        "attention": attention,
         "prefill_len": T,
         "prefill_s": seconds,
         "prefill_tokens_per_s": T / seconds,
@@ -323,7 +334,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = TINY if args.tiny else Shapes()
     if args.train_batches:
         shapes = replace(shapes, train_batches=tuple(int(b) for b in args.train_batches.split(",")))
-    model.attention_impl = args.attention
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -336,24 +346,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sections": {},
     }
 
-    def section(name: str, fn: Callable[[], dict]) -> dict:
+    def section(name: str, fn: Callable[[str], dict]) -> dict:
+        """Run `fn(attention implementation)` as one guarded section of the report."""
         if time.monotonic() > deadline:
             result = {"status": "skipped", "reason": "time budget spent"}
         else:
             t0 = time.monotonic()
             try:
-                result = {"status": "ok", **fn()}
+                result = {"status": "ok", **fn(args.attention)}
             except Exception as err:  # one section's failure must not stop the others
                 result = {"status": "error", "error": one_line(err)}
-                if model.attention_impl == "auto" and jax.default_backend() == "gpu" and not is_oom(err):
+                if args.attention == "auto" and jax.default_backend() == "gpu" and not is_oom(err):
                     # cuDNN may refuse a shape only when XLA compiles it: rerun on XLA's attention.
-                    model.attention_impl = "xla"
                     try:
-                        result = {"status": "ok", "cudnn_error": result["error"], **fn()}
+                        result = {"status": "ok", "cudnn_error": result["error"], **fn("xla")}
                     except Exception as retry_err:
                         result["error_with_xla_attention"] = one_line(retry_err)
-                    finally:
-                        model.attention_impl = "auto"
             result["wall_s"] = time.monotonic() - t0
             jax.clear_caches()
             gc.collect()
@@ -363,14 +371,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name}: {result['status']} ({result.get('wall_s', 0):.1f} s)", flush=True)
         return result
 
-    matmul = section("matmul", lambda: probe_matmul(shapes))
-    copy = section("copy", lambda: probe_copy(shapes))
+    matmul = section("matmul", lambda _: probe_matmul(shapes))
+    copy = section("copy", lambda _: probe_copy(shapes))
     tflops = matmul.get("tflops", float("nan"))
     gbs = copy.get("gb_per_s", float("nan"))
     for name in shapes.models:
         cfg = config.preset(name).replace(max_seq_len=max(shapes.seq_len, shapes.prompt_len))
-        section(f"train/{name}", lambda cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline))
-        section(f"generate/{name}", lambda cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline))
+        section(f"train/{name}", lambda attn, cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline, attn))
+        section(f"generate/{name}", lambda attn, cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline, attn))
     return report
 
 
@@ -427,7 +435,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu.json and gpu.md")
     p.add_argument("--budget-s", type=float, default=420.0, help="sections starting after this are skipped")
     p.add_argument("--remat", default="dots_no_batch", choices=sorted(model.REMAT_POLICIES))
-    p.add_argument("--attention", default="auto", choices=model.ATTENTION_IMPLS)
+    p.add_argument("--attention", default="auto", choices=config.ATTENTION_IMPLS)
     p.add_argument("--train-batches", default="", help="comma-separated batch sizes to try, largest first")
     p.add_argument(
         "--optimizer-state",

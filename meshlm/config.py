@@ -310,6 +310,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"  # Policy.attention: "auto" (cuDNN's fused attention where it runs), "xla" or "cudnn"
     val_every: int = 50
     val_batches: int = 8
     eval_tasks: list[str] = dataclasses.field(default_factory=list)  # lm-eval task names, run every eval_every
@@ -358,7 +359,12 @@ class TrainConfig:
         for key in ("resume_optimizer", "seed_config"):
             if getattr(self, key) and not self.init_from:
                 raise ConfigError(f"train config: {key} needs init_from (the seed checkpoint to start from)")
-        Policy(self.param_dtype, self.compute_dtype, self.remat)
+        _ = self.policy  # checks the dtypes, remat and attention names
+
+    @property
+    def policy(self) -> Policy:
+        """How the training step runs the model."""
+        return Policy(self.param_dtype, self.compute_dtype, self.remat, self.attention)
 
     @property
     def micro_batch_size(self) -> int:

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -140,7 +140,7 @@ def make_train_step(
     Gradients of the micro-batches are summed inside a `lax.scan`, so accumulation costs one compiled
     step and one micro-batch of activation memory. The state's buffers are donated.
     """
-    policy = model.Policy(cfg.param_dtype, cfg.compute_dtype, cfg.remat)
+    policy = cfg.policy
     schedule = lr_schedule(cfg)
     grad_fn = jax.value_and_grad(lambda p, t: model.loss(p, t, model_cfg, policy, z_loss=cfg.z_loss), has_aux=True)
 
@@ -176,7 +176,7 @@ def make_train_step(
 
 def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable:
     """Summed target loss and target count over rows [B, seq_len + 1] weighted per row."""
-    policy = model.Policy(cfg.param_dtype, cfg.compute_dtype, "none")
+    policy = replace(cfg.policy, remat="none")
 
     def evaluate(params: model.Params, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
         mask = jnp.broadcast_to(weights[:, None], (tokens.shape[0], tokens.shape[1] - 1))

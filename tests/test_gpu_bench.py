@@ -48,7 +48,7 @@ def out(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(out) -> dict:
-    return run_script(out, "--optimizer-state", "bfloat16")
+    return run_script(out, "--optimizer-state", "bfloat16", "--attention", "xla")
 
 
 def test_every_section_runs_and_reports_numbers(report):
@@ -62,13 +62,14 @@ def test_every_section_runs_and_reports_numbers(report):
             assert positive(tr[key]), (name, key, tr[key])
         assert tr["tokens_per_step"] == tr["batch"] * tr["seq_len"]
         assert tr["optimizer_state"] == "bfloat16"
+        assert tr["attention"] == "xla"
         # A random-init model starts near ln(vocab), and the repeated batch is learnt: the step trains.
         assert abs(tr["first_loss"] - math.log(preset(name).n_vocab_used)) < 0.3
         assert tr["loss"] < tr["first_loss"]
         gen = sections[f"generate/{name}"]
         for key in ("prefill_tokens_per_s", "prefill_mfu_vs_matmul", "weight_gb", "batch1_roofline_fraction"):
             assert positive(gen[key]), (name, key, gen[key])
-        assert len(gen["decode"]) == 2
+        assert gen["attention"] == "xla" and len(gen["decode"]) == 2
         for d in gen["decode"].values():
             assert d["status"] == "ok" and positive(d["tokens_per_s"]) and positive(d["roofline_fraction"])
             assert d["bytes_per_step_gb"] > gen["weight_gb"]  # the KV cache is read on top of the weights
@@ -86,6 +87,14 @@ def test_spent_budget_skips_sections_but_still_reports(tmp_path):
     assert tuple(report["sections"]) == SECTIONS
     assert {r["status"] for r in report["sections"].values()} == {"skipped"}
     assert json.loads((tmp_path / "gpu.json").read_text())["sections"] == report["sections"]
+
+
+def test_the_attention_flag_reaches_the_model_through_the_policy(tmp_path):
+    """A forced cuDNN attention cannot run on a CPU: the model sections fail, so the flag got to the model."""
+    report = gpu.run(gpu.parse(["--tiny", "--attention", "cudnn", "--out", str(tmp_path)]))
+    for name in SECTIONS[2:]:
+        assert report["sections"][name]["status"] == "error", name
+        assert "cudnn" in report["sections"][name]["error"].lower(), report["sections"][name]["error"]
 
 
 def test_optimizer_state_goes_to_bf16_only_where_memory_requires():

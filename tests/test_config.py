@@ -2,7 +2,6 @@ import pytest
 
 from meshlm import config, model
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.formats import hf
 
 
 def test_gptj_6b_parameter_count_from_shapes():
@@ -44,32 +43,3 @@ def test_unknown_and_missing_keys_are_named():
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(ConfigError, match="unknown model preset 'gptj-7b'; available: .*gptj-6b"):
         config.preset("gptj-7b")
-
-
-def test_hf_config_round_trip():
-    c = config.preset("test-full-rotary")
-    back = hf.from_hf_config(hf.to_hf_config(c))
-    assert back == c.replace(n_vocab_used=min(c.vocab_size, config.GPT2_VOCAB))
-
-
-@pytest.mark.parametrize(
-    "hf_config, message",
-    [
-        ({"model_type": "gpt2", "n_embd": 8}, "model_type is 'gpt2', not 'gptj'"),
-        ({"model_type": "gptj", "n_embd": 64, "n_head": 4}, r"missing key\(s\) \['n_layer', 'vocab_size'\]"),
-        (
-            {
-                "model_type": "gptj",
-                "n_embd": 64,
-                "n_head": 4,
-                "n_layer": 1,
-                "vocab_size": 10,
-                "activation_function": "relu",
-            },
-            "activation_function 'relu' is not supported",
-        ),
-    ],
-)
-def test_non_gptj_hf_config_is_refused(hf_config, message):
-    with pytest.raises(ConfigError, match=message):
-        hf.from_hf_config(hf_config)

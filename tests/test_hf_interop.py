@@ -1,4 +1,5 @@
-"""Logits parity with transformers' GPT-J through import and export, and clear errors for bad folders."""
+"""Logits parity with transformers' GPT-J (and CodeGen, the same math) through import and export, and clear
+errors for bad folders."""
 
 import json
 import shutil
@@ -15,6 +16,13 @@ CONFIGS = {
     "rotary<d_head": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=512, n_positions=64),
     "rotary=d_head": dict(n_embd=48, n_layer=3, n_head=3, rotary_dim=16, vocab_size=300, n_positions=64),
     "one-head,n_inner": dict(n_embd=32, n_layer=1, n_head=1, rotary_dim=4, vocab_size=128, n_inner=80, n_positions=64),
+    "tied-head": dict(
+        n_embd=32, n_layer=1, n_head=2, rotary_dim=4, vocab_size=128, n_positions=64, tie_word_embeddings=True
+    ),
+    # 3 heads of 32 in CodeGen's 4 qkv_proj groups of 24 rows: heads straddle the groups (exported as GPT-J)
+    "codegen,heads-across-groups": dict(
+        model_type="codegen", n_embd=96, n_layer=1, n_head=3, rotary_dim=8, vocab_size=128, n_positions=64
+    ),
 }
 
 

@@ -1,9 +1,10 @@
-"""Training throughput: meshlm's jitted AdamW step vs a transformers GPTJForCausalLM + torch AdamW step.
+"""Training throughput: meshlm's jitted AdamW step vs a transformers model + torch AdamW step.
 
-Same GPT-J config, batch, sequence length, optimizer settings and fp32 on this machine, measured in one
-run; MFU is against the best square-matmul FLOP/s (JAX or torch) measured in the same run.
+Same config, batch, sequence length, optimizer settings and fp32 on this machine, measured in one run;
+MFU is against the best square-matmul FLOP/s (JAX or torch) measured in the same run. `--arch` trains
+GPT-J, GPT-NeoX/Pythia or GPT-Neo at the preset's sizes (the peer: that architecture's transformers class).
 
-    python benchmarks/train.py [--preset gptj-tiny] [--batch 4] [--seq 128] [--steps 5]
+    python benchmarks/train.py [--arch gptj|neox|neo] [--preset gptj-tiny] [--batch 4] [--seq 128] [--steps 5]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from transformers import GPTJConfig, GPTJForCausalLM
+from family import ARCHS, shaped_as, torch_model  # benchmarks/family.py, beside this script
 
 from meshlm import config, model, train
 from meshlm.sharding import make_mesh
@@ -50,9 +51,7 @@ def meshlm_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
 
 
 def torch_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
-    hf = config.to_hf_config(cfg)
-    hf.pop("architectures"), hf.pop("model_type"), hf.pop("torch_dtype")
-    m = GPTJForCausalLM(GPTJConfig(**hf)).train()
+    m = torch_model(cfg).train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     inputs = torch.as_tensor(tokens[:, :-1], dtype=torch.long)
     labels = torch.as_tensor(tokens[:, 1:], dtype=torch.long)
@@ -79,20 +78,22 @@ def torch_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gptj-tiny")
+    parser.add_argument("--arch", default="gptj", choices=sorted(ARCHS))
+    parser.add_argument("--preset", default="gptj-tiny", help="the sizes (any architecture's preset)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
 
-    cfg = config.preset(args.preset)
+    cfg = shaped_as(args.arch, config.preset(args.preset))
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (args.batch, args.seq + 1)).astype(np.int32)
     n_tokens = args.batch * args.seq
     flops = train.flops_per_token(cfg, args.seq) * n_tokens
     print(
-        f"config {args.preset}: {model.count_params(cfg):,} params, batch {args.batch} x seq {args.seq}, fp32, ", end=""
+        f"config {args.arch} at {args.preset}'s sizes: {model.count_params(cfg):,} params, "
+        f"batch {args.batch} x seq {args.seq}, fp32, torch threads {torch.get_num_threads()}, "
+        f"{jax.devices()[0].platform}"
     )
-    print(f"torch threads {torch.get_num_threads()}, {jax.devices()[0].platform}")
 
     peak = max(train.measure_matmul_peak(), torch_matmul_peak())
     t_meshlm = time_steps(meshlm_step(cfg, tokens), args.steps)

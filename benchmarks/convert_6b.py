@@ -13,21 +13,19 @@ Everything is deleted at the end (unless --keep).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from convert_common import check_disk, folder_bytes, meshlm_convert, print_table, run  # beside this script
 
+from meshlm import model
 from meshlm.config import preset
 from meshlm.formats import mtj
 
-REPO = Path(__file__).resolve().parents[1]
 SHARDS = 8
 
 
@@ -56,22 +54,6 @@ def write_seed_checkpoint(step_dir: Path, n_layer: int, step: int = 383500) -> i
                 np.savez(f, *arrays)
             written += (folder / f"{i}.npz").stat().st_size
     return written
-
-
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one child process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    start = time.perf_counter()
-    child = subprocess.Popen(cmd, env=env)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"failed ({os.waitstatus_to_exitcode(status)}): {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 2**20
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def summed_fc_out_bias(step_dir: Path, n_layer: int) -> np.ndarray:
@@ -111,11 +93,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the files in place")
     args = parser.parse_args()
 
-    params = preset("gptj-6b").replace(n_layer=args.layers).num_params()
-    need = params * 2 * 3.2  # the seed folder, the meshlm output and its HF copy (+ margin)
-    free = shutil.disk_usage(args.workdir).free
-    if free < need:
-        sys.exit(f"{args.workdir}: {free / 2**30:.0f} GiB free, this run needs about {need / 2**30:.0f} GiB")
+    params = model.count_params(preset("gptj-6b").replace(n_layer=args.layers))
+    check_disk(args.workdir, params * 2 * 3.2)  # the seed folder, the meshlm output and its HF copy (+ margin)
     work = Path(tempfile.mkdtemp(prefix="convert_6b_", dir=args.workdir))
     step_dir = work / "step_383500"
     rows = []
@@ -129,30 +108,24 @@ def main() -> None:
         shutil.rmtree(work / "copy")
         rows.append(("cp -r (peer: the disk's floor)", wall, rss, gib))
 
-        convert = [sys.executable, "-m", "meshlm", "convert", str(step_dir)]
-        wall, rss = run([*convert, str(work / "hf"), "--to", "hf", "--dtype", "bfloat16"])
+        wall, rss = meshlm_convert(step_dir, work / "hf", "hf", "bfloat16")
         expected = summed_fc_out_bias(step_dir, args.layers)
         check_hf(work / "hf", expected, args.layers)
         rows.append(("meshlm convert --to hf (streamed)", wall, rss, folder_bytes(work / "hf") / 2**30))
         shutil.rmtree(work / "hf")
 
         if not args.skip_meshlm:
-            wall, rss = run([*convert, str(work / "meshlm"), "--to", "meshlm", "--dtype", "bfloat16"])
+            wall, rss = meshlm_convert(step_dir, work / "meshlm", "meshlm", "bfloat16")
             check_meshlm(work / "meshlm", expected)
             rows.append(("meshlm convert --to meshlm (streamed)", wall, rss, folder_bytes(work / "meshlm") / 2**30))
-            back = [sys.executable, "-m", "meshlm", "convert", str(work / "meshlm"), str(work / "hf2")]
-            wall, rss = run([*back, "--to", "hf", "--dtype", "bfloat16"])
+            wall, rss = meshlm_convert(work / "meshlm", work / "hf2", "hf", "bfloat16")
             check_hf(work / "hf2", expected, args.layers)
             rows.append(("that meshlm checkpoint --to hf (streamed)", wall, rss, folder_bytes(work / "hf2") / 2**30))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    peer = rows[0][1]
-    print(f"\nGPT-J-6B-shaped ({args.layers} layers), {SHARDS} shards, bf16 seed checkpoint of {gib:.2f} GiB")
-    print(f"{'step':<38} {'wall s':>8} {'vs cp':>6} {'peak RSS GiB':>13} {'output GiB':>11}")
-    for name, wall, rss, out in rows:
-        print(f"{name:<38} {wall:>8.1f} {wall / peer:>5.2f}x {rss:>13.2f} {out:>11.2f}")
+    print_table(f"GPT-J-6B-shaped ({args.layers} layers), {SHARDS} shards, bf16 seed checkpoint of {gib:.2f} GiB", rows)
 
 
 if __name__ == "__main__":

@@ -97,8 +97,8 @@ def param_table(cfg: ModelConfig) -> Params:
     if cfg.two_norms:
         layers["ln_mlp"] = _norm_table(cfg, L)
     table: Params = {"embed": {"w": Param((V, D), ("vocab", "embed"), "normal", std)}}
-    if cfg.position == "learned":
-        table["pos_embed"] = {"w": Param((cfg.max_seq_len, D), (None, "embed"), "normal", std)}
+    if cfg.position == "learned":  # replicated: small, and a lookup in an fsdp-split table made XLA gather it whole
+        table["pos_embed"] = {"w": Param((cfg.max_seq_len, D), (None, None), "normal", std)}
     if cfg.position == "t5":  # one table of per-head biases, shared by every layer
         table["rel_bias"] = {"w": Param((H, T5_BUCKETS), ("heads", None), "normal", std)}
     table["layers"] = layers

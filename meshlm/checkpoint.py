@@ -147,14 +147,19 @@ def write_params(
     start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(model.dtype_of(dtype)).itemsize
-    plans = []  # (name, shape, chunk): a chunk is what is read and written at once
+    plans = []  # (name, shape, chunk, slices): a chunk is what is read and written at once
     for name, shape in model.param_shapes(cfg).items():
+        if not shape:  # a scalar (scalenorm's scale): one chunk of one number
+            plans.append((name, shape, shape, [()]))
+            continue
         rows = max(1, min(shape[0], SLICE_BYTES // max(math.prod(shape[1:]) * itemsize, 1)))
-        plans.append((name, shape, (rows, *shape[1:])))
-    total = sum(math.ceil(shape[0] / chunk[0]) for _, shape, chunk in plans)
+        rest = tuple(slice(0, n) for n in shape[1:])
+        slices = [(slice(i, min(i + rows, shape[0])), *rest) for i in range(0, shape[0], rows)]
+        plans.append((name, shape, (rows, *shape[1:]), slices))
+    total = sum(len(slices) for *_, slices in plans)
     tree_metadata = {}
     with tqdm(total=total, desc="writing", unit="slice", leave=False, disable=not progress) as bar:
-        for name, shape, chunk in plans:
+        for name, shape, chunk, slices in plans:
             array = ts.open(
                 {
                     "driver": "zarr",
@@ -169,10 +174,8 @@ def write_params(
                 create=True,
             ).result()
             read = source(name, shape)
-            rest = tuple(slice(0, n) for n in shape[1:])
-            for start in range(0, shape[0], chunk[0]):
-                rows = slice(start, min(start + chunk[0], shape[0]))
-                array[rows].write(read((rows, *rest))).result()
+            for index in slices:
+                array[index].write(read(index)).result()
                 bar.update()
             keys = tuple(name.split("."))
             tree_metadata[str(keys)] = {

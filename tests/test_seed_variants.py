@@ -169,15 +169,12 @@ def test_load_gives_the_seeds_logits_on_one_device_and_on_a_mesh(seed, pe, norm,
         assert lm.params["rel_bias"]["w"].sharding.spec[0] == "model"
 
 
-SCALAR_WRITE = "checkpoint.write_params cannot yet write a 0-d parameter (scalenorm's ln_f.scale)"
-
-
 @pytest.mark.parametrize(
     ("pe", "norm", "shards"),
     [
         ("t5", "layernorm-desync", 2),
         ("fixed", "rmsnorm-bias", 4),
-        pytest.param("rotary", "scalenorm", 2, marks=pytest.mark.xfail(raises=IndexError, reason=SCALAR_WRITE)),
+        ("rotary", "scalenorm", 2),
     ],
 )
 def test_converted_to_meshlm_format_restores_the_seeds_logits(seed, tmp_path, pe, norm, shards):

@@ -1,10 +1,12 @@
-"""lm-eval integration: the `meshlm` model against lm-eval's own `hf` backend on the same random GPT-J,
-and `meshlm eval --perplexity` against exp(mean NLL) from transformers' logits."""
+"""lm-eval integration: the `meshlm` model against lm-eval's own `hf` backend on the same random model (a
+GPT-J with the GPT-2 BPE, a GPT-NeoX with a NeoX-style BPE, each the folder's own tokenizer), and `meshlm
+eval --perplexity` against exp(mean NLL) from transformers' logits."""
 
 import contextlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,27 @@ def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
     return oracle.HFModel(folder, model)
 
 
+@pytest.fixture(scope="module")
+def hf_neox(tmp_path_factory, neox_style_tokenizer) -> oracle.HFModel:
+    """A random GPT-NeoX (Pythia's layout: two norms, rotate-half rotary on a quarter of each head, fused
+    biased qkv) saved with a NeoX-style tokenizer.json whose <|endoftext|> is id 0."""
+    folder = tmp_path_factory.mktemp("hf_neox_eval")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=512)
+    hf = oracle.make_hf_model(
+        folder, seed=4, model_type="gpt_neox", max_position_embeddings=CONTEXT, rope_parameters=rope, **config
+    )
+    for f in neox_style_tokenizer.iterdir():
+        shutil.copy(f, folder)
+    return hf
+
+
+@pytest.fixture(scope="module", params=["gptj", "neox"])
+def hf_model(request) -> oracle.HFModel:
+    """Each architecture in turn, as a Hugging Face folder holding its own tokenizer."""
+    return request.getfixturevalue(f"hf_{request.param}")
+
+
 @contextlib.contextmanager
 def in_repo_root():
     """The task YAMLs name their data files relative to the repository root, as lm-eval reads them."""
@@ -68,16 +91,14 @@ def harness(model: str, model_args: str, batch_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_results(hf_gptj):
-    return harness("hf", f"pretrained={hf_gptj.path},dtype=float32", batch_size=1)
+def hf_results(hf_model):
+    return harness("hf", f"pretrained={hf_model.path},dtype=float32", batch_size=1)
 
 
 @pytest.fixture(scope="module")
-def meshlm_results(hf_gptj, gpt2_bpe_file):
-    # The mesh spec travels inside lm-eval's comma-separated model_args.
-    return harness(
-        "meshlm", f"pretrained={hf_gptj.path},tokenizer={gpt2_bpe_file},mesh=data=2,fsdp=2,model=2", batch_size=4
-    )
+def meshlm_results(hf_model):
+    # The mesh spec travels inside lm-eval's comma-separated model_args; the tokenizer is the folder's own.
+    return harness("meshlm", f"pretrained={hf_model.path},mesh=data=2,fsdp=2,model=2", batch_size=4)
 
 
 def responses(results: dict, task: str) -> list:
@@ -171,12 +192,12 @@ def test_strided_perplexity_over_jsonl_documents(hf_gptj, gpt2_bpe_file, tmp_pat
     assert result["perplexity"] == pytest.approx(math.exp(nlls.mean()), rel=1e-5)
 
 
-def test_eval_cli_prints_the_table_and_writes_the_harness_json(hf_gptj, gpt2_bpe_file, hf_results, tmp_path, capsys):
+def test_eval_cli_prints_the_table_and_writes_the_harness_json(hf_model, hf_results, tmp_path, capsys):
     out = tmp_path / "results.json"
     with in_repo_root():
-        code = run_cli("eval", str(hf_gptj.path), "--tasks", "meshlm_test_mc,meshlm_test_lambada",
-                       "--include-path", str(TASK_DIR), "--tokenizer", gpt2_bpe_file, "--mesh", MESH,
-                       "--batch-size", "4", "--output", str(out))  # fmt: skip
+        code = run_cli("eval", str(hf_model.path), "--tasks", "meshlm_test_mc,meshlm_test_lambada",
+                       "--include-path", str(TASK_DIR), "--mesh", MESH, "--batch-size", "4",
+                       "--output", str(out))  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
     assert "|meshlm_test_mc" in printed and "acc_norm" in printed
@@ -197,12 +218,10 @@ def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
     assert "bad.jsonl:2: no 'text' field (choose the field with --text-field)" in capsys.readouterr().err
 
 
-def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_gptj, gpt2_bpe_file, hf_results):
-    lm = meshlm.load(hf_gptj.path, mesh=MESH)
+def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_model, hf_results):
+    lm = meshlm.load(hf_model.path, mesh=MESH)
     with in_repo_root():
-        metrics = evaluate.evaluate_tasks(
-            lm, ["meshlm_test_lambada"], include_path=TASK_DIR, batch_size=4, tokenizer=gpt2_bpe_file
-        )
+        metrics = evaluate.evaluate_tasks(lm, ["meshlm_test_lambada"], include_path=TASK_DIR, batch_size=4)
     expected = evaluate.flatten_metrics(hf_results)
     assert set(metrics) == {"meshlm_test_lambada/perplexity", "meshlm_test_lambada/acc"}
     for key, value in metrics.items():

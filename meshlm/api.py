@@ -245,7 +245,7 @@ class LanguageModel:
         if format == "meshlm":
             checkpoint.save_params(path, params, self.config, files=files)
         else:
-            checkpoint.start_folder(path, files)  # hf.save writes config.json, the mark of a whole folder, last
+            _start_hf_folder(path, self.config, files)
             hf.save(path, params, self.config, dtype=dtype or self.dtype)
 
 
@@ -279,6 +279,13 @@ def load(
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path)
 
 
+def _start_hf_folder(path: str | Path, cfg: ModelConfig, files: dict[str, Path], every_process: bool = True) -> None:
+    """Check that an architecture represents `cfg`, then start the folder with the tokenizer `files`: a
+    refused config writes nothing, and config.json (the mark of a whole HF folder) comes last."""
+    hf.to_hf_config(cfg)
+    checkpoint.start_folder(path, files, every_process)
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -304,7 +311,7 @@ def convert(
     if to == "meshlm":
         checkpoint.write_params(dst, cfg, dtype, source, files=files)
     else:
-        checkpoint.start_folder(dst, files, every_process=False)  # config.json, written last, marks it whole
+        _start_hf_folder(dst, cfg, files, every_process=False)
         hf.write_from(dst, cfg, dtype, source)
 
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 import meshlm
 from meshlm import checkpoint, cli, data, evaluate, train
-from meshlm.config import ConfigError, TrainConfig
+from meshlm.config import ConfigError, TrainConfig, preset
 from meshlm.formats import hf, registry
 from meshlm.tokenizer import EOT_ID, TOKENIZER_FILES, tokenizer_json
 
@@ -101,6 +101,17 @@ def test_a_save_never_overwrites_and_an_interrupted_one_is_no_checkpoint(folder,
     assert (tmp_path / "partial" / "tokenizer.json").is_file()
     with pytest.raises(ConfigError, match="not a checkpoint meshlm can read"):
         registry.detect(tmp_path / "partial")
+
+
+def test_an_explicit_tokenizer_is_saved_and_a_config_no_hf_class_represents_writes_nothing(
+    neox_style_tokenizer, tmp_path
+):
+    lm = meshlm.from_config(preset("test-tiny").replace(norm="rmsnorm"), tokenizer=neox_style_tokenizer)
+    lm.save(tmp_path / "meshlm")
+    assert tokenizer_bytes(tmp_path / "meshlm") == tokenizer_bytes(neox_style_tokenizer)
+    with pytest.raises(ConfigError, match="rmsnorm"):
+        lm.save(tmp_path / "hf", format="hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_malformed_tokenizer_json_is_a_one_line_error_naming_the_file(folder, tmp_path, capsys):

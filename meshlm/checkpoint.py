@@ -30,7 +30,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ConfigError, ModelConfig, read_json
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
 from meshlm.tokenizer import copy_files
@@ -66,12 +66,7 @@ def resolve(path: str | Path) -> str | Path:
 
 def read_description(path: str | Path) -> dict[str, Any]:
     marker = _marker(Path(path))
-    try:
-        desc = json.loads(marker.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not a meshlm checkpoint (no {MARKER}; an interrupted save leaves none)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{marker}: not valid JSON ({e})") from None
+    desc = read_json(marker, f"{path}: not a meshlm checkpoint (no {MARKER}; an interrupted save leaves none)")
     if desc.get("format") != "meshlm" or desc.get("version") != FORMAT_VERSION:
         raise ConfigError(
             f"{marker}: unsupported checkpoint format {desc.get('format')!r} "

@@ -16,6 +16,16 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or inconsistent; the message names the key."""
 
 
+def read_json(path: str | Path, missing: str) -> Any:
+    """A JSON file's contents; a missing file raises ConfigError(`missing`), bad JSON one naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(missing) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 # The architectural choices the GPT-J family differs in; each field's default is GPT-J's.
 RESIDUALS = ("parallel", "parallel_two_norms", "sequential")
 NORMS = ("layernorm", "layernorm-nobias", "rmsnorm", "scalenorm", "rmsnorm-bias", "scalenorm-bias")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from meshlm.config import GPT2_VOCAB, ConfigError
+from meshlm.config import GPT2_VOCAB, ConfigError, read_json
 from meshlm.tokenizer import EOT_ID, Tokenizer, load_tokenizer
 
 FORMAT = "meshlm-tokens"
@@ -35,12 +35,7 @@ SHARD_BYTES = 128 << 20  # `meshlm prepare` starts a new shard file after about 
 
 def read_index(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / INDEX
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{folder}: not a prepared dataset (no {INDEX}); create one with `meshlm prepare`") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    index = read_json(path, f"{folder}: not a prepared dataset (no {INDEX}); create one with `meshlm prepare`")
     if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
         raise ConfigError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} index")
     if index.get("dtype") not in DTYPES:

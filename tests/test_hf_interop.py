@@ -113,6 +113,22 @@ def test_folder_without_weights_is_refused(hf_tiny, tmp_path):
         meshlm.load(folder)
 
 
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ('{"metadata": {}}', "has no 'weight_map'"),
+        ('{"weight_map": ', "not valid JSON"),
+    ],
+)
+def test_a_damaged_safetensors_index_is_named(hf_tiny, tmp_path, index, message):
+    folder = tmp_path / "indexed"
+    folder.mkdir()
+    shutil.copy(hf_tiny.path / "config.json", folder)
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ConfigError, match=rf"model.safetensors.index.json: {message}"):
+        meshlm.load(folder)
+
+
 def test_weights_that_do_not_match_the_config_are_refused(hf_tiny, tmp_path):
     folder = tmp_path / "mismatch"
     shutil.copytree(hf_tiny.path, folder)

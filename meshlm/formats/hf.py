@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig
+from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig, read_json
 from meshlm.formats.slices import Index, SliceSource, normalise, np_dtype
 from meshlm.sharding import to_host
 
@@ -607,12 +607,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
 
 def _read_config(folder: Path) -> tuple[Arch, ModelConfig]:
     path = folder / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found; a Hugging Face model folder needs config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    hf = read_json(path, f"{path}: not found; a Hugging Face model folder needs config.json")
     if not isinstance(hf, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return _arch_of(hf, str(path)), from_hf_config(hf, source=str(path))
@@ -669,6 +664,15 @@ class TensorReader(Protocol):
     def read(self, name: str, index: Index) -> np.ndarray: ...
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The tensor -> file map of a sharded checkpoint's index."""
+    found = read_json(index, f"{index}: not found")
+    mapping = found.get("weight_map") if isinstance(found, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise ConfigError(f"{index}: has no 'weight_map' from tensor names to file names")
+    return mapping
+
+
 class SafetensorsReader:
     """One `model.safetensors` or a sharded set with `model.safetensors.index.json`; slices are read lazily."""
 
@@ -682,8 +686,7 @@ class SafetensorsReader:
     def open(cls, folder: Path) -> SafetensorsReader:
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: folder / fname for name, fname in weight_map.items()}
+            files = {name: folder / fname for name, fname in _weight_map(index).items()}
             for f in set(files.values()):
                 if not f.exists():
                     raise ConfigError(f"{index}: lists {f.name}, which is missing from {folder}")
@@ -719,11 +722,7 @@ class TorchBinReader:
                 f"{folder}: holds pytorch_model.bin, which needs torch installed (or convert it to safetensors)"
             ) from None
         index = folder / "pytorch_model.bin.index.json"
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.exists()
-            else ["pytorch_model.bin"]
-        )
+        files = sorted(set(_weight_map(index).values())) if index.exists() else ["pytorch_model.bin"]
         self._tensors: dict[str, Any] = {}
         for fname in files:
             try:

@@ -41,6 +41,7 @@ from meshlm.config import (
     SEED_POSITIONS,
     ConfigError,
     ModelConfig,
+    read_json,
     seed_model_fields,
     seed_variant,
 )
@@ -367,12 +368,9 @@ def _resolve_step(files: Files) -> Files:
 def read_seed_config(path: str | Path) -> dict[str, Any]:
     """The architecture values weights cannot tell (heads, rotary dims, context) from the seed's run JSON,
     and its `pe` and `norm` as the seed names them (checked; GPT-J's rotary and layernorm if absent)."""
-    try:
-        seed = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: seed config not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    seed = read_json(path, f"{path}: seed config not found")
+    if not isinstance(seed, dict):
+        raise ConfigError(f"{path}: not a seed config (expected a JSON object)")
     for key in ("n_heads", "d_model"):
         if key not in seed:
             raise ConfigError(f"{path}: not a seed config (no {key!r} key)")

@@ -674,13 +674,17 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 class SafetensorsReader:
-    """One `model.safetensors` or a sharded set with `model.safetensors.index.json`; slices are read lazily."""
+    """One `model.safetensors` or a sharded set with `model.safetensors.index.json`; slices are read lazily.
+
+    Each read maps its file only for that read: a mapping kept open keeps every page read through it
+    resident, so streaming a 13 GiB checkpoint through long-lived handles grew the process to 13 GiB."""
 
     def __init__(self, files: dict[str, Path]):
-        from safetensors import safe_open
-
-        self._handles = {f: safe_open(str(f), framework="np") for f in set(files.values())}
-        self._file_of = files
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for path in set(files.values()):
+            with _safe_open(path) as f:
+                self._shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})  # noqa: SIM118
+        self._file_of = {name: path for name, path in files.items() if name in self._shapes}  # listed and present
 
     @classmethod
     def open(cls, folder: Path) -> SafetensorsReader:
@@ -691,24 +695,29 @@ class SafetensorsReader:
                 if not f.exists():
                     raise ConfigError(f"{index}: lists {f.name}, which is missing from {folder}")
             return cls(files)
-        from safetensors import safe_open
-
         path = folder / "model.safetensors"
-        try:
-            with safe_open(str(path), framework="np") as f:
-                names = list(f.keys())
-        except Exception as e:
-            raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+        with _safe_open(path) as f:
+            names = list(f.keys())
         return cls(dict.fromkeys(names, path))
 
     def names(self) -> set[str]:
         return set(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+        return self._shapes[name]
 
     def read(self, name: str, index: Index) -> np.ndarray:
-        return self._handles[self._file_of[name]].get_slice(name)[index]
+        with _safe_open(self._file_of[name]) as f:
+            return f.get_slice(name)[index]  # safetensors copies the slice out: it outlives the mapping
+
+
+def _safe_open(path: Path) -> Any:
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="np")
+    except Exception as e:
+        raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 class TorchBinReader:

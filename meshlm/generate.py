@@ -41,6 +41,13 @@ MIN_PROMPT_BUCKET = 16
 MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
 
 
+def check_chunk(chunk: int) -> int:
+    """A chunk of decode steps per device call must make progress: 0 would loop forever."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk (decode steps per device call) must be an integer >= 1, got {chunk!r}")
+    return chunk
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one row is generated. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
@@ -533,6 +540,7 @@ def run(
 ) -> Iterator[list[Sequence]]:
     """Generate for a fixed batch of token prompts, yielding the rows' `Sequence`s after every device call
     (prefill, then up to `chunk` decode steps each) until all have finished; streaming reads them."""
+    check_chunk(chunk)
     if len(prompts) != len(params):
         raise ValueError("one SamplingParams per prompt is needed")
     if any(p.stop for p in params) and tokenizer is None:

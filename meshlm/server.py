@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
-from meshlm.generate import SamplingParams, Sequence, any_sampling
+from meshlm.generate import SamplingParams, Sequence, any_sampling, check_chunk
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
@@ -69,11 +69,14 @@ class Engine:
     def __init__(
         self, lm: LanguageModel, max_batch: int = 8, max_queue: int = 64, chunk: int = 4, max_len: int | None = None
     ):
+        for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.chunk = check_chunk(chunk)
         self.lm = lm
         self.gen = lm.generator
         self.max_batch = self.gen.batch_bucket(max_batch) if max_batch % self.gen.batch_ways else max_batch
         self.max_queue = max_queue
-        self.chunk = chunk
         if max_len is not None and not 0 < max_len <= lm.config.max_seq_len:
             raise ValueError(f"max_len must be in [1, {lm.config.max_seq_len}] (the model's context), got {max_len}")
         self.cache_len = max_len or lm.config.max_seq_len  # every decode step reads all of it: smaller is faster
@@ -225,7 +228,7 @@ class LegacyRequest(BaseModel):
 
     context: str
     top_p: Annotated[float, Field(gt=0, le=1)] = 0.9
-    temp: Annotated[float, Field(ge=0)] = 1.0
+    temp: Annotated[float, Field(ge=0, le=2)] = 1.0
     gen_len: Annotated[int, Field(ge=1)] = 512
 
 

@@ -247,3 +247,18 @@ def test_sample_command_streams_and_reads_prompts_from_stdin(
     assert capsys.readouterr().out == "".join(e + "\n" for e in expected)
     assert cli.main([*args, "--top-p", "2"]) == 1
     assert "top_p" in capsys.readouterr().err
+
+
+def test_a_chunk_or_batch_that_cannot_make_progress_is_refused(text_lm):
+    from meshlm.server import Engine
+
+    params = text_lm.sampling(max_new_tokens=4, temperature=0)
+    for call in (
+        lambda: text_lm.generate_tokens([[1, 2, 3]], params, chunk=0),
+        lambda: next(text_lm.stream(TEXTS[0], chunk=0, max_new_tokens=4)),
+        lambda: Engine(text_lm, chunk=0),
+        lambda: Engine(text_lm, max_batch=0),
+        lambda: Engine(text_lm, max_queue=-1),
+    ):
+        with pytest.raises(ValueError, match=r"must be an integer >= 1"):
+            call()

@@ -145,6 +145,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.post(f"{server}/complete", json={"top_p": 0.9}, timeout=30).status_code == 400
+    r = httpx.post(f"{server}/complete", json={"context": PROMPT, "temp": 2.5}, timeout=30)
+    assert r.status_code == 400 and "temp" in r.json()["error"]["message"], r.text
     assert httpx.get(f"{server}/v1/nothing", timeout=30).status_code == 404
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-5)

@@ -196,7 +196,8 @@ def test_a_training_run_converts_to_hf_with_its_latest_weights(memorised, tmp_pa
 def test_loss_falls_to_near_zero_when_memorising(memorised):
     assert memorised.losses[1] > 5.0  # ln(256) = 5.5 at initialisation
     assert memorised.losses[120] < 0.05
-    assert memorised.val_losses[120]["val/val"] < 0.05 < memorised.val_losses[60]["val/val"] + 1
+    val = {step: losses["val/val"] for step, losses in memorised.val_losses.items()}
+    assert val[120] < 0.05 and val[120] < val[60]  # validation (the same rows) falls with the training loss
     records = [json.loads(line) for line in (memorised.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(records[0])
     assert list((memorised.out_dir / "tb").glob("events.out.tfevents.*"))

@@ -248,7 +248,13 @@ def fetch_from_pypi(dest: Path = CACHE_FILE) -> Path:
         return dest
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp]
-        subprocess.run([*cmd, WHISPER_SDIST], check=True)
+        try:
+            subprocess.run([*cmd, WHISPER_SDIST], check=True)
+        except subprocess.CalledProcessError as e:
+            raise ConfigError(
+                f"could not download {WHISPER_SDIST} from PyPI (pip exited with {e.returncode}; see its message "
+                f"above); without network access, pass a GPT-2 BPE file with --tokenizer or $MESHLM_TOKENIZER"
+            ) from None
         (sdist,) = Path(tmp).glob("openai*whisper-*.tar.gz")
         with tarfile.open(sdist) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))

@@ -1,16 +1,27 @@
 """Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
+# ~/.cache/meshlm is never written.
+os.environ["MESHLM_CACHE"] = tempfile.mkdtemp(prefix="meshlm-cache-")
 
 import pytest
 
 from tests import oracle
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache():
+    yield
+    shutil.rmtree(os.environ["MESHLM_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -80,3 +80,13 @@ def test_hf_tokenizer_json_encodes_identically(tok, r50k, gpt2_bpe_file, tmp_pat
     for text in SAMPLES:
         assert hf.encode(text) == tok.encode(text), text
         assert hf.decode(hf.encode(text)) == text
+
+
+def test_a_failed_download_is_one_line_naming_the_way_out(tmp_path, monkeypatch):
+    from meshlm import tokenizer
+    from meshlm.config import ConfigError
+
+    monkeypatch.setattr(tokenizer, "WHISPER_SDIST", "openai-whisper==0.0.0.dev0")  # a release that never existed
+    with pytest.raises(ConfigError, match=r"could not download openai-whisper==0\.0\.0\.dev0 from PyPI .* --tokenizer"):
+        tokenizer.fetch_from_pypi(tmp_path / "r50k_base.tiktoken")
+    assert not (tmp_path / "r50k_base.tiktoken").exists()

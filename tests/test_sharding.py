@@ -10,11 +10,11 @@ from meshlm import ConfigError, model, sharding
 MESHES = [
     "data=8",
     "fsdp=8",
-    "model=4,data=2",
     "data=2,model=4",
+    "model=4,fsdp=2",  # axes in another order than the mesh's
     "data=2,fsdp=2,model=2",
     "fsdp=4,model=2",
-    "model=2,fsdp=2,data=2",
+    "data=4,fsdp=2",
 ]
 CFG = meshlm.ModelConfig(
     n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=256, n_vocab_used=250, max_seq_len=64

@@ -85,6 +85,7 @@ class Engine:
         self.wake = threading.Condition()
         self.stopped = False
         self.tokens_generated = 0
+        self.decode_calls = 0  # device calls of the decode loop: what batching saves
         self.rows = self.gen.empty(self.max_batch, self.cache_len)
         self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
 
@@ -169,6 +170,7 @@ class Engine:
         self.rows = self.gen.finish(self.rows, finished)
         sampling = any_sampling([r.seq.sampling for r in self.slots if r is not None])
         self.rows, step = self.gen.decode(self.rows, self.chunk, sampling)
+        self.decode_calls += 1
         for slot, row in enumerate(self.slots):
             if row is not None:
                 self._deliver(slot, row, step, slot)
@@ -282,6 +284,7 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
             "queued": len(engine.pending),
             "max_batch": engine.max_batch,
             "tokens_generated": engine.tokens_generated,
+            "decode_calls": engine.decode_calls,
         }
 
     @app.get("/v1/models")

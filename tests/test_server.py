@@ -106,20 +106,24 @@ def test_sixteen_concurrent_requests_are_batched(server, client):
     def body(i: int) -> dict:
         return dict(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=48, temperature=0)
 
-    start = time.perf_counter()
+    def decode_calls() -> int:
+        return httpx.get(f"{server}/health", timeout=30).json()["decode_calls"]
+
+    before = decode_calls()
     one_by_one = [client.completions.create(**body(i)).choices[0].text for i in range(16)]
-    sequential = time.perf_counter() - start
+    sequential = decode_calls() - before
 
     async def together() -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as aclient:
             results = await asyncio.gather(*(aclient.completions.create(**body(i)) for i in range(16)))
         return [r.choices[0].text for r in results]
 
-    start = time.perf_counter()
+    before = decode_calls()
     concurrent = asyncio.run(together())
-    elapsed = time.perf_counter() - start
+    batched = decode_calls() - before
     assert concurrent == one_by_one  # a row gives the same text alone or batched with others
-    assert elapsed < sequential / 2, (elapsed, sequential)
+    # device calls, not wall time (which a loaded machine moves): the 16 rows share decode calls
+    assert batched < sequential / 4, (batched, sequential)
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):

@@ -1,9 +1,22 @@
 """meshlm: model-parallel GPT-J-class Transformers in JAX."""
 
-from meshlm.config import ConfigError, ModelConfig, preset
+from meshlm.config import CheckpointError, ConfigError, DataError, InputError, MeshlmError, ModelConfig, preset
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "LanguageModel", "ModelConfig", "__version__", "convert", "from_config", "load", "preset"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "InputError",
+    "LanguageModel",
+    "MeshlmError",
+    "ModelConfig",
+    "__version__",
+    "convert",
+    "from_config",
+    "load",
+    "preset",
+]
 _API = ("LanguageModel", "convert", "from_config", "load")
 
 

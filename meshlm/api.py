@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ConfigError, InputError, ModelConfig
 from meshlm.formats import hf, registry
 from meshlm.formats.slices import np_dtype, place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
@@ -85,12 +85,12 @@ class LanguageModel:
     def _check_tokens(self, tokens: np.ndarray, name: str = "tokens") -> np.ndarray:
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{name} must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
+            raise InputError(f"{name} must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
         T, context = tokens.shape[1], self.config.max_seq_len
         if T > context:
-            raise ValueError(f"sequence length {T} exceeds the model's context ({context})")
+            raise InputError(f"sequence length {T} exceeds the model's context ({context})")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            raise ValueError(f"{name}: token ids must lie in [0, {self.config.vocab_size})")
+            raise InputError(f"{name}: token ids must lie in [0, {self.config.vocab_size})")
         return tokens
 
     def _padded(self, tokens: np.ndarray, pad_seq: bool = True) -> jax.Array:
@@ -163,7 +163,7 @@ class LanguageModel:
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be strings")
+            raise InputError("prompts must be strings")
         base = self.sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids)
         params = [base.replace(seed=None if seed is None else seed + i) for i in range(len(prompts))]
         results = self.generate_tokens([self.encode_prompt(p) for p in prompts], params)
@@ -190,12 +190,12 @@ class LanguageModel:
         prompts = [[int(t) for t in p] for p in prompts]
         for p in prompts:
             if not p:
-                raise ValueError("a prompt must have at least one token")
+                raise InputError("a prompt must have at least one token")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
-                raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+                raise InputError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+            raise InputError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         return prompts, params
 
     def _text_tokenizer(self, params: Sequence[SamplingParams]) -> Tokenizer | None:
@@ -223,9 +223,9 @@ class LanguageModel:
             at = np.broadcast_to(np.arange(T), (B, T))
         at, targets = np.asarray(at), self._check_tokens(targets, "targets")
         if at.shape != targets.shape or at.shape[0] != B:
-            raise ValueError(f"targets {targets.shape} and positions {at.shape} must both be [{B}, K]")
+            raise InputError(f"targets {targets.shape} and positions {at.shape} must both be [{B}, K]")
         if at.size and (at.min() < 0 or at.max() >= T):
-            raise ValueError(f"positions must lie in [0, {T})")
+            raise InputError(f"positions must lie in [0, {T})")
         with jax.set_mesh(self.mesh):
             score = _compiled(self.config, self.policy, _target_logprobs)
             at_, targets_ = (self._padded(a, pad_seq=False) for a in (at, targets))

@@ -30,7 +30,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import ConfigError, ModelConfig, read_json
+from meshlm.config import CheckpointError, ModelConfig, read_json
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
 from meshlm.tokenizer import copy_files
@@ -68,7 +68,7 @@ def read_description(path: str | Path) -> dict[str, Any]:
     marker = _marker(Path(path))
     desc = read_json(marker, f"{path}: not a meshlm checkpoint (no {MARKER}; an interrupted save leaves none)")
     if desc.get("format") != "meshlm" or desc.get("version") != FORMAT_VERSION:
-        raise ConfigError(
+        raise CheckpointError(
             f"{marker}: unsupported checkpoint format {desc.get('format')!r} "
             f"version {desc.get('version')!r} (this meshlm reads version {FORMAT_VERSION})"
         )
@@ -79,7 +79,7 @@ def check_new_folder(path: str | Path) -> None:
     """Refuse to write into a folder that holds anything: nothing saved there is ever overwritten."""
     path = Path(path)
     if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"{path}: already exists and is not empty; choose a new folder")
+        raise CheckpointError(f"{path}: already exists and is not empty; choose a new folder")
 
 
 def start_folder(path: str | Path, files: dict[str, Path], every_process: bool = True) -> None:
@@ -198,7 +198,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     try:
         layout = json.loads((folder / "_METADATA").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{folder}: no readable orbax metadata ({e})") from None
+        raise CheckpointError(f"{folder}: no readable orbax metadata ({e})") from None
     driver = "zarr3" if layout.get("use_zarr3") else "zarr"
 
     def open_array(name: str, shape: tuple[int, ...]) -> ts.TensorStore:
@@ -210,9 +210,9 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
             array = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
         except Exception as e:  # tensorstore names the missing or damaged file, then appends its whole spec
             reason = str(e).split(" [tensorstore_spec=")[0]
-            raise ConfigError(f"{folder}: parameter {name} could not be opened ({reason})") from None
+            raise CheckpointError(f"{folder}: parameter {name} could not be opened ({reason})") from None
         if tuple(array.shape) != shape:
-            raise ConfigError(
+            raise CheckpointError(
                 f"{folder}: parameter {name} has shape {list(array.shape)}, meshlm.json implies {list(shape)}"
             )
         return array
@@ -235,7 +235,7 @@ def restore_params(
     try:
         params = ocp.StandardCheckpointer().restore(path / "params", target)
     except Exception as e:  # orbax reports damage from deep inside tensorstore
-        raise ConfigError(f"{path}: parameters could not be restored ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: parameters could not be restored ({type(e).__name__}: {e})") from None
     return cfg, params
 
 
@@ -282,7 +282,7 @@ class TrainCheckpoints:
         try:
             out = self._manager.restore(step, args=args)
         except Exception as e:  # orbax reports damage from deep inside tensorstore
-            raise ConfigError(
+            raise CheckpointError(
                 f"{self.folder / str(step)}: checkpoint could not be restored ({type(e).__name__}: {e})"
             ) from None
         opt_state = jax.tree.unflatten(jax.tree.structure(opt_target), jax.tree.leaves(out.opt_state))

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from meshlm.config import ConfigError
+from meshlm.config import ConfigError, MeshlmError
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -173,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     """Evaluate a checkpoint on lm-evaluation-harness tasks, or measure the perplexity of a text file."""
     import json
+    import os
     from pathlib import Path
 
     import jax
@@ -180,11 +181,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from meshlm import api
 
     if bool(args.tasks) == bool(args.perplexity):
-        raise ValueError("give exactly one of --tasks or --perplexity")
+        raise ConfigError("give exactly one of --tasks or --perplexity")
     try:
         from meshlm import evaluate
     except ImportError as e:
         raise ConfigError(f"meshlm eval needs lm-evaluation-harness ({e}); pip install 'meshlm[eval]'") from None
+    if args.output:  # written only at the end: find out now, not after the whole evaluation, that it cannot be
+        output = Path(args.output)
+        if output.is_dir() or not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
+            raise ConfigError(f"--output {output}: cannot write a file there (a folder, or no writable folder)")
     documents = evaluate.read_documents(args.perplexity, args.text_field) if args.perplexity else []
     lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
     tok = lm.tokenizer
@@ -436,8 +441,12 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         return args.handler(args) or 0
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except MeshlmError as e:
         print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file that cannot be read or written: permissions, a directory, a full disk
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"meshlm {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

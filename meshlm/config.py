@@ -12,8 +12,25 @@ from typing import Any
 GPT2_VOCAB = 50257  # ids the GPT-2 BPE tokenizer can produce; padded rows above it are never sampled
 
 
-class ConfigError(ValueError):
+class MeshlmError(Exception):
+    """What meshlm raises for input it cannot use (never for its own bugs): the command line prints it in
+    one line. Each subclass is also a ValueError, so code that caught ValueError before still does."""
+
+
+class ConfigError(MeshlmError, ValueError):
     """A configuration value is missing, unknown or inconsistent; the message names the key."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, damaged, or does not match its own config; the message names the file."""
+
+
+class DataError(ConfigError):
+    """A dataset or input text cannot be read or does not fit the model; the message names the file."""
+
+
+class InputError(MeshlmError, ValueError):
+    """An argument to the Python API (tokens, prompts, sampling settings) is out of range."""
 
 
 def read_json(path: str | Path, missing: str) -> Any:

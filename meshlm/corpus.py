@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import ConfigError
+from meshlm.config import DataError
 
 READ_CHARS = 1 << 20  # text goes to the tokenizer in pieces of about this many characters
 MAX_PIECE_CHARS = 16 * READ_CHARS  # a piece without any safe cut point is cut here regardless
@@ -47,12 +47,12 @@ def expand(inputs: list[str | Path]) -> list[tuple[Path, str]]:
                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
             )
             if not found:
-                raise ConfigError(f"{path}: directory holds no input files")
+                raise DataError(f"{path}: directory holds no input files")
             files.extend((p, kind_of(p)) for p in found)
         elif path.is_file():
             files.append((path, kind_of(path)))
         else:
-            raise ConfigError(f"{path}: no such file or directory")
+            raise DataError(f"{path}: no such file or directory")
     return files
 
 
@@ -67,7 +67,7 @@ def kind_of(path: Path) -> str:
     with open(path, "rb") as f:
         binary = b"\0" in f.read(8192)
     if name.endswith(NOT_TEXT) or binary:
-        raise ConfigError(f"{path}: unknown file type; meshlm prepare reads {KINDS}")
+        raise DataError(f"{path}: unknown file type; meshlm prepare reads {KINDS}")
     return "text"
 
 
@@ -88,7 +88,7 @@ def documents(path: Path, kind: str, text_field: str, progress: Callable[[int], 
                 done = raw.tell()
                 yield piece
         except stream_errors as e:
-            raise ConfigError(f"{path}: not a valid zstandard stream ({e})") from None
+            raise DataError(f"{path}: not a valid zstandard stream ({e})") from None
         progress(raw.tell() - done)
 
 
@@ -122,7 +122,7 @@ def _text_file(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterat
         try:
             buf += decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (bad byte near offset {offset + max(e.start, 0)})") from None
+            raise DataError(f"{path}: not UTF-8 text (bad byte near offset {offset + max(e.start, 0)})") from None
         offset += len(raw)
         if not raw:
             break
@@ -144,14 +144,14 @@ def _jsonl(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[P
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         except UnicodeDecodeError:
-            raise ConfigError(f"{path}:{lineno}: not valid UTF-8") from None
+            raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
         if not isinstance(record, dict) or text_field not in record:
-            raise ConfigError(f"{path}:{lineno}: no {text_field!r} field (choose the field with --text-field)")
+            raise DataError(f"{path}:{lineno}: no {text_field!r} field (choose the field with --text-field)")
         text = record[text_field]
         if not isinstance(text, str):
-            raise ConfigError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
+            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
         if text:
             yield from split_text(text)
 
@@ -170,20 +170,20 @@ def _tfrecord(path: Path, stream: io.BufferedIOBase, feature: str) -> Iterator[P
     while header := stream.read(12):
         where = f"{path}: record {n}"
         if len(header) < 12:
-            raise ConfigError(f"{where}: truncated (the file ends inside a record header)")
+            raise DataError(f"{where}: truncated (the file ends inside a record header)")
         length, length_crc = struct.unpack("<QI", header)
         if masked_crc32c(header[:8]) != length_crc:
-            raise ConfigError(f"{where}: length checksum mismatch; the file is corrupt or not a TFRecord file")
+            raise DataError(f"{where}: length checksum mismatch; the file is corrupt or not a TFRecord file")
         body = stream.read(length + 4)
         if len(body) < length + 4:
-            raise ConfigError(f"{where}: truncated (the file ends inside a record)")
+            raise DataError(f"{where}: truncated (the file ends inside a record)")
         data, (data_crc,) = body[:length], struct.unpack("<I", body[length:])
         if masked_crc32c(data) != data_crc:
-            raise ConfigError(f"{where}: data checksum mismatch; the file is corrupt")
+            raise DataError(f"{where}: data checksum mismatch; the file is corrupt")
         try:
             ids = example_int64_feature(data, feature)
         except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
+            raise DataError(f"{where}: {e}") from None
         if len(ids):
             yield ids, True
         n += 1

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from meshlm.config import GPT2_VOCAB, ConfigError, read_json
+from meshlm.config import GPT2_VOCAB, DataError, read_json
 from meshlm.tokenizer import EOT_ID, Tokenizer, load_tokenizer
 
 FORMAT = "meshlm-tokens"
@@ -37,9 +37,9 @@ def read_index(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / INDEX
     index = read_json(path, f"{folder}: not a prepared dataset (no {INDEX}); create one with `meshlm prepare`")
     if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
-        raise ConfigError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} index")
+        raise DataError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} index")
     if index.get("dtype") not in DTYPES:
-        raise ConfigError(f"{path}: unsupported token dtype {index.get('dtype')!r}; expected one of {sorted(DTYPES)}")
+        raise DataError(f"{path}: unsupported token dtype {index.get('dtype')!r}; expected one of {sorted(DTYPES)}")
     return index
 
 
@@ -50,7 +50,7 @@ class TokenDataset:
         self.folder = Path(folder)
         index = read_index(self.folder)
         if split not in index["splits"]:
-            raise ConfigError(f"{self.folder}: no split {split!r}; available: {sorted(index['splits'])}")
+            raise DataError(f"{self.folder}: no split {split!r}; available: {sorted(index['splits'])}")
         self.split = split
         self.seq_len: int = index["seq_len"]
         self.eos_id: int = index.get("eos_id", 50256)
@@ -61,10 +61,10 @@ class TokenDataset:
         for fname, n in zip(info["files"], info["sequences"], strict=True):
             path = self.folder / fname
             if not path.is_file():
-                raise ConfigError(f"{self.folder}: {INDEX} lists {fname}, which is missing")
+                raise DataError(f"{self.folder}: {INDEX} lists {fname}, which is missing")
             expected = n * row * dtype.itemsize
             if path.stat().st_size != expected:
-                raise ConfigError(
+                raise DataError(
                     f"{path}: holds {path.stat().st_size} bytes, {INDEX} implies {expected} "
                     f"({n} rows of {row} {index['dtype']} tokens); the file is damaged or of another dtype"
                 )
@@ -72,7 +72,7 @@ class TokenDataset:
                 self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(n, row)))
         self._offsets = np.cumsum([0] + [len(s) for s in self._shards])
         if len(self) == 0:
-            raise ConfigError(f"{self.folder}: split {split!r} holds no sequences")
+            raise DataError(f"{self.folder}: split {split!r} holds no sequences")
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -95,7 +95,7 @@ class ShardWriter:
 
     def __init__(self, folder: Path, split: str, seq_len: int, dtype: str = "uint16", shard_rows: int | None = None):
         if shard_rows is not None and shard_rows <= 0:
-            raise ConfigError(f"shard_rows must be a positive integer, got {shard_rows}")
+            raise DataError(f"shard_rows must be a positive integer, got {shard_rows}")
         self.folder, self.split, self.row, self.dtype = Path(folder), split, seq_len + 1, DTYPES[dtype]
         self.shard_rows = shard_rows
         self.files: list[str] = []
@@ -193,26 +193,26 @@ def prepare(
     from meshlm import corpus
 
     if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction and val_inputs:
-        raise ConfigError("give either a validation fraction or validation files, not both")
+        raise DataError("give either a validation fraction or validation files, not both")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
+        raise DataError(f"workers must be at least 1, got {workers}")
     out = Path(out_dir)
     if (out / INDEX).exists():
-        raise ConfigError(f"{out}: already holds a prepared dataset; choose another --out or delete it")
+        raise DataError(f"{out}: already holds a prepared dataset; choose another --out or delete it")
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out}: exists and is not a folder")
+        raise DataError(f"{out}: exists and is not a folder")
     if isinstance(inputs, str | Path):
         inputs = [inputs]
     sources = {"train": corpus.expand(inputs)}
     if val_inputs:
         sources["val"] = corpus.expand(val_inputs)
     if not sources["train"]:
-        raise ConfigError("no input files given")
+        raise DataError("no input files given")
     needs_text = any(kind != "tfrecord" for files in sources.values() for _, kind in files)
     tok = load_tokenizer(tokenizer) if needs_text else None
     eos = tok.eot_id if tok else EOT_ID
@@ -242,10 +242,10 @@ def prepare(
                         split = None
         splits = {name: packer.close() for name, packer in packers.items()}
         if not splits["train"]["tokens"]:
-            raise ConfigError(f"no tokens in the input: every document of {len(sources['train'])} file(s) is empty")
+            raise DataError(f"no tokens in the input: every document of {len(sources['train'])} file(s) is empty")
         for name, entry in splits.items():
             if not entry["sequences"]:
-                raise ConfigError(
+                raise DataError(
                     f"the {name} split holds {entry['tokens']} tokens in {entry['documents']} document(s), fewer "
                     f"than one row of seq_len + 1 = {seq_len + 1}; add data or lower the sequence length"
                 )
@@ -362,7 +362,7 @@ class _TokenStream:
                     texts, ends, size = [], [], 0
                 if content.min() < 0 or content.max() >= self.vocab:
                     bad = content[(content < 0) | (content >= self.vocab)][0]
-                    raise ConfigError(f"{path}: holds token id {bad}, outside the tokenizer's 0..{self.vocab - 1}")
+                    raise DataError(f"{path}: holds token id {bad}, outside the tokenizer's 0..{self.vocab - 1}")
                 yield [(content.astype(self.dtype), end)]
         if texts:
             yield texts, ends

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from meshlm import corpus
 from meshlm.api import SEQ_BUCKET, LanguageModel, load
-from meshlm.config import ConfigError
+from meshlm.config import ConfigError, InputError
 from meshlm.generate import SamplingParams, generate
 from meshlm.sharding import MESH_AXES, batch_ways
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
@@ -63,9 +63,9 @@ def score_pairs(
     batch_size = -(-max(1, batch_size) // ways) * ways
     for ctx, cont in pairs:
         if not ctx or not cont:
-            raise ValueError("every request needs a non-empty context and continuation")
+            raise InputError("every request needs a non-empty context and continuation")
         if len(cont) > context:
-            raise ValueError(f"a continuation of {len(cont)} tokens does not fit the model's context ({context})")
+            raise InputError(f"a continuation of {len(cont)} tokens does not fit the model's context ({context})")
     rows = [(ctx + cont)[-(context + 1) :] for ctx, cont in pairs]
     order = sorted(range(len(pairs)), key=lambda i: -len(rows[i]))
     results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
@@ -98,7 +98,7 @@ def rolling_windows(tokens: list[int], prefix: int, context: int, stride: int | 
     new tokens after `context - stride` tokens of left context)."""
     stride = context if stride is None else stride
     if not 1 <= stride <= context:
-        raise ValueError(f"stride must lie in [1, {context}] (the model's context), got {stride}")
+        raise InputError(f"stride must lie in [1, {context}] (the model's context), got {stride}")
     windows = get_rolling_token_windows(
         tokens, prefix_token=prefix, max_seq_len=context, context_len=context - stride + 1
     )
@@ -210,7 +210,7 @@ class MeshLM(TemplateLM):
                 until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
                 max_new = int(kwargs.pop("max_gen_toks"))
                 if max_new >= self.max_length:
-                    raise ValueError(f"max_gen_toks ({max_new}) must be below the context ({self.max_length})")
+                    raise InputError(f"max_gen_toks ({max_new}) must be below the context ({self.max_length})")
                 sampling = self._sampling(kwargs, max_new, until)
                 for start in range(0, len(indices), self.batch_size):
                     chunk = indices[start : start + self.batch_size]

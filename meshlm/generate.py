@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import model
-from meshlm.config import ModelConfig
+from meshlm.config import InputError, ModelConfig
 from meshlm.sharding import batch_ways, constrain, from_host, named_sharding, to_host
 from meshlm.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves
 def check_chunk(chunk: int) -> int:
     """A chunk of decode steps per device call must make progress: 0 would loop forever."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk (decode steps per device call) must be an integer >= 1, got {chunk!r}")
+        raise InputError(f"chunk (decode steps per device call) must be an integer >= 1, got {chunk!r}")
     return chunk
 
 
@@ -64,7 +64,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
             if not ok:
-                raise ValueError(what)
+                raise InputError(what)
 
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
         check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0")
@@ -372,9 +372,9 @@ class Generator:
         """A clear error for a request that cannot fit the model's context."""
         ctx = self.cfg.max_seq_len
         if prompt_len > ctx:
-            raise ValueError(f"prompt has {prompt_len} tokens, more than the model's context of {ctx}")
+            raise InputError(f"prompt has {prompt_len} tokens, more than the model's context of {ctx}")
         if prompt_len + max_new > ctx:
-            raise ValueError(
+            raise InputError(
                 f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new}) exceeds the model's context of {ctx}"
             )
 
@@ -384,10 +384,10 @@ class Generator:
         """Run the prompts (right-padded to a common bucketed length) and choose each row's first token."""
         for prompt, sp in zip(prompts, params, strict=True):
             if not len(prompt):
-                raise ValueError("a prompt must have at least one token")
+                raise InputError("a prompt must have at least one token")
             self.check_fits(len(prompt), sp.max_new_tokens)
             if len(prompt) + sp.max_new_tokens > cache_len:
-                raise ValueError(f"{len(prompt)} prompt tokens + {sp.max_new_tokens} new exceed a cache of {cache_len}")
+                raise InputError(f"{len(prompt)} prompt tokens + {sp.max_new_tokens} new exceed a cache of {cache_len}")
         length = self.prompt_bucket(max(len(p) for p in prompts), cache_len)
         tokens = np.zeros((n_rows, length), np.int32)
         mask = np.zeros((n_rows, length), bool)
@@ -542,9 +542,9 @@ def run(
     (prefill, then up to `chunk` decode steps each) until all have finished; streaming reads them."""
     check_chunk(chunk)
     if len(prompts) != len(params):
-        raise ValueError("one SamplingParams per prompt is needed")
+        raise InputError("one SamplingParams per prompt is needed")
     if any(p.stop for p in params) and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
+        raise InputError("stop strings need a tokenizer")
     if not prompts:
         return
     seqs = [Sequence(p, tokenizer) for p in params]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshlm.config import ConfigError
+from meshlm.config import DataError, InputError
 from meshlm.data import TokenDataset
 
 
@@ -48,17 +48,17 @@ class TrainLoader:
         state: LoaderState | None = None,
     ):
         if batch_size % micro_batches:
-            raise ConfigError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
+            raise DataError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
         micro = batch_size // micro_batches
         if micro % process_count:
-            raise ConfigError(f"micro-batch of {micro} sequences cannot be split evenly over {process_count} processes")
+            raise DataError(f"micro-batch of {micro} sequences cannot be split evenly over {process_count} processes")
         if len(dataset) < batch_size:
-            raise ConfigError(
+            raise DataError(
                 f"{dataset.folder}: split {dataset.split!r} holds {len(dataset)} sequences, fewer than one batch "
                 f"({batch_size}); use a smaller batch_size or more data"
             )
         if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+            raise InputError(f"process_index {process_index} is not in [0, {process_count})")
         self.dataset = dataset
         self.batch_size = batch_size
         self.micro_batches = micro_batches

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
+from meshlm.config import InputError
 from meshlm.generate import SamplingParams, Sequence, any_sampling, check_chunk
 
 MAX_STOP_STRINGS = 4
@@ -71,14 +72,14 @@ class Engine:
     ):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         self.chunk = check_chunk(chunk)
         self.lm = lm
         self.gen = lm.generator
         self.max_batch = self.gen.batch_bucket(max_batch) if max_batch % self.gen.batch_ways else max_batch
         self.max_queue = max_queue
         if max_len is not None and not 0 < max_len <= lm.config.max_seq_len:
-            raise ValueError(f"max_len must be in [1, {lm.config.max_seq_len}] (the model's context), got {max_len}")
+            raise InputError(f"max_len must be in [1, {lm.config.max_seq_len}] (the model's context), got {max_len}")
         self.cache_len = max_len or lm.config.max_seq_len  # every decode step reads all of it: smaller is faster
         self.pending: deque[Row] = deque()
         self.slots: list[Row | None] = [None] * self.max_batch

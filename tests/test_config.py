@@ -1,5 +1,6 @@
 import pytest
 
+import meshlm
 from meshlm import config, model
 from meshlm.config import ConfigError, ModelConfig
 
@@ -43,3 +44,27 @@ def test_unknown_and_missing_keys_are_named():
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(ConfigError, match="unknown model preset 'gptj-7b'; available: .*gptj-6b"):
         config.preset("gptj-7b")
+
+
+def test_every_meshlm_error_is_a_meshlm_error_and_a_value_error():
+    """The command line prints MeshlmErrors in one line; code that caught ValueError before still does."""
+    for error in (meshlm.ConfigError, meshlm.CheckpointError, meshlm.DataError, meshlm.InputError):
+        assert issubclass(error, meshlm.MeshlmError) and issubclass(error, ValueError)
+    assert issubclass(meshlm.CheckpointError, meshlm.ConfigError) and issubclass(meshlm.DataError, meshlm.ConfigError)
+
+
+def test_the_command_line_prints_file_errors_in_one_line_and_lets_bugs_through(tmp_path, capsys, monkeypatch):
+    from meshlm import cli
+
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    assert cli.main(["prepare", str(folder), "--out", str(tmp_path / "out"), "--seq-len", "8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshlm prepare: error: ") and "\n" not in err
+
+    def bug(args):
+        raise ValueError("a programming error, not the user's")
+
+    monkeypatch.setattr(cli, "cmd_fetch_tokenizer", bug)
+    with pytest.raises(ValueError, match="programming error"):
+        cli.main(["fetch-tokenizer"])

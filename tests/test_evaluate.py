@@ -216,6 +216,11 @@ def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(bad)) == 1
     assert "bad.jsonl:2: no 'text' field (choose the field with --text-field)" in capsys.readouterr().err
+    text = tmp_path / "text.txt"
+    text.write_text("a few words")
+    for output in (tmp_path, tmp_path / "no-such-folder" / "out.json"):  # refused before the model loads
+        assert run_cli("eval", str(hf_gptj.path), "--perplexity", str(text), "--output", str(output)) == 1
+        assert f"--output {output}: cannot write a file there" in capsys.readouterr().err
 
 
 def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_model, hf_results):

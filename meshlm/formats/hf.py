@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, ConfigError, ModelConfig, read_json
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, read_json
 from meshlm.formats.slices import Index, SliceSource, normalise, np_dtype
 from meshlm.sharding import to_host
 
@@ -455,13 +455,13 @@ def _gptj_export(cfg: ModelConfig) -> dict[str, Any]:
 def _gpt_neox_export(cfg: ModelConfig) -> dict[str, Any]:
     """Both spellings of the rotary settings, so that transformers before and after 5.0 read them."""
     if cfg.qkv_bias != cfg.out_bias:
-        raise ConfigError(
+        raise CheckpointError(
             f"model config: qkv_bias ({cfg.qkv_bias}) and out_bias ({cfg.out_bias}) differ, but "
             "GPTNeoXForCausalLM has one attention_bias for both"
         )
     pct = cfg.rotary_dim / cfg.d_head
     if int(cfg.d_head * pct) != cfg.rotary_dim:
-        raise ConfigError(
+        raise CheckpointError(
             f"model config: rotary_dim {cfg.rotary_dim} of {cfg.d_head} is no rotary_pct transformers reads back"
         )
     return {
@@ -561,13 +561,13 @@ ARCHS: dict[str, Arch] = {
 def _arch_of(hf: dict[str, Any], source: str) -> Arch:
     model_type = hf.get("model_type")
     if model_type not in ARCHS:
-        raise ConfigError(
+        raise CheckpointError(
             f"{source}: model_type {model_type!r} is not supported; meshlm reads {', '.join(map(repr, ARCHS))}"
         )
     arch = ARCHS[model_type]
     missing = [k for k in arch.required if hf.get(k) is None]
     if missing:
-        raise ConfigError(f"{source}: {arch.class_name} config is missing key(s) {missing}")
+        raise CheckpointError(f"{source}: {arch.class_name} config is missing key(s) {missing}")
     return arch
 
 
@@ -577,7 +577,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConf
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def export_arch(cfg: ModelConfig) -> Arch:
@@ -585,7 +585,7 @@ def export_arch(cfg: ModelConfig) -> Arch:
     exporting = [a for a in ARCHS.values() if a.export is not None]
     best = min(exporting, key=lambda a: len(a.mismatches(cfg)))
     if problems := best.mismatches(cfg):
-        raise ConfigError(f"model config: no Hugging Face architecture represents {problems[0]}")
+        raise CheckpointError(f"model config: no Hugging Face architecture represents {problems[0]}")
     return best
 
 
@@ -609,7 +609,7 @@ def _read_config(folder: Path) -> tuple[Arch, ModelConfig]:
     path = folder / "config.json"
     hf = read_json(path, f"{path}: not found; a Hugging Face model folder needs config.json")
     if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+        raise CheckpointError(f"{path}: expected a JSON object")
     return _arch_of(hf, str(path)), from_hf_config(hf, source=str(path))
 
 
@@ -635,7 +635,7 @@ def hf_tensors(arch: Arch, cfg: ModelConfig) -> list[HFTensor]:
     shapes = model.param_shapes(cfg)
     table = {key: entry for key, entry in arch.tensors(cfg).items() if key in shapes}
     if unmapped := [k for k in shapes if k not in table]:
-        raise ConfigError(f"model config: {arch.class_name} has no tensor for parameter(s) {unmapped}")
+        raise CheckpointError(f"model config: {arch.class_name} has no tensor for parameter(s) {unmapped}")
     groups: dict[str, list[tuple[str, Layout]]] = {}
     for key, (template, layout) in table.items():
         groups.setdefault(template, []).append((key, layout))
@@ -669,7 +669,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     found = read_json(index, f"{index}: not found")
     mapping = found.get("weight_map") if isinstance(found, dict) else None
     if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
-        raise ConfigError(f"{index}: has no 'weight_map' from tensor names to file names")
+        raise CheckpointError(f"{index}: has no 'weight_map' from tensor names to file names")
     return mapping
 
 
@@ -693,7 +693,7 @@ class SafetensorsReader:
             files = {name: folder / fname for name, fname in _weight_map(index).items()}
             for f in set(files.values()):
                 if not f.exists():
-                    raise ConfigError(f"{index}: lists {f.name}, which is missing from {folder}")
+                    raise CheckpointError(f"{index}: lists {f.name}, which is missing from {folder}")
             return cls(files)
         path = folder / "model.safetensors"
         with _safe_open(path) as f:
@@ -717,7 +717,7 @@ def _safe_open(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="np")
     except Exception as e:
-        raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 class TorchBinReader:
@@ -727,7 +727,7 @@ class TorchBinReader:
         try:
             import torch
         except ImportError:
-            raise ConfigError(
+            raise CheckpointError(
                 f"{folder}: holds pytorch_model.bin, which needs torch installed (or convert it to safetensors)"
             ) from None
         index = folder / "pytorch_model.bin.index.json"
@@ -737,7 +737,7 @@ class TorchBinReader:
             try:
                 self._tensors.update(torch.load(folder / fname, map_location="cpu", mmap=True, weights_only=True))
             except Exception as e:
-                raise ConfigError(f"{folder / fname}: not a readable torch checkpoint ({e})") from None
+                raise CheckpointError(f"{folder / fname}: not a readable torch checkpoint ({e})") from None
         self._torch = torch
 
     def names(self) -> set[str]:
@@ -758,7 +758,7 @@ def open_reader(folder: Path) -> TensorReader:
         return SafetensorsReader.open(folder)
     if (folder / "pytorch_model.bin").exists() or (folder / "pytorch_model.bin.index.json").exists():
         return TorchBinReader(folder)
-    raise ConfigError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin found")
+    raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin found")
 
 
 # Buffers that old transformers versions saved with the weights (causal masks, rotary frequencies); they are
@@ -777,17 +777,17 @@ def _check_tensors(reader: TensorReader, arch: Arch, cfg: ModelConfig, tensors: 
     names = reader.names()
     missing = [t.name for t in tensors if t.name not in names]
     if missing:
-        raise ConfigError(f"{folder}: checkpoint lacks tensor(s) {_listing(missing)} that config.json implies")
+        raise CheckpointError(f"{folder}: checkpoint lacks tensor(s) {_listing(missing)} that config.json implies")
     shapes = model.param_shapes(cfg)
     for t in tensors:
         want, got = _hf_shape(t, shapes), reader.shape(t.name)
         if got != want:
-            raise ConfigError(f"{folder}: tensor {t.name} has shape {list(got)}, config.json implies {list(want)}")
+            raise CheckpointError(f"{folder}: tensor {t.name} has shape {list(got)}, config.json implies {list(want)}")
     tied_head = {arch.tensors(cfg)["head.w"][0]} if cfg.tie_embeddings else set()
     expected = {t.name for t in tensors} | tied_head
     extra = sorted(n for n in names - expected if not BUFFERS.search(n))
     if extra:
-        raise ConfigError(f"{folder}: checkpoint has tensor(s) {_listing(extra)} that config.json does not imply")
+        raise CheckpointError(f"{folder}: checkpoint has tensor(s) {_listing(extra)} that config.json does not imply")
 
 
 def _leaf_reader(
@@ -816,7 +816,7 @@ def open(folder: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     tensors' names and shapes are checked against the config first)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ConfigError(f"{folder}: not a directory")
+        raise CheckpointError(f"{folder}: not a directory")
     arch, cfg = _read_config(folder)
     reader = open_reader(folder)
     _check_tensors(reader, arch, cfg, hf_tensors(arch, cfg), folder)

@@ -39,6 +39,7 @@ from meshlm.config import (
     GPT2_VOCAB,
     SEED_NORMS,
     SEED_POSITIONS,
+    CheckpointError,
     ConfigError,
     ModelConfig,
     read_json,
@@ -217,7 +218,7 @@ class Files:
             try:
                 import fsspec
             except ImportError:
-                raise ConfigError(f"{root}: reading URLs needs fsspec installed (pip install fsspec)") from None
+                raise CheckpointError(f"{root}: reading URLs needs fsspec installed (pip install fsspec)") from None
             self.fs, self.root = fsspec.core.url_to_fs(str(root))
             self.root = self.root.rstrip("/")
         else:
@@ -312,7 +313,9 @@ def index_chunk(files: Files, chunk: str) -> list[Member]:
             with zipfile.ZipFile(f) as z:
                 infos = sorted(z.infolist(), key=lambda i: _arr_key(i.filename))
                 if [_arr_key(i.filename) for i in infos] != list(range(len(infos))):
-                    raise ConfigError(f"{where}: not written by np.savez(f, *leaves) (members {z.namelist()[:4]}...)")
+                    raise CheckpointError(
+                        f"{where}: not written by np.savez(f, *leaves) (members {z.namelist()[:4]}...)"
+                    )
                 members = []
                 for info in infos:
                     with z.open(info) as m:
@@ -325,15 +328,15 @@ def index_chunk(files: Files, chunk: str) -> list[Member]:
                         name_len, extra_len = struct.unpack("<HH", local[26:30])
                         offset = info.header_offset + 30 + name_len + extra_len + header_len
                         if offset + int(np.prod(shape)) * dtype.itemsize > size:
-                            raise ConfigError(f"{where}: {info.filename} runs past the end of the file (truncated)")
+                            raise CheckpointError(f"{where}: {info.filename} runs past the end of the file (truncated)")
                     members.append(Member(files, chunk, info.filename, shape, dtype, fortran, offset))
                 return members
     except ConfigError:
         raise
     except FileNotFoundError:
-        raise ConfigError(f"{where}: missing (every shard needs 0.npz ... {CHUNKS - 1}.npz)") from None
+        raise CheckpointError(f"{where}: missing (every shard needs 0.npz ... {CHUNKS - 1}.npz)") from None
     except (zipfile.BadZipFile, EOFError, ValueError, struct.error) as e:
-        raise ConfigError(f"{where}: not a complete npz file, perhaps truncated mid-write ({e})") from None
+        raise CheckpointError(f"{where}: not a complete npz file, perhaps truncated mid-write ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -353,15 +356,15 @@ def _resolve_step(files: Files) -> Files:
     if files.is_dir("shard_0"):
         return files
     if not files.exists("meta.json"):
-        raise ConfigError(f"{files}: not a seed checkpoint (no shard_0/ and no meta.json)")
+        raise CheckpointError(f"{files}: not a seed checkpoint (no shard_0/ and no meta.json)")
     try:
         meta = json.loads(files.read_text("meta.json"))
         step = meta["checkpoints"][-1]
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-        raise ConfigError(f"{files.join('meta.json')}: cannot find the latest checkpoint in it ({e!r})") from None
+        raise CheckpointError(f"{files.join('meta.json')}: cannot find the latest checkpoint in it ({e!r})") from None
     step_files = files.child(f"step_{step}")
     if not step_files.is_dir("shard_0"):
-        raise ConfigError(f"{files.join('meta.json')}: names step {step}, but {step_files}/shard_0 is missing")
+        raise CheckpointError(f"{files.join('meta.json')}: names step {step}, but {step_files}/shard_0 is missing")
     return step_files
 
 
@@ -370,10 +373,10 @@ def read_seed_config(path: str | Path) -> dict[str, Any]:
     and its `pe` and `norm` as the seed names them (checked; GPT-J's rotary and layernorm if absent)."""
     seed = read_json(path, f"{path}: seed config not found")
     if not isinstance(seed, dict):
-        raise ConfigError(f"{path}: not a seed config (expected a JSON object)")
+        raise CheckpointError(f"{path}: not a seed config (expected a JSON object)")
     for key in ("n_heads", "d_model"):
         if key not in seed:
-            raise ConfigError(f"{path}: not a seed config (no {key!r} key)")
+            raise CheckpointError(f"{path}: not a seed config (no {key!r} key)")
     fields = seed_model_fields(seed, seed["d_model"] // seed["n_heads"], where=str(path))
     out = {"n_head": seed["n_heads"], "rotary_dim": fields["rotary_dim"], "max_seq_len": seed.get("seq")}
     out["pe"], out["norm"] = seed_variant(seed, where=str(path))
@@ -412,7 +415,7 @@ class Layout:
             return cls((n - 1 - fixed) // per_layer, full=False, variant=variant)
         if n % 3 == 0 and (n // 3 - 1 - fixed) % per_layer == 0 and n // 3 - 1 - fixed > 0:
             return cls((n // 3 - 1 - fixed) // per_layer, full=True, variant=variant)
-        raise ConfigError(
+        raise CheckpointError(
             f"{where}: holds {n} arrays, which fits no checkpoint of the seed with {variant} "
             f"(slim: {per_layer}*layers+{fixed + 1}, full: 3*({per_layer}*layers+{fixed})+3){hint}"
         )
@@ -434,7 +437,7 @@ class SeedCheckpoint:
         self.layout = Layout.from_count(len(self.leaves[0]), self.variant, f"{files}/shard_0", self._hint)
         for s, leaves in enumerate(self.leaves[1:], 1):
             if len(leaves) != len(self.leaves[0]):
-                raise ConfigError(f"{files}/shard_{s}: holds {len(leaves)} arrays, shard_0 {len(self.leaves[0])}")
+                raise CheckpointError(f"{files}/shard_{s}: holds {len(leaves)} arrays, shard_0 {len(self.leaves[0])}")
         self.names = param_names(self.layout.n_layer, self.variant)
         self._position = {name: i for i, name in enumerate(self.names)}
         self.config = self._infer_config(given)
@@ -449,7 +452,7 @@ class SeedCheckpoint:
         count = max(found) + 1
         missing = sorted(set(range(count)) - found)
         if missing:
-            raise ConfigError(f"{files}: shard folder(s) {[f'shard_{i}' for i in missing]} missing")
+            raise CheckpointError(f"{files}: shard folder(s) {[f'shard_{i}' for i in missing]} missing")
         return count
 
     @staticmethod
@@ -476,11 +479,11 @@ class SeedCheckpoint:
         embed = self._shape("embedding_shard/~/linear", "w")
         fc_in = self._shape("layer_{}/~/linear_4", "w", 0)
         if len(embed) != 2 or len(fc_in) != 2:
-            raise ConfigError(f"{self}: embedding {list(embed)} / fc_in {list(fc_in)} are not matrices; not GPT-J")
+            raise CheckpointError(f"{self}: embedding {list(embed)} / fc_in {list(fc_in)} are not matrices; not GPT-J")
         vocab, d_model, d_ff = embed[0] * S, embed[1], fc_in[1] * S
         q = self._shape("layer_{}/~/linear", "w", 0)
         if len(q) == 2 and q[1] and d_model % q[1] == 0 and d_model // q[1] != S:
-            raise ConfigError(
+            raise CheckpointError(
                 f"{self}: {S} shard folder(s) found, but the q projection's width {q[1]} implies "
                 f"{d_model // q[1]} shards: is a shard_ folder missing?"
             )
@@ -492,14 +495,14 @@ class SeedCheckpoint:
             found["n_head"] = table[0] * S
         for key, value in found.items():
             if key in given and given[key] != value:
-                raise ConfigError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
+                raise CheckpointError(f"{self}: the seed config gives {key} {given[key]}, the checkpoint holds {value}")
         given = {**found, **given}
         if "n_head" in given:
             n_head = given["n_head"]
         elif d_model % GPTJ_D_HEAD == 0:
             n_head = d_model // GPTJ_D_HEAD
         else:
-            raise ConfigError(
+            raise CheckpointError(
                 f"{self}: d_model {d_model} is not a multiple of GPT-J's head size {GPTJ_D_HEAD}; the number "
                 "of heads is not stored in the weights: pass the seed's run JSON (--seed-config)"
             )
@@ -518,19 +521,21 @@ class SeedCheckpoint:
                 qkv_bias=self.folded,
             )
         except ConfigError as e:
-            raise ConfigError(f"{self}: the shapes fit no model of the seed with {self.variant} ({e})") from None
+            raise CheckpointError(f"{self}: the shapes fit no model of the seed with {self.variant} ({e})") from None
 
     def _check_shapes(self) -> None:
         c, S = self.config, self.shards
         if c.d_model % S or c.d_ff % S or c.n_head % S:
-            raise ConfigError(f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}")
+            raise CheckpointError(
+                f"{self}: {S} shards do not divide d_model {c.d_model}, d_ff {c.d_ff}, heads {c.n_head}"
+            )
         trees = ("params", "mu", "nu") if self.layout.full else ("params",)
         for name, want in shard_shapes(c, S, self.variant).items():
             for s in range(S):
                 for tree in trees:
                     got = self.member(tree, name, s).shape
                     if got != want:
-                        raise ConfigError(
+                        raise CheckpointError(
                             f"{self}/shard_{s}: {tree} {name.removeprefix(ROOT)} has shape {list(got)}, "
                             f"expected {list(want)} for d_model {c.d_model}, d_ff {c.d_ff}, vocab {c.vocab_size}, "
                             f"{self.variant} in {S} shards{self._hint}"
@@ -567,7 +572,7 @@ class SeedCheckpoint:
     def scalar(self, position: int) -> int:
         m = self.leaves[0][position]
         if m.shape:
-            raise ConfigError(f"{m.where()}: expected a scalar (step or count), got shape {list(m.shape)}")
+            raise CheckpointError(f"{m.where()}: expected a scalar (step or count), got shape {list(m.shape)}")
         return int(np.asarray(m.array()))
 
     @property
@@ -713,7 +718,7 @@ class SeedOptimizerState:
                 opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
             )
         except KeyError as e:
-            raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
+            raise CheckpointError(f"the optimizer state has no Adam moments to resume into ({e})") from None
         # Each count its own buffer: tree_set put one array in every place, and a jitted step that
         # donates the state must not be given the same buffer twice.
         return jax.tree.map(lambda x: jnp.array(x) if x.ndim == 0 else x, state)
@@ -733,9 +738,9 @@ def load_optimizer_moments(
     """
     ckpt = SeedCheckpoint(step_dir, seed_config)
     if not ckpt.layout.full:
-        raise ConfigError(f"{ckpt}: a slim checkpoint (parameters only); Adam's moments need the full checkpoint")
+        raise CheckpointError(f"{ckpt}: a slim checkpoint (parameters only); Adam's moments need the full checkpoint")
     if ckpt.folded:
-        raise ConfigError(
+        raise CheckpointError(
             f"{ckpt}: layernorm-desync in {ckpt.shards} shards loads with each shard's norm folded into its "
             "columns, where Adam's moments of those norms have no place; continue without resuming the optimizer"
         )

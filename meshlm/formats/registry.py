@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshlm import checkpoint
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import CheckpointError, ModelConfig
 from meshlm.formats import hf, mtj
 from meshlm.formats.slices import SliceSource
 
@@ -20,16 +20,16 @@ def detect(path: str | Path) -> str:
     if mtj.is_url(path):
         if mtj.detect(path):
             return "mtj"
-        raise ConfigError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
+        raise CheckpointError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"{path}: no such file or directory")
+        raise CheckpointError(f"{path}: no such file or directory")
     if not path.is_dir():
-        raise ConfigError(f"{path}: expected a checkpoint folder, got a file")
+        raise CheckpointError(f"{path}: expected a checkpoint folder, got a file")
     for name, module in FORMATS.items():
         if module.detect(path):
             return name
-    raise ConfigError(
+    raise CheckpointError(
         f"{path}: not a checkpoint meshlm can read (expected meshlm.json, a Hugging Face config.json, "
         "or the seed's shard_0/ folder)"
     )
@@ -48,5 +48,5 @@ def open(
     if fmt == "mtj":
         return mtj.open(path, dtype, seed_config)
     if seed_config is not None:
-        raise ConfigError(f"{path}: seed_config applies to the seed's checkpoints only; this is a {fmt} checkpoint")
+        raise CheckpointError(f"{path}: seed_config applies to the seed's checkpoints only; this is a {fmt} checkpoint")
     return FORMATS[fmt].open(path, dtype)

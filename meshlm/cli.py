@@ -222,10 +222,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train or fine-tune a GPT-J (resuming from the run folder's latest checkpoint, if any).
+    """Train or fine-tune a model of the family (resuming from the run folder's latest checkpoint, if any).
 
-    With no CONFIG, trains a small demo model on text every Python install carries (about five minutes
-    on a CPU), then prints a greedy sample.
+    With no CONFIG, trains a small demo model on text every Python install carries (about 6-7 minutes
+    on a 2-core CPU), then prints a greedy sample.
     """
     import jax
 
@@ -353,10 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train or fine-tune a GPT-J model (no CONFIG: a five-minute CPU demo)",
-        description="Train or fine-tune a GPT-J, resuming from the run folder's latest checkpoint if there is one. "
-        "With no CONFIG, trains a small demo model on text every Python install carries (about five minutes on a "
-        "CPU), then prints a greedy sample. SIGTERM/Ctrl-C save a final checkpoint and exit. See docs/finetune.md.",
+        help="train or fine-tune a model of the GPT-J family (no CONFIG: a CPU demo of a few minutes)",
+        description="Train or fine-tune a model of the GPT-J family, resuming from the run folder's latest "
+        "checkpoint if there is one. With no CONFIG, trains a small demo model on text every Python install "
+        "carries (about 6-7 minutes on a 2-core CPU), then prints a greedy sample. SIGTERM/Ctrl-C save a final "
+        "checkpoint and exit. See docs/finetune.md.",
     )
     p.add_argument("config", nargs="?", help="YAML/JSON config (meshlm's keys or the seed's JSON); see configs/")
     p.add_argument(

@@ -23,10 +23,6 @@ from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 
 
-def _logits(params: model.Params, tokens: jax.Array, cfg: ModelConfig, policy: model.Policy) -> jax.Array:
-    return model.forward(params, tokens, cfg, policy)
-
-
 def _target_logprobs(
     params: model.Params,
     tokens: jax.Array,
@@ -109,7 +105,7 @@ class LanguageModel:
         tokens = self._check_tokens(tokens)
         B, T = tokens.shape
         with jax.set_mesh(self.mesh):
-            out = _compiled(self.config, self.policy, _logits)(self.params, self._padded(tokens))
+            out = _compiled(self.config, self.policy, model.forward)(self.params, self._padded(tokens))
         return to_host(out)[:B, :T]
 
     @functools.cached_property

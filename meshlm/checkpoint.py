@@ -105,7 +105,6 @@ def save_params(
     path: str | Path,
     params: model.Params,
     cfg: ModelConfig,
-    extra: dict[str, Any] | None = None,
     files: dict[str, Path] | None = None,
 ) -> None:
     """Save parameters (any sharding, any number of processes) as a meshlm checkpoint, with `files`."""
@@ -115,7 +114,7 @@ def save_params(
     checkpointer.save(path / "params", params)
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
-        _write_marker(path, description(cfg, params, **(extra or {})))
+        _write_marker(path, description(cfg, params))
 
 
 ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}

@@ -302,11 +302,6 @@ class KVCache(NamedTuple):
 CACHE_AXES = ("layers", "batch", "act_heads", "cache_seq", "head_dim")
 
 
-def cache_axes() -> KVCache:
-    """Logical axis names of the cache fields: heads are split like the attention weights."""
-    return KVCache(k=CACHE_AXES, v=CACHE_AXES, valid=("batch", "cache_seq"), index=("batch",))
-
-
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32") -> KVCache:
     """An empty cache of `length` slots per row."""
     shape = (cfg.n_layer, batch, cfg.n_head, length, cfg.d_head)

@@ -24,9 +24,9 @@ import numpy as np
 from convert_common import check_disk, folder_bytes, meshlm_convert, print_table, run  # beside this script
 
 from meshlm import model
-from meshlm.config import ModelConfig, preset
+from meshlm.config import ModelConfig, dtype_of, preset
 from meshlm.formats import hf
-from meshlm.formats.slices import Index, SliceReader, SliceSource, np_dtype
+from meshlm.formats.slices import Index, SliceReader, SliceSource
 
 POOL = 1 << 24  # random values every tensor is cut from (32 MiB in fp16)
 
@@ -35,7 +35,7 @@ def random_source(dtype: str, seed: int = 0) -> SliceSource:
     """Random weights in `dtype`: each slice starts at a random offset of one shared pool (repeating it
     when larger), so generating a tensor costs no more than copying it."""
     rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(POOL, np.float32) * 0.02).astype(np_dtype(dtype))
+    pool = (rng.standard_normal(POOL, np.float32) * 0.02).astype(dtype_of(dtype))
 
     def source(name: str, shape: tuple[int, ...]) -> SliceReader:
         def read(index: Index) -> np.ndarray:
@@ -81,7 +81,7 @@ def main() -> None:
     if args.write_source:
         write_source(Path(args.write_source), cfg, args.dtype)
         return
-    itemsize = np.dtype(np_dtype(args.dtype)).itemsize
+    itemsize = np.dtype(dtype_of(args.dtype)).itemsize
     params = model.count_params(cfg)
     check_disk(args.workdir, params * itemsize * 3.2)  # the source, the meshlm output and its HF copy (+ margin)
     work = Path(tempfile.mkdtemp(prefix="convert_pythia_", dir=args.workdir))

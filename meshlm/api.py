@@ -13,9 +13,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
-from meshlm.config import ConfigError, InputError, ModelConfig
+from meshlm.config import ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.formats import hf, registry
-from meshlm.formats.slices import np_dtype, place
+from meshlm.formats.slices import place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
@@ -235,7 +235,7 @@ class LanguageModel:
             raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
         params = self.params
         if dtype is not None:
-            target = model.dtype_of(dtype)
+            target = dtype_of(dtype)
             params = jax.tree.map(lambda x: x.astype(target), params)
         files = tokenizer_files(self._tokenizer, self.folder)
         if format == "meshlm":
@@ -264,7 +264,7 @@ def load(
     checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
     first use (`lm.tokenizer`), so models used token by token need none.
     """
-    model.dtype_of(dtype)
+    dtype_of(dtype)
     path, fmt = registry.resolve(path)
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm" and seed_config is None:  # orbax restores its own arrays onto any mesh
@@ -297,7 +297,7 @@ def convert(
     """
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
-    np_dtype(dtype)
+    dtype_of(dtype)
     checkpoint.check_new_folder(dst)
     if jax.process_index() != 0:
         return

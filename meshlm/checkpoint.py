@@ -30,7 +30,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import CheckpointError, ModelConfig, read_json
+from meshlm.config import CheckpointError, ModelConfig, dtype_of, read_json
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
 from meshlm.tokenizer import copy_files
@@ -140,7 +140,7 @@ def write_params(
     path = Path(path).absolute()
     start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
-    itemsize = np.dtype(model.dtype_of(dtype)).itemsize
+    itemsize = np.dtype(dtype_of(dtype)).itemsize
     plans = []  # (name, shape, chunk, slices): a chunk is what is read and written at once
     for name, shape in model.param_shapes(cfg).items():
         if not shape:  # a scalar (scalenorm's scale): one chunk of one number
@@ -217,7 +217,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
         return array
 
     arrays = {name: open_array(name, shape) for name, shape in model.param_shapes(cfg).items()}
-    target = np.dtype(model.dtype_of(dtype))
+    target = np.dtype(dtype_of(dtype))
     return cfg, lambda name, shape: lambda index: arrays[name][index].read().result().astype(target, copy=False)
 
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 GPT2_VOCAB = 50257  # ids the GPT-2 BPE tokenizer can produce; padded rows above it are never sampled
 
 
@@ -274,11 +277,21 @@ def preset(name: str) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------
 # How to run a model
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The one table of floating dtypes meshlm stores, computes and writes in: numpy's types (bfloat16 from
+# ml_dtypes), which jax takes as they are.
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 REMAT_NAMES = ("none", "full", "dots", "dots_no_batch")
 # "auto": cuDNN's fused (flash) attention on a GPU where it takes the shapes and dtypes, XLA's otherwise;
 # "xla" or "cudnn" force one (a forced "cudnn" raises where cuDNN cannot run).
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def dtype_of(name: str) -> Any:
+    """The numpy dtype named `name` ("float32", "bfloat16", "float16")."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown dtype {name!r}; allowed: {sorted(DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -292,9 +305,8 @@ class Policy:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
-        for key in ("param_dtype", "compute_dtype"):
-            if getattr(self, key) not in DTYPE_NAMES:
-                raise ConfigError(f"unknown dtype {getattr(self, key)!r}; allowed: {list(DTYPE_NAMES)}")
+        dtype_of(self.param_dtype)
+        dtype_of(self.compute_dtype)
         if self.remat not in REMAT_NAMES:
             raise ConfigError(f"unknown remat policy {self.remat!r}; allowed: {list(REMAT_NAMES)}")
         if self.attention not in ATTENTION_IMPLS:

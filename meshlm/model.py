@@ -19,12 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.config import ConfigError, ModelConfig, Policy
+from meshlm.config import ModelConfig, Policy, dtype_of
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 REMAT_POLICIES = {
     "none": None,
@@ -35,13 +33,6 @@ REMAT_POLICIES = {
 
 DEFAULT_POLICY = Policy()
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
-
-
-def dtype_of(name: str) -> jnp.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; allowed: {sorted(DTYPES)}") from None
 
 
 class Param(NamedTuple):

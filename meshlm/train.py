@@ -27,7 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, model
-from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm.config import ConfigError, ModelConfig, TrainConfig, dtype_of
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -76,7 +76,7 @@ def make_optimizer(
             mask=decay_mask(model_cfg),
         ),
     )
-    return adamw if state_dtype is None else stored_as(adamw, model.dtype_of(state_dtype))
+    return adamw if state_dtype is None else stored_as(adamw, dtype_of(state_dtype))
 
 
 def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:
@@ -226,7 +226,7 @@ PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
 
 def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a large square matmul on the default device: the achievable peak of a host or accelerator."""
-    dt = model.dtype_of(dtype)
+    dt = dtype_of(dtype)
     a = jnp.ones((n, n), dt)
     mm = jax.jit(jnp.matmul)
     mm(a, a).block_until_ready()

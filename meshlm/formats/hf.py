@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, read_json
-from meshlm.formats.slices import Index, SliceSource, normalise, np_dtype
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, read_json
+from meshlm.formats.slices import Index, SliceSource, normalise
 from meshlm.sharding import to_host
 
 # ---------------------------------------------------------------------------------------------------
@@ -821,7 +821,7 @@ def open(folder: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     reader = open_reader(folder)
     _check_tensors(reader, arch, cfg, hf_tensors(arch, cfg), folder)
     table = arch.tensors(cfg)
-    target = np_dtype(dtype)
+    target = dtype_of(dtype)
 
     def source(key: str, shape: tuple[int, ...]) -> Callable[[Index], np.ndarray]:
         template, layout = table[key]
@@ -840,7 +840,7 @@ def iter_hf_tensors(
     """(HF name, array in `dtype`) for every tensor of `cfg`'s architecture, in HF's order; `read(key,
     layer)` gives meshlm parameter `key` (its layer `layer` when stacked) on the host, and is called only
     as each tensor is written."""
-    target = np_dtype(dtype)
+    target = dtype_of(dtype)
     for t in hf_tensors(export_arch(cfg), cfg):
         # cast first: the transpose then moves fewer bytes
         parts = {

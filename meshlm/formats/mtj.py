@@ -42,12 +42,13 @@ from meshlm.config import (
     CheckpointError,
     ConfigError,
     ModelConfig,
+    dtype_of,
     read_json,
     seed_model_fields,
     seed_variant,
 )
 from meshlm.formats import hf
-from meshlm.formats.slices import Index, SliceReader, SliceSource, normalise, np_dtype, place
+from meshlm.formats.slices import Index, SliceReader, SliceSource, normalise, place
 
 CHUNKS = 16  # the seed splits every shard's leaf list into this many files
 ROOT = "causal_transformer_shard/~/"
@@ -554,7 +555,7 @@ class SeedCheckpoint:
     def source(self, tree: str, dtype: str) -> SliceSource:
         """The parameters ("params") or Adam's moments ("mu", "nu") as slices in meshlm's layout: each
         read combines the shards' parts and releases them."""
-        target = np_dtype(dtype)
+        target = dtype_of(dtype)
 
         def reader(key: str, shape: tuple[int, ...]) -> SliceReader:
             read = _leaf_reader(self, key, shape, target, tree)

@@ -13,11 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
 from meshlm.sharding import plan
 
 Index = tuple[slice, ...]
@@ -25,15 +24,6 @@ Index = tuple[slice, ...]
 SliceReader = Callable[[Index], np.ndarray]
 # source(name, full shape) -> the SliceReader of parameter `name`
 SliceSource = Callable[[str, tuple[int, ...]], SliceReader]
-
-NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def np_dtype(name: str) -> Any:
-    """The numpy dtype that slices (and written files) in `name` have."""
-    if name not in NP_DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; allowed: {sorted(NP_DTYPES)}")
-    return NP_DTYPES[name]
 
 
 def normalise(index: Index, shape: tuple[int, ...]) -> Index:

@@ -455,13 +455,13 @@ def _gptj_export(cfg: ModelConfig) -> dict[str, Any]:
 def _gpt_neox_export(cfg: ModelConfig) -> dict[str, Any]:
     """Both spellings of the rotary settings, so that transformers before and after 5.0 read them."""
     if cfg.qkv_bias != cfg.out_bias:
-        raise CheckpointError(
+        raise ConfigError(
             f"model config: qkv_bias ({cfg.qkv_bias}) and out_bias ({cfg.out_bias}) differ, but "
             "GPTNeoXForCausalLM has one attention_bias for both"
         )
     pct = cfg.rotary_dim / cfg.d_head
     if int(cfg.d_head * pct) != cfg.rotary_dim:
-        raise CheckpointError(
+        raise ConfigError(
             f"model config: rotary_dim {cfg.rotary_dim} of {cfg.d_head} is no rotary_pct transformers reads back"
         )
     return {
@@ -585,7 +585,7 @@ def export_arch(cfg: ModelConfig) -> Arch:
     exporting = [a for a in ARCHS.values() if a.export is not None]
     best = min(exporting, key=lambda a: len(a.mismatches(cfg)))
     if problems := best.mismatches(cfg):
-        raise CheckpointError(f"model config: no Hugging Face architecture represents {problems[0]}")
+        raise ConfigError(f"model config: no Hugging Face architecture represents {problems[0]}")
     return best
 
 
@@ -635,7 +635,7 @@ def hf_tensors(arch: Arch, cfg: ModelConfig) -> list[HFTensor]:
     shapes = model.param_shapes(cfg)
     table = {key: entry for key, entry in arch.tensors(cfg).items() if key in shapes}
     if unmapped := [k for k in shapes if k not in table]:
-        raise CheckpointError(f"model config: {arch.class_name} has no tensor for parameter(s) {unmapped}")
+        raise ConfigError(f"model config: {arch.class_name} has no tensor for parameter(s) {unmapped}")
     groups: dict[str, list[tuple[str, Layout]]] = {}
     for key, (template, layout) in table.items():
         groups.setdefault(template, []).append((key, layout))

@@ -219,7 +219,7 @@ class Files:
             try:
                 import fsspec
             except ImportError:
-                raise CheckpointError(f"{root}: reading URLs needs fsspec installed (pip install fsspec)") from None
+                raise ConfigError(f"{root}: reading URLs needs fsspec installed (pip install fsspec)") from None
             self.fs, self.root = fsspec.core.url_to_fs(str(root))
             self.root = self.root.rstrip("/")
         else:
@@ -374,10 +374,10 @@ def read_seed_config(path: str | Path) -> dict[str, Any]:
     and its `pe` and `norm` as the seed names them (checked; GPT-J's rotary and layernorm if absent)."""
     seed = read_json(path, f"{path}: seed config not found")
     if not isinstance(seed, dict):
-        raise CheckpointError(f"{path}: not a seed config (expected a JSON object)")
+        raise ConfigError(f"{path}: not a seed config (expected a JSON object)")
     for key in ("n_heads", "d_model"):
         if key not in seed:
-            raise CheckpointError(f"{path}: not a seed config (no {key!r} key)")
+            raise ConfigError(f"{path}: not a seed config (no {key!r} key)")
     fields = seed_model_fields(seed, seed["d_model"] // seed["n_heads"], where=str(path))
     out = {"n_head": seed["n_heads"], "rotary_dim": fields["rotary_dim"], "max_seq_len": seed.get("seq")}
     out["pe"], out["norm"] = seed_variant(seed, where=str(path))
@@ -719,7 +719,7 @@ class SeedOptimizerState:
                 opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
             )
         except KeyError as e:
-            raise CheckpointError(f"the optimizer state has no Adam moments to resume into ({e})") from None
+            raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
         # Each count its own buffer: tree_set put one array in every place, and a jitted step that
         # donates the state must not be given the same buffer twice.
         return jax.tree.map(lambda x: jnp.array(x) if x.ndim == 0 else x, state)

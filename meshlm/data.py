@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from meshlm.config import GPT2_VOCAB, DataError, read_json
+from meshlm.config import GPT2_VOCAB, ConfigError, DataError, read_json
 from meshlm.tokenizer import EOT_ID, Tokenizer, load_tokenizer
 
 FORMAT = "meshlm-tokens"
@@ -95,7 +95,7 @@ class ShardWriter:
 
     def __init__(self, folder: Path, split: str, seq_len: int, dtype: str = "uint16", shard_rows: int | None = None):
         if shard_rows is not None and shard_rows <= 0:
-            raise DataError(f"shard_rows must be a positive integer, got {shard_rows}")
+            raise ConfigError(f"shard_rows must be a positive integer, got {shard_rows}")
         self.folder, self.split, self.row, self.dtype = Path(folder), split, seq_len + 1, DTYPES[dtype]
         self.shard_rows = shard_rows
         self.files: list[str] = []
@@ -193,14 +193,14 @@ def prepare(
     from meshlm import corpus
 
     if not isinstance(seq_len, int) or seq_len <= 0:
-        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction and val_inputs:
-        raise DataError("give either a validation fraction or validation files, not both")
+        raise ConfigError("give either a validation fraction or validation files, not both")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise DataError(f"workers must be at least 1, got {workers}")
+        raise ConfigError(f"workers must be at least 1, got {workers}")
     out = Path(out_dir)
     if (out / INDEX).exists():
         raise DataError(f"{out}: already holds a prepared dataset; choose another --out or delete it")

@@ -305,11 +305,13 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32"
 
 
 class Context(NamedTuple):
-    """Per-call inputs shared by every block: rotary tables, positions, and the t5 bias (or None)."""
+    """Per-call inputs shared by every block, computed once per call: rotary tables, which keys each
+    query may see in a global and in a local layer, and the t5 bias."""
 
     sin: jax.Array
     cos: jax.Array
-    positions: Positions
+    allowed: jax.Array  # [B, T, S]
+    allowed_local: jax.Array | None  # [B, T, S] within `local_window` too; None without local layers
     bias: jax.Array | None  # [B, H, T, S] float32
 
 
@@ -336,11 +338,7 @@ def attention(
     k = apply_rotary(_project(h, p, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
     v = _project(h, p, "v")
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    pos = ctx.positions
-    allowed = pos.allowed
-    if "local" in cfg.attention_layers:
-        in_window = pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window
-        allowed = allowed & (in_window | ~local)
+    allowed = ctx.allowed if ctx.allowed_local is None else jnp.where(local, ctx.allowed_local, ctx.allowed)
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
     if cache is None:
         out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
@@ -415,7 +413,10 @@ def _run(
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(pos.query, cfg)
     bias = _t5_bias(params, cfg, pos) if cfg.position == "t5" else None
-    ctx = Context(sin, cos, pos, bias)
+    allowed_local = None
+    if "local" in cfg.attention_layers:
+        allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
+    ctx = Context(sin, cos, pos.allowed, allowed_local, bias)
 
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to

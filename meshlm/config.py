@@ -296,13 +296,14 @@ def dtype_of(name: str) -> Any:
 
 @dataclass(frozen=True)
 class Policy:
-    """How to run the model: parameter storage dtype, compute dtype, what to rematerialise, and which
-    attention implementation to use."""
+    """How to run the model: parameter storage dtype, compute dtype, what to rematerialise, which
+    attention implementation to use, and the adapters' dropout rate while training."""
 
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"
+    lora_dropout: float = 0.0  # applied to an adapter's input when the model is given a dropout key (training)
 
     def __post_init__(self) -> None:
         dtype_of(self.param_dtype)
@@ -311,6 +312,61 @@ class Policy:
             raise ConfigError(f"unknown remat policy {self.remat!r}; allowed: {list(REMAT_NAMES)}")
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"unknown attention implementation {self.attention!r}; allowed: {list(ATTENTION_IMPLS)}")
+
+
+# The projections every architecture of the family has, by role: what LoRA adapters and quantization act on.
+PROJECTIONS = ("q", "k", "v", "out", "fc_in", "fc_out")
+QUANTIZED = ("int8", "nf4")  # frozen-base storage besides the floating dtypes
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """A low-rank adapter on some of the projections: W x + (alpha / rank) * B(A(dropout(x))), as PEFT's
+    LoRA defines it (`rslora`: alpha / sqrt(rank)). Defaults are PEFT's."""
+
+    rank: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str | list):  # from YAML/JSON
+            object.__setattr__(
+                self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+            )
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise ConfigError(f"lora: rank must be a positive integer, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
+            raise ConfigError(f"lora: alpha must be a number > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora: dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"lora: targets must be a non-empty list without repeats, got {list(self.targets)}")
+        if unknown := [t for t in self.targets if t not in PROJECTIONS]:
+            raise ConfigError(
+                f"lora: target {unknown[0]!r} is not a projection of the GPT-J family; targets are {list(PROJECTIONS)}"
+            )
+        if not isinstance(self.rslora, bool):
+            raise ConfigError(f"lora: rslora must be true or false, got {self.rslora!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, values: Any) -> LoraConfig:
+        if isinstance(values, LoraConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ConfigError(f"lora: expected a mapping (rank, alpha, dropout, targets), got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(values) - known):
+            raise ConfigError(f"lora: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
 
 
 # ---------------------------------------------------------------------------------------------------

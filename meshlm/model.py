@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.config import ModelConfig, Policy, dtype_of
+from meshlm import quant
+from meshlm.config import PROJECTIONS, ConfigError, LoraConfig, ModelConfig, Policy, dtype_of
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
@@ -38,8 +39,20 @@ T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
 class Param(NamedTuple):
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # one logical axis name per dimension
-    init: str  # "normal", "zeros" or "constant"
-    value: float = 0.0  # the normal's standard deviation, or the constant
+    init: str  # "normal", "uniform", "zeros" or "constant"
+    value: float = 0.0  # the normal's standard deviation, the uniform's bound, or the constant
+
+
+# Where each projection's weight sits in a layer's parameters, and how many input dimensions it has.
+PROJECTION_PATHS: dict[str, tuple[tuple[str, ...], int]] = {
+    "q": (("attn", "q"), 1),
+    "k": (("attn", "k"), 1),
+    "v": (("attn", "v"), 1),
+    "out": (("attn", "out"), 2),
+    "fc_in": (("mlp", "fc_in", "w"), 1),
+    "fc_out": (("mlp", "fc_out", "w"), 1),
+}
+assert tuple(PROJECTION_PATHS) == PROJECTIONS
 
 
 def _norm_table(cfg: ModelConfig, layers: int | None) -> Params:
@@ -102,18 +115,61 @@ def param_table(cfg: ModelConfig) -> Params:
     return table
 
 
+def projection(layers: Params, role: str) -> Any:
+    """The weight of projection `role` ("q", ..., "fc_out") in a layer's (or the stacked layers') parameters."""
+    path, _ = PROJECTION_PATHS[role]
+    for key in path:
+        layers = layers[key]
+    return layers
+
+
+def adapter_table(cfg: ModelConfig, lora: LoraConfig) -> Params:
+    """A LoRA adapter's parameters: per target, A [layers, in..., rank] initialised as PEFT does
+    (kaiming-uniform, bound 1 / sqrt(fan_in)), B [layers, rank, out...] zero (so a fresh adapter changes
+    nothing), and the scale alpha / rank per layer. A and B take the base weight's axis names on its
+    input and output sides (heads and d_ff split as in the base); the rank axis is replicated."""
+    base = param_table(cfg)["layers"]
+    table = {}
+    for role in lora.targets:
+        weight = projection(base, role)
+        n_in = PROJECTION_PATHS[role][1]
+        (L, *shape), (_, *axes) = weight.shape, weight.axes
+        fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+        if lora.rank > min(fan_in, fan_out):
+            raise ConfigError(f"lora: rank {lora.rank} exceeds projection {role!r} ({fan_in} -> {fan_out})")
+        table[role] = {
+            "a": Param((L, *shape[:n_in], lora.rank), ("layers", *axes[:n_in], None), "uniform", 1 / math.sqrt(fan_in)),
+            "b": Param((L, lora.rank, *shape[n_in:]), ("layers", None, *axes[n_in:]), "zeros"),
+            "scale": Param((L,), ("layers",), "constant", lora.scale),
+        }
+    return table
+
+
 def _is_param(x: Any) -> bool:
     return isinstance(x, Param)
 
 
-def logical_axes(cfg: ModelConfig) -> Params:
-    """The pytree of logical axis names, same structure as the parameters."""
-    return jax.tree.map(lambda p: p.axes, param_table(cfg), is_leaf=_is_param)
+def logical_axes(cfg: ModelConfig, lora: LoraConfig | None = None, quantize: str | None = None) -> Params:
+    """The pytree of logical axis names, same structure as the parameters (with an adapter under "lora",
+    and the projections' quantized arrays, when given)."""
+    axes = jax.tree.map(lambda p: p.axes, param_table(cfg), is_leaf=_is_param)
+    if quantize:
+        shapes = param_table(cfg)["layers"]
+        for role, (path, n_in) in PROJECTION_PATHS.items():
+            parent = _parent(axes["layers"], path)
+            parent[path[-1]] = quant.quantized_axes(parent[path[-1]], projection(shapes, role).shape, quantize, n_in)
+    if lora:
+        axes["lora"] = jax.tree.map(lambda p: p.axes, adapter_table(cfg, lora), is_leaf=_is_param)
+    return axes
 
 
-def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
-    """Random parameters. Under `jax.jit` with `out_shardings`, each device creates only its shard."""
-    table = param_table(cfg)
+def _parent(tree: Params, path: tuple[str, ...]) -> Params:
+    for key in path[:-1]:
+        tree = tree[key]
+    return tree
+
+
+def _init_table(table: Params, key: jax.Array, dtype: str) -> Params:
     leaves, treedef = jax.tree.flatten(table, is_leaf=_is_param)
     keys = jax.random.split(key, len(leaves))
     dt = dtype_of(dtype)
@@ -123,14 +179,42 @@ def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
             return jnp.zeros(p.shape, dt)
         if p.init == "constant":
             return jnp.full(p.shape, p.value, dt)
+        if p.init == "uniform":
+            return jax.random.uniform(k, p.shape, jnp.float32, -p.value, p.value).astype(dt)
         return (p.value * jax.random.normal(k, p.shape, jnp.float32)).astype(dt)
 
     return jax.tree.unflatten(treedef, [make(p, k) for p, k in zip(leaves, keys, strict=True)])
 
 
+def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
+    """Random parameters. Under `jax.jit` with `out_shardings`, each device creates only its shard."""
+    return _init_table(param_table(cfg), key, dtype)
+
+
+def init_adapter(cfg: ModelConfig, lora: LoraConfig, key: jax.Array, dtype: str = "float32") -> Params:
+    """A fresh LoRA adapter (see `adapter_table`); the model runs it when it is `params["lora"]`."""
+    return _init_table(adapter_table(cfg, lora), key, dtype)
+
+
 def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
     """ShapeDtypeStructs of the parameters, computed without allocating anything."""
     return jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
+
+
+def quantize(params: Params, kind: str) -> Params:
+    """`params` with the six projections' weights quantized to `kind` ("int8" or "nf4"; see `meshlm.quant`).
+    Under `jax.jit` with `out_shardings` from `logical_axes(cfg, quantize=kind)`, each device quantizes its shard."""
+    layers = jax.tree.map(lambda x: x, params["layers"])  # a new tree of the same arrays
+    for path, n_in in PROJECTION_PATHS.values():
+        parent = _parent(layers, path)
+        parent[path[-1]] = quant.quantize(parent[path[-1]], kind, n_in)
+    return {**params, "layers": layers}
+
+
+def check_quantize(cfg: ModelConfig, kind: str) -> None:
+    """A ConfigError if `cfg`'s projections cannot be quantized to `kind`."""
+    for role, (_, n_in) in PROJECTION_PATHS.items():
+        quant.check(kind, role, projection(param_table(cfg)["layers"], role).shape, n_in)
 
 
 def param_name(path: tuple[Any, ...]) -> str:
@@ -306,81 +390,98 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32"
 
 class Context(NamedTuple):
     """Per-call inputs shared by every block, computed once per call: rotary tables, which keys each
-    query may see in a global and in a local layer, and the t5 bias."""
+    query may see in a global and in a local layer, the t5 bias, and the adapters' dropout."""
 
     sin: jax.Array
     cos: jax.Array
     allowed: jax.Array  # [B, T, S]
     allowed_local: jax.Array | None  # [B, T, S] within `local_window` too; None without local layers
     bias: jax.Array | None  # [B, H, T, S] float32
+    dropout: float = 0.0
+    dropout_key: jax.Array | None = None  # None: no dropout (inference)
 
 
-def _project(h: jax.Array, p: Params, name: str) -> jax.Array:
-    out = jnp.einsum("btd,dhk->bthk", h, p[name].astype(h.dtype))
+class Layer(NamedTuple):
+    """One layer's share of what the scan runs over."""
+
+    params: Params
+    adapter: Params  # role -> {"a", "b", "scale"}; empty without an adapter
+    index: jax.Array
+    local: jax.Array
+
+
+def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.Array:
+    """Projection `role` of x [B, T, in...] by w [in..., out...] (a float array, or quantized and
+    rebuilt here one layer at a time), plus scale * B(A(dropout(x))) where the adapter targets `role`."""
+    n_in = PROJECTION_PATHS[role][1]
+    y = jnp.tensordot(x, quant.dense(w, x.dtype), n_in)
+    if role not in layer.adapter:
+        return y
+    lora = layer.adapter[role]
+    if ctx.dropout_key is not None and ctx.dropout > 0:
+        key = jax.random.fold_in(jax.random.fold_in(ctx.dropout_key, layer.index), PROJECTIONS.index(role))
+        keep = jax.random.bernoulli(key, 1 - ctx.dropout, x.shape)
+        x = jnp.where(keep, x / (1 - ctx.dropout), 0).astype(x.dtype)
+    down = jnp.tensordot(x, lora["a"].astype(x.dtype), n_in)
+    return y + lora["scale"].astype(x.dtype) * jnp.tensordot(down, lora["b"].astype(x.dtype), 1)
+
+
+def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
+    p = layer.params["attn"]
+    out = linear(h, p[name], name, layer, ctx)
     if f"{name}_bias" in p:
         out = out + p[f"{name}_bias"].astype(h.dtype)
     return out
 
 
 def attention(
-    h: jax.Array,
-    p: Params,
-    cfg: ModelConfig,
-    policy: Policy,
-    ctx: Context,
-    local: jax.Array,
-    cache: KVCache | None = None,
-    layer_index: jax.Array | None = None,
+    h: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: KVCache | None = None
 ) -> tuple[jax.Array, KVCache | None]:
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
     a cache, this layer's new keys/values are stored first and the queries attend over every cached slot."""
-    q = apply_rotary(_project(h, p, "q"), ctx.sin, ctx.cos, cfg.rotary_style)
-    k = apply_rotary(_project(h, p, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
-    v = _project(h, p, "v")
+    p = layer.params["attn"]
+    q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg.rotary_style)
+    k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
+    v = _qkv(h, layer, ctx, "v")
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    allowed = ctx.allowed if ctx.allowed_local is None else jnp.where(local, ctx.allowed_local, ctx.allowed)
+    allowed = ctx.allowed if ctx.allowed_local is None else jnp.where(layer.local, ctx.allowed_local, ctx.allowed)
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
     if cache is None:
         out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
     else:
-        cache = cache.write(layer_index, k, v)
-        k, v = (constrain(c[layer_index].astype(h.dtype), CACHE_AXES[1:]) for c in (cache.k, cache.v))
+        cache = cache.write(layer.index, k, v)
+        k, v = (constrain(c[layer.index].astype(h.dtype), CACHE_AXES[1:]) for c in (cache.k, cache.v))
         if q.shape[1] == 1:  # a decode step: read the cache as stored
             out = attend_cached(q, k, v, allowed, ctx.bias, scale)
         else:  # a prompt: worth one transpose for `attend`'s fused kernel where there is one
             out = attend(q, k.swapaxes(1, 2), v.swapaxes(1, 2), allowed, ctx.bias, scale, policy.attention)
-    out = jnp.einsum("bthk,hkd->btd", out, p["out"].astype(h.dtype))
+    out = linear(out, p["out"], "out", layer, ctx)
     if "out_bias" in p:
         out = out + p["out_bias"].astype(h.dtype)
     return out, cache
 
 
-def mlp(h: jax.Array, p: Params, cfg: ModelConfig) -> jax.Array:
-    up = jnp.einsum("btd,df->btf", h, p["fc_in"]["w"].astype(h.dtype)) + p["fc_in"]["b"].astype(h.dtype)
+def mlp(h: jax.Array, layer: Layer, cfg: ModelConfig, ctx: Context) -> jax.Array:
+    p = layer.params["mlp"]
+    up = linear(h, p["fc_in"]["w"], "fc_in", layer, ctx) + p["fc_in"]["b"].astype(h.dtype)
     up = constrain(jax.nn.gelu(up, approximate=cfg.activation == "gelu_new"), ("batch", "seq", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", up, p["fc_out"]["w"].astype(h.dtype)) + p["fc_out"]["b"].astype(h.dtype)
+    return linear(up, p["fc_out"]["w"], "fc_out", layer, ctx) + p["fc_out"]["b"].astype(h.dtype)
 
 
 def block(
-    x: jax.Array,
-    layer: Params,
-    cfg: ModelConfig,
-    policy: Policy,
-    ctx: Context,
-    local: jax.Array,
-    cache: KVCache | None = None,
-    layer_index: jax.Array | None = None,
+    x: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: KVCache | None = None
 ) -> tuple[jax.Array, KVCache | None]:
     """One block in the configured residual form (see the module docstring)."""
-    h = norm(x, layer["ln"], cfg)
-    attn, cache = attention(h, layer["attn"], cfg, policy, ctx, local, cache, layer_index)
+    p = layer.params
+    h = norm(x, p["ln"], cfg)
+    attn, cache = attention(h, layer, cfg, policy, ctx, cache)
     if cfg.residual == "parallel":
-        x = x + attn + mlp(h, layer["mlp"], cfg)
+        x = x + attn + mlp(h, layer, cfg, ctx)
     elif cfg.residual == "parallel_two_norms":
-        x = x + attn + mlp(norm(x, layer["ln_mlp"], cfg), layer["mlp"], cfg)
+        x = x + attn + mlp(norm(x, p["ln_mlp"], cfg), layer, cfg, ctx)
     else:
         x = x + attn
-        x = x + mlp(norm(x, layer["ln_mlp"], cfg), layer["mlp"], cfg)
+        x = x + mlp(norm(x, p["ln_mlp"], cfg), layer, cfg, ctx)
     return constrain(x, ("batch", "seq", "act_embed")), cache
 
 
@@ -407,31 +508,32 @@ def _run(
     cfg: ModelConfig,
     policy: Policy,
     cache: KVCache | None,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Embedding and the blocks (scanned over the stacked layers) up to the final norm: hidden states
-    [B, T, d_model] and the updated cache."""
+    [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers."""
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(pos.query, cfg)
     bias = _t5_bias(params, cfg, pos) if cfg.position == "t5" else None
     allowed_local = None
     if "local" in cfg.attention_layers:
         allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
-    ctx = Context(sin, cos, pos.allowed, allowed_local, bias)
+    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, policy.lora_dropout, dropout_key)
 
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to
         x = x + jnp.take(params["pos_embed"]["w"], jnp.clip(pos.query, 0, cfg.max_seq_len - 1), axis=0).astype(dt)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
-    def step(carry: tuple[jax.Array, KVCache | None], xs: tuple[Params, jax.Array, jax.Array]):
+    def step(carry: tuple[jax.Array, KVCache | None], layer: Layer):
         x, cache = carry
-        layer, layer_index, local = xs
-        return block(x, layer, cfg, policy, ctx, local, cache, layer_index), None
+        return block(x, layer, cfg, policy, ctx, cache), None
 
     if policy.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[policy.remat], prevent_cse=False)
     local = jnp.array([kind == "local" for kind in cfg.layer_kinds])
-    (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.n_layer), local))
+    layers = Layer(params["layers"], params.get("lora", {}), jnp.arange(cfg.n_layer), local)
+    (x, cache), _ = jax.lax.scan(step, (x, cache), layers)
     return norm(x, params["ln_f"], cfg), cache
 
 
@@ -456,16 +558,19 @@ def hidden_states(
     *,
     positions: jax.Array | None = None,
     mask: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """The final norm's output [B, T, d_model] for tokens [B, T]: everything but the LM head.
 
     `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the
-    tokens' positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows).
+    tokens' positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows). With
+    `dropout_key`, an adapter's inputs are dropped out at `policy.lora_dropout` (training).
     """
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    x, _ = _run(params, tokens, Positions(positions, positions, causal_mask(mask, B, T)), cfg, policy, None)
+    pos = Positions(positions, positions, causal_mask(mask, B, T))
+    x, _ = _run(params, tokens, pos, cfg, policy, None, dropout_key)
     return x
 
 
@@ -547,14 +652,17 @@ def loss(
     *,
     loss_mask: jax.Array | None = None,
     z_loss: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross-entropy over tokens [B, T+1] (inputs tokens[:, :-1], targets tokens[:, 1:]).
 
     `loss_mask` [B, T] weights each target (0 for padding). `z_loss` adds z_loss * logsumexp^2, which
-    keeps the softmax normaliser near 1 in low-precision training. Returns (loss, metrics).
+    keeps the softmax normaliser near 1 in low-precision training. `dropout_key` as in `hidden_states`.
+    Returns (loss, metrics).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    nll, log_z = _chunked_nll(params, hidden_states(params, inputs, cfg, policy), targets, cfg)
+    x = hidden_states(params, inputs, cfg, policy, dropout_key=dropout_key)
+    nll, log_z = _chunked_nll(params, x, targets, cfg)
     weights = jnp.ones_like(nll) if loss_mask is None else loss_mask.astype(jnp.float32)
     n = jnp.maximum(weights.sum(), 1.0)
     ce = (nll * weights).sum() / n

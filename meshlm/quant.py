@@ -1,0 +1,129 @@
+"""Weight-only quantization of a frozen base: int8 per output channel, and NF4 (QLoRA's 4-bit NormalFloat).
+
+A quantized weight is a small pytree (`Int8Weight`, `NF4Weight`) that stands where the float array stood
+in the parameter tree. Its arrays keep the weight's leading `layers` axis, so the model's scan over
+layers slices them like any other parameter, and `dense` rebuilds one layer's float weight inside the
+jitted matmul: the whole model is never held dequantized.
+
+- int8: `codes = round(w / s)` with `s = max|w| / 127` over the input dimensions, one scale per output
+  channel (LLM.int8()'s vector-wise absmax, without its outlier decomposition).
+- NF4 (Dettmers et al. 2023, "QLoRA", section 3 and appendix; bitsandbytes' `quantize_4bit`): each block
+  of `NF4_BLOCK` consecutive input weights of one output channel is scaled by its absmax to [-1, 1]
+  and rounded to the nearest of the 16 NF4 values, which are quantiles of a standard normal
+  (`nf4_code`). Blocks run along the input dimension, as bitsandbytes blocks a torch [out, in]
+  weight, so the output dimensions (heads, d_ff) keep their names and their tensor-parallel sharding.
+  Two codes share a byte (first in the high nibble). Scales stay float32 (no double quantization).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.config import QUANTIZED, ConfigError
+
+NF4_BLOCK = 64  # bitsandbytes' and QLoRA's block size
+NF4_OFFSET = 0.9677083  # bitsandbytes' `create_normal_map` offset: the outermost quantile used
+
+
+@functools.cache
+def nf4_code() -> np.ndarray:
+    """The 16 NF4 values, built as bitsandbytes' `create_normal_map` builds them: 8 positive and 7
+    negative quantiles of N(0, 1) evenly spaced in probability from 0.5 to `NF4_OFFSET`, zero, all
+    divided by the largest so that they span [-1, 1] exactly."""
+    positive = [NormalDist().inv_cdf(p) for p in np.linspace(NF4_OFFSET, 0.5, 9)[:-1]]
+    negative = [-NormalDist().inv_cdf(p) for p in np.linspace(NF4_OFFSET, 0.5, 8)[:-1]]
+    values = np.sort(np.array([*positive, 0.0, *negative]))
+    return (values / values.max()).astype(np.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight [layers, in..., out...] as int8 codes of the same shape and float32 scales [layers, out...].
+    `dense` rebuilds one layer's weight (the model's scan slices off `layers`; vmap it for all of them)."""
+
+    codes: jax.Array
+    scale: jax.Array
+
+    def dense(self, dtype: jnp.dtype) -> jax.Array:
+        n_in = self.codes.ndim - self.scale.ndim  # one layer's weight: the scale covers the output dims
+        return (self.codes.astype(jnp.float32) * self.scale.reshape((1,) * n_in + self.scale.shape)).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class NF4Weight:
+    """A weight [layers, in..., out...] as packed 4-bit codes [layers, blocks, NF4_BLOCK / 2, out...] and
+    float32 block absmax [layers, blocks, out...]; `in_shape` is one layer's input dimensions. `dense`
+    rebuilds one layer's weight, as `Int8Weight.dense`."""
+
+    codes: jax.Array
+    absmax: jax.Array
+    in_shape: tuple[int, ...] = field(metadata={"static": True})
+
+    def dense(self, dtype: jnp.dtype) -> jax.Array:
+        high, low = self.codes >> 4, self.codes & 15
+        index = jnp.stack([high, low], axis=2).reshape(self.absmax.shape[0], NF4_BLOCK, *self.absmax.shape[1:])
+        values = jnp.asarray(nf4_code())[index.astype(jnp.int32)] * self.absmax[:, None]
+        return values.reshape(*self.in_shape, *self.absmax.shape[1:]).astype(dtype)
+
+
+QuantizedWeight = Int8Weight | NF4Weight
+
+
+def dense(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
+    """One layer's weight as a float array in `dtype`, whatever it is stored as."""
+    return w.astype(dtype) if isinstance(w, jax.Array | np.ndarray) else w.dense(dtype)
+
+
+def quantize(w: jax.Array, kind: str, n_in: int) -> QuantizedWeight:
+    """Quantize stacked weights w [layers, in..., out...] (`n_in` input dimensions) to `kind`."""
+    w = w.astype(jnp.float32)
+    if kind == "int8":
+        in_axes = tuple(range(1, 1 + n_in))
+        scale = jnp.max(jnp.abs(w), axis=in_axes) / 127
+        safe = jnp.where(scale == 0, 1.0, scale)
+        codes = jnp.clip(jnp.round(w / jnp.expand_dims(safe, in_axes)), -127, 127).astype(jnp.int8)
+        return Int8Weight(codes, scale)
+    if kind == "nf4":
+        layers, in_shape, out_shape = w.shape[0], w.shape[1 : 1 + n_in], w.shape[1 + n_in :]
+        blocks = math.prod(in_shape) // NF4_BLOCK
+        w = w.reshape(layers, blocks, NF4_BLOCK, *out_shape)
+        absmax = jnp.max(jnp.abs(w), axis=2)
+        scaled = w / jnp.expand_dims(jnp.where(absmax == 0, 1.0, absmax), 2)
+        code = jnp.asarray(nf4_code())
+        # nearest code value: count the midpoints below (ties between two values round up)
+        index = jnp.searchsorted((code[1:] + code[:-1]) / 2, scaled, side="right").astype(jnp.uint8)
+        pairs = index.reshape(layers, blocks, NF4_BLOCK // 2, 2, *out_shape)
+        packed = (pairs[:, :, :, 0] << 4) | pairs[:, :, :, 1]
+        return NF4Weight(packed, absmax, tuple(in_shape))
+    raise ConfigError(f"unknown quantization {kind!r}; choose one of {list(QUANTIZED)}")
+
+
+def check(kind: str, name: str, shape: tuple[int, ...], n_in: int) -> None:
+    """A ConfigError if weights of `shape` (stacked) cannot be quantized to `kind`."""
+    if kind not in QUANTIZED:
+        raise ConfigError(f"unknown quantization {kind!r}; choose one of {list(QUANTIZED)}")
+    inputs = math.prod(shape[1 : 1 + n_in])
+    if kind == "nf4" and inputs % NF4_BLOCK:
+        raise ConfigError(
+            f"nf4 quantizes blocks of {NF4_BLOCK} input weights, but {name} has {inputs} inputs per output; "
+            "use int8 for this model"
+        )
+
+
+def quantized_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], kind: str, n_in: int) -> QuantizedWeight:
+    """Logical axis names of a quantized weight's arrays, from the float weight's (stacked) names and
+    shape: the codes keep the weight's names, the scales its output dims'; NF4's blocks take the first
+    input dim's name."""
+    layers, inputs, outputs = axes[:1], axes[1 : 1 + n_in], axes[1 + n_in :]
+    if kind == "int8":
+        return Int8Weight(axes, (*layers, *outputs))
+    return NF4Weight((*layers, inputs[0], None, *outputs), (*layers, inputs[0], *outputs), tuple(shape[1 : 1 + n_in]))

@@ -419,6 +419,10 @@ class TrainConfig:
     noise_scale_alpha: float = 0.01  # EMA weight of the gradient-noise-scale estimate
     sample_prompt: str = "Return the"
     sample_tokens: int = 32  # greedy sample printed at the end; 0: none
+    # LoRA: train only an adapter (rank, alpha, dropout, targets) over a frozen base stored as `base_dtype`
+    # (a float dtype, "int8" or "nf4"; default param_dtype). Checkpoints then hold the adapter alone.
+    lora: LoraConfig | None = None
+    base_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "micro_batches", "total_steps", "anneal_steps", "val_batches", "keep_last"):
@@ -454,12 +458,28 @@ class TrainConfig:
         for key in ("resume_optimizer", "seed_config"):
             if getattr(self, key) and not self.init_from:
                 raise ConfigError(f"train config: {key} needs init_from (the seed checkpoint to start from)")
+        if self.lora is not None:
+            object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
         _ = self.policy  # checks the dtypes, remat and attention names
+        if self.base_dtype is not None:
+            if self.base_dtype not in QUANTIZED:
+                dtype_of(self.base_dtype)
+            if self.lora is None:
+                raise ConfigError(
+                    f"train config: base_dtype {self.base_dtype!r} needs a lora section: a frozen base is trained "
+                    "only through an adapter (a full fine-tune stores its weights as param_dtype)"
+                )
 
     @property
     def policy(self) -> Policy:
         """How the training step runs the model."""
-        return Policy(self.param_dtype, self.compute_dtype, self.remat, self.attention)
+        dropout = self.lora.dropout if self.lora else 0.0
+        return Policy(self.param_dtype, self.compute_dtype, self.remat, self.attention, dropout)
+
+    @property
+    def frozen_dtype(self) -> str:
+        """How a LoRA run stores its frozen base: `base_dtype`, else `param_dtype`."""
+        return self.base_dtype or self.param_dtype
 
     @property
     def micro_batch_size(self) -> int:
@@ -469,7 +489,9 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        values["lora"] = self.lora.to_dict() if self.lora else None
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
@@ -632,10 +654,12 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             current = {"preset": current} if isinstance(current, str) else dict(current)
             current[".".join(path[1:])] = value
             values["model"] = current
+        elif path[0] == "lora" and len(path) == 2:
+            values["lora"] = {**(values.get("lora") or {}), path[1]: value}
         elif len(path) == 1:
             values[path[0]] = value
         else:
-            raise ConfigError(f"--set {item!r}: only model.* keys are nested")
+            raise ConfigError(f"--set {item!r}: only model.* and lora.* keys are nested")
     return values
 
 

@@ -423,7 +423,8 @@ def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.A
         keep = jax.random.bernoulli(key, 1 - ctx.dropout, x.shape)
         x = jnp.where(keep, x / (1 - ctx.dropout), 0).astype(x.dtype)
     down = jnp.tensordot(x, lora["a"].astype(x.dtype), n_in)
-    return y + lora["scale"].astype(x.dtype) * jnp.tensordot(down, lora["b"].astype(x.dtype), 1)
+    scale = jax.lax.stop_gradient(lora["scale"]).astype(x.dtype)  # a constant of the adapter, never trained
+    return y + scale * jnp.tensordot(down, lora["b"].astype(x.dtype), 1)
 
 
 def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:

@@ -27,7 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, model
-from meshlm.config import ConfigError, ModelConfig, TrainConfig, dtype_of
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -51,11 +51,24 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     return schedule
 
 
-def decay_mask(cfg: ModelConfig) -> model.Params:
-    """True for weight matrices (two or more axes besides the stacked `layers` axis); biases and norms: False."""
+def trainable_axes(model_cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:
+    """Logical axes of what a run trains: the whole model, or with `lora` only the adapter."""
+    return model.logical_axes(model_cfg) if lora is None else model.logical_axes(model_cfg, lora)["lora"]
+
+
+def trainable_abstract(model_cfg: ModelConfig, lora: LoraConfig | None = None, dtype: str = "float32") -> Any:
+    """ShapeDtypeStructs of what a run trains (see `trainable_axes`)."""
+    if lora is None:
+        return model.abstract_params(model_cfg, dtype)
+    return jax.eval_shape(lambda: model.init_adapter(model_cfg, lora, jax.random.key(0), dtype))
+
+
+def decay_mask(cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:
+    """True for weight matrices (two or more axes besides the stacked `layers` axis, LoRA's A and B
+    included); biases, norms and adapter scales: False."""
     return jax.tree.map(
         lambda axes: sum(a != "layers" for a in axes) >= 2,
-        model.logical_axes(cfg),
+        trainable_axes(cfg, lora),
         is_leaf=lambda x: isinstance(x, tuple),
     )
 
@@ -73,7 +86,7 @@ def make_optimizer(
             b2=cfg.b2,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
-            mask=decay_mask(model_cfg),
+            mask=decay_mask(model_cfg, cfg.lora),
         ),
     )
     return adamw if state_dtype is None else stored_as(adamw, dtype_of(state_dtype))
@@ -105,14 +118,16 @@ def schedule_count(opt_state: Any) -> jax.Array:
 
 class TrainState(NamedTuple):
     step: jax.Array
-    params: model.Params
+    params: model.Params  # what is trained: the model, or a LoRA run's adapter
     opt_state: Any
 
 
-def state_shardings(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """Parameters by the sharding rules; each optimizer moment like its parameter; counters replicated."""
-    abstract = model.abstract_params(model_cfg)
-    params = plan(abstract, model.logical_axes(model_cfg), mesh)
+def state_shardings(
+    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, lora: LoraConfig | None = None
+) -> TrainState:
+    """Trained parameters by the sharding rules; each optimizer moment like its parameter; counters replicated."""
+    abstract = trainable_abstract(model_cfg, lora)
+    params = plan(abstract, trainable_axes(model_cfg, lora), mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_abstract = jax.eval_shape(optimizer.init, abstract)
     opt = optax.tree_map_params(
@@ -121,9 +136,14 @@ def state_shardings(model_cfg: ModelConfig, optimizer: optax.GradientTransformat
     return TrainState(replicated, params, opt)
 
 
-def abstract_state(shardings: TrainState, model_cfg: ModelConfig, optimizer: optax.GradientTransformation) -> Any:
+def abstract_state(
+    shardings: TrainState,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    lora: LoraConfig | None = None,
+) -> Any:
     """ShapeDtypeStructs with shardings: the target that restores a checkpoint onto this mesh."""
-    abstract = model.abstract_params(model_cfg)
+    abstract = trainable_abstract(model_cfg, lora)
     opt = jax.eval_shape(optimizer.init, abstract)
 
     def attach(a: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -133,26 +153,40 @@ def abstract_state(shardings: TrainState, model_cfg: ModelConfig, optimizer: opt
 
 
 def make_train_step(
-    cfg: TrainConfig, model_cfg: ModelConfig, optimizer: optax.GradientTransformation, shardings: TrainState
-) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """One optimizer step over a batch [micro_batches, micro_batch_size, seq_len + 1].
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    shardings: TrainState,
+    base_shardings: Any = None,
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+    """One optimizer step over a batch [micro_batches, micro_batch_size, seq_len + 1]: `step(state, batch)`,
+    or for a LoRA run `step(state, batch, base)`, where `base` is the frozen model (laid out as
+    `base_shardings`): only the adapter in `state.params` has gradients and optimizer state.
 
     Gradients of the micro-batches are summed inside a `lax.scan`, so accumulation costs one compiled
-    step and one micro-batch of activation memory. The state's buffers are donated.
+    step and one micro-batch of activation memory. The state's buffers are donated; the base's are not.
     """
     policy = cfg.policy
     schedule = lr_schedule(cfg)
-    grad_fn = jax.value_and_grad(lambda p, t: model.loss(p, t, model_cfg, policy, z_loss=cfg.z_loss), has_aux=True)
 
-    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        def micro(acc: model.Params, tokens: jax.Array) -> tuple[model.Params, tuple[jax.Array, ...]]:
-            (total, aux), grads = grad_fn(state.params, tokens)
+    def objective(params: model.Params, tokens: jax.Array, base: model.Params | None, key: jax.Array) -> Any:
+        full = params if base is None else {**base, "lora": params}
+        return model.loss(full, tokens, model_cfg, policy, z_loss=cfg.z_loss, dropout_key=key)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def step(state: TrainState, batch: jax.Array, base: model.Params | None) -> tuple[TrainState, dict[str, Any]]:
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step), batch.shape[0])
+
+        def micro(acc: model.Params, xs: tuple[jax.Array, jax.Array]) -> tuple[model.Params, tuple[jax.Array, ...]]:
+            tokens, key = xs
+            (total, aux), grads = grad_fn(state.params, tokens, base, key)
             acc = jax.tree.map(jnp.add, acc, grads)
             acc = jax.lax.with_sharding_constraint(acc, shardings.params)
             return acc, (total, aux["ce"], jnp.square(optax.tree.norm(grads)))
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (totals, ces, micro_sq) = jax.lax.scan(micro, zeros, batch)
+        grads, (totals, ces, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
         grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -166,9 +200,16 @@ def make_train_step(
         return TrainState(state.step + 1, params, opt_state), metrics
 
     batch_sharding = named_sharding(shardings.step.mesh, (None, "batch", "seq"))
+    if cfg.lora is None:
+        return jax.jit(
+            lambda state, batch: step(state, batch, None),
+            in_shardings=(shardings, batch_sharding),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding),
+        in_shardings=(shardings, batch_sharding, base_shardings),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )

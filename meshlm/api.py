@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import ConfigError, InputError, ModelConfig, dtype_of
-from meshlm.formats import hf, registry
+from meshlm.formats import adapters, hf, registry
 from meshlm.formats.slices import place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
@@ -62,9 +62,11 @@ class LanguageModel:
         dtype: str = "float32",
         tokenizer: TokenizerSpec = None,
         folder: str | Path | None = None,
+        quantized: str | None = None,
     ):
         self.config = config
         self.params = params
+        self.quantized = quantized  # "int8" or "nf4" when the projections are stored quantized
         self.mesh = mesh
         self.dtype = dtype
         self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
@@ -233,6 +235,11 @@ class LanguageModel:
         `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
         if format not in ("meshlm", "hf"):
             raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
+        if self.quantized or "lora" in self.params:
+            what = f"{self.quantized}-quantized weights" if self.quantized else "an unmerged LoRA adapter"
+            raise ConfigError(
+                f"this model holds {what}; save the full-precision model, or write a merged one with `meshlm merge`"
+            )
         params = self.params
         if dtype is not None:
             target = dtype_of(dtype)
@@ -252,6 +259,8 @@ def load(
     *,
     seed_config: str | Path | None = None,
     tokenizer: TokenizerSpec = None,
+    quantize: str | None = None,
+    adapter: str | Path | None = None,
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face folder or a seed step_N folder onto `mesh`.
 
@@ -263,16 +272,21 @@ def load(
     `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
     checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
     first use (`lm.tokenizer`), so models used token by token need none.
+    `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
+    rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
+    or a meshlm LoRA run (or one of its steps).
     """
     dtype_of(dtype)
     path, fmt = registry.resolve(path)
     device_mesh = make_mesh(mesh)
-    if fmt == "meshlm" and seed_config is None:  # orbax restores its own arrays onto any mesh
+    if fmt == "meshlm" and seed_config is None and not quantize:  # orbax restores its own arrays onto any mesh
         cfg, params = checkpoint.restore_params(path, device_mesh, dtype)
     else:
         cfg, source = registry.open(path, fmt, dtype, seed_config)
-        params = place(cfg, source, device_mesh, dtype)
-    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path)
+        params = place(cfg, source, device_mesh, dtype, quantize)
+    if adapter is not None:
+        params = {**params, "lora": adapters.load(adapter, cfg, device_mesh, dtype)}
+    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path, quantized=quantize)
 
 
 def _start_hf_folder(path: str | Path, cfg: ModelConfig, files: dict[str, Path], every_process: bool = True) -> None:
@@ -317,9 +331,15 @@ def from_config(
     dtype: str = "float32",
     seed: int = 0,
     tokenizer: TokenizerSpec = None,
+    quantize: str | None = None,
 ) -> LanguageModel:
-    """A randomly initialised model, created shard by shard directly on `mesh`."""
+    """A randomly initialised model, created shard by shard directly on `mesh` (`quantize` as in `load`)."""
     device_mesh = make_mesh(mesh)
     shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
     params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
-    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
+    if quantize:
+        model.check_quantize(cfg, quantize)
+        quantized = jax.eval_shape(lambda p: model.quantize(p, quantize), params)
+        targets = plan(quantized, model.logical_axes(cfg, quantize=quantize), device_mesh)
+        params = jax.jit(lambda p: model.quantize(p, quantize), out_shardings=targets, donate_argnums=0)(params)
+    return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, quantized=quantize)

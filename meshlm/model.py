@@ -123,6 +123,11 @@ def projection(layers: Params, role: str) -> Any:
     return layers
 
 
+def projection_name(role: str) -> str:
+    """The stacked weight's parameter name ("layers.attn.q", "layers.mlp.fc_in.w")."""
+    return ".".join(("layers", *PROJECTION_PATHS[role][0]))
+
+
 def adapter_table(cfg: ModelConfig, lora: LoraConfig) -> Params:
     """A LoRA adapter's parameters: per target, A [layers, in..., rank] initialised as PEFT does
     (kaiming-uniform, bound 1 / sqrt(fan_in)), B [layers, rank, out...] zero (so a fresh adapter changes

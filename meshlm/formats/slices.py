@@ -9,13 +9,14 @@ format's writer. Either way the model is never held whole on the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from meshlm import model
+from meshlm import model, quant
 from meshlm.config import ModelConfig
 from meshlm.sharding import plan
 
@@ -31,13 +32,33 @@ def normalise(index: Index, shape: tuple[int, ...]) -> Index:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
-def place(cfg: ModelConfig, source: SliceSource, mesh: jax.sharding.Mesh, dtype: str = "float32") -> model.Params:
+def place(
+    cfg: ModelConfig,
+    source: SliceSource,
+    mesh: jax.sharding.Mesh,
+    dtype: str = "float32",
+    quantize: str | None = None,
+) -> model.Params:
     """The parameters of `cfg` from `source`, as global arrays sharded over `mesh` by the logical-axis
-    rules: each device's shard is read from the source directly, so no host holds the whole model."""
+    rules: each device's shard is read from the source directly, so no host holds the whole model.
+
+    With `quantize` ("int8" or "nf4") the six projections are quantized on the devices as each is
+    placed, so the devices never hold more than one of them unquantized."""
     abstract = model.abstract_params(cfg, dtype)
     shardings = plan(abstract, model.logical_axes(cfg), mesh)
+    quantizers = {}
+    if quantize:
+        model.check_quantize(cfg, quantize)
+        quantized = jax.eval_shape(lambda p: model.quantize(p, quantize), abstract)
+        targets = plan(quantized, model.logical_axes(cfg, quantize=quantize), mesh)
+        for role, (_, n_in) in model.PROJECTION_PATHS.items():
+            quantizer = functools.partial(quant.quantize, kind=quantize, n_in=n_in)
+            target = model.projection(targets["layers"], role)
+            quantizers[model.projection_name(role)] = jax.jit(quantizer, out_shardings=target)
 
-    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        return jax.make_array_from_callback(leaf.shape, sharding, source(model.param_name(path), leaf.shape))
+    def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> Any:
+        name = model.param_name(path)
+        array = jax.make_array_from_callback(leaf.shape, sharding, source(name, leaf.shape))
+        return quantizers[name](array) if name in quantizers else array
 
     return jax.tree_util.tree_map_with_path(build, abstract, shardings)

@@ -15,9 +15,10 @@ __all__ = [
     "convert",
     "from_config",
     "load",
+    "merge",
     "preset",
 ]
-_API = ("LanguageModel", "convert", "from_config", "load")
+_API = ("LanguageModel", "convert", "from_config", "load", "merge")
 
 
 def __getattr__(name: str):

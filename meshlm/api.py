@@ -309,6 +309,30 @@ def convert(
     the model is never loaded, and peak memory stays a small multiple of the largest tensor whatever
     the model size. The source's tokenizer files come along. In a multi-process job only process 0 converts.
     """
+    _stream(src, dst, to, dtype, seed_config)
+
+
+def merge(
+    base: str | Path,
+    adapter: str | Path,
+    dst: str | Path,
+    to: str = "meshlm",
+    dtype: str = "float32",
+    seed_config: str | Path | None = None,
+) -> None:
+    """Write `base` with a LoRA `adapter` (a PEFT folder or a meshlm LoRA run) merged into its weights,
+    W + scale * A B, as a full model in format `to`. Streamed like `convert`, in the same bounded memory."""
+    _stream(base, dst, to, dtype, seed_config, adapter)
+
+
+def _stream(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    dtype: str,
+    seed_config: str | Path | None,
+    adapter: str | Path | None = None,
+) -> None:
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
     dtype_of(dtype)
@@ -317,6 +341,8 @@ def convert(
         return
     src, fmt = registry.resolve(src)
     cfg, source = registry.open(src, fmt, dtype, seed_config)
+    if adapter is not None:
+        source = adapters.merged_source(cfg, source, adapters.read(adapter, cfg))
     files = tokenizer_files(model=src)
     if to == "meshlm":
         checkpoint.write_params(dst, cfg, dtype, source, files=files)

@@ -75,6 +75,16 @@ def read_description(path: str | Path) -> dict[str, Any]:
     return desc
 
 
+def model_description(path: str | Path) -> dict[str, Any]:
+    """The description of a checkpoint that holds a whole model: a LoRA run's holds an adapter alone."""
+    desc = read_description(path)
+    if "lora" in desc:
+        raise CheckpointError(
+            f"{path}: a LoRA run's checkpoint, which holds an adapter only; load its base with adapter={path}"
+        )
+    return desc
+
+
 def check_new_folder(path: str | Path) -> None:
     """Refuse to write into a folder that holds anything: nothing saved there is ever overwritten."""
     path = Path(path)
@@ -192,7 +202,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     (tensorstore, as orbax lays them out: OCDBT or one zarr array per parameter), so converting never
     loads the model."""
     path = Path(resolve(path)).absolute()
-    cfg = ModelConfig.from_dict(read_description(path)["model"])
+    cfg = ModelConfig.from_dict(model_description(path)["model"])
     folder = path / "params"
     try:
         layout = json.loads((folder / "_METADATA").read_text())
@@ -226,8 +236,7 @@ def restore_params(
 ) -> tuple[ModelConfig, model.Params]:
     """Restore a checkpoint's parameters onto `mesh` in `dtype`, whatever mesh saved them."""
     path = Path(resolve(path)).absolute()
-    desc = read_description(path)
-    cfg = ModelConfig.from_dict(desc["model"])
+    cfg = ModelConfig.from_dict(model_description(path)["model"])
     abstract = model.abstract_params(cfg, dtype)
     shardings = plan(abstract, model.logical_axes(cfg), mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

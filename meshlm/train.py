@@ -10,6 +10,7 @@ shardings, so with an `fsdp` axis it is sharded ZeRO-3 style.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -27,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, model
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -232,14 +233,27 @@ def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Call
 # Throughput and the gradient noise scale
 
 
-def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention)."""
+def adapter_size(model_cfg: ModelConfig, lora: LoraConfig) -> int:
+    """The parameters a LoRA run trains: its As and Bs (the per-layer scales are constants)."""
+    table = model.adapter_table(model_cfg, lora)
+    return sum(math.prod(p["a"].shape) + math.prod(p["b"].shape) for p in table.values())
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None) -> float:
+    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention).
+
+    With `lora` the frozen weights cost 4 x, not 6 x: the forward and the activations' gradient, but no
+    gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight.
+    """
     # the embedding and learned positions are gathers (a tied embedding is the head's matmul too)
     gathered = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
     if model_cfg.position == "learned":
         gathered += model_cfg.max_seq_len * model_cfg.d_model
     matmul_params = model.count_params(model_cfg) - gathered
-    return 6 * matmul_params + 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+    attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+    if lora is None:
+        return 6 * matmul_params + attention
+    return 4 * matmul_params + 6 * adapter_size(model_cfg, lora) + attention
 
 
 def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
@@ -265,6 +279,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p
 PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
 
 
+@functools.cache  # a host's peak does not change: measured once per process, not once per run
 def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a large square matmul on the default device: the achievable peak of a host or accelerator."""
     dt = dtype_of(dtype)
@@ -464,16 +479,33 @@ def _train(
 
     out_dir = Path(cfg.out_dir)
     latest = ckpts.latest_step()
+    if cfg.lora is not None and cfg.resume_optimizer:
+        raise ConfigError(
+            "resume_optimizer continues a full seed run's Adam state; a LoRA run trains a new adapter with a new "
+            "optimizer (drop one of the two)"
+        )
 
     init_lm = seed_opt = None
     model_cfg = cfg.model
+    base_ref = base_reference(cfg) if cfg.lora is not None else None
     if latest is not None:  # the run's own checkpoints come first, also in a run that continued a seed run
-        model_cfg = ModelConfig.from_dict(checkpoint.read_description(ckpts.folder / str(latest))["model"])
-    elif cfg.init_from:
+        desc = checkpoint.read_description(ckpts.folder / str(latest))
+        model_cfg = ModelConfig.from_dict(desc["model"])
+        base_ref = resumed_base(cfg, desc, ckpts.folder / str(latest))
+    elif cfg.init_from and cfg.lora is None:
         if cfg.resume_optimizer:  # read first: a wrong checkpoint fails before the parameters are loaded
             seed_opt = load_seed_optimizer(cfg, mesh)
         init_lm = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
         model_cfg = init_lm.config
+    base_lm = None  # a LoRA run's frozen model, which never enters the optimizer
+    if base_ref is not None:
+        base_lm = load_base(base_ref, model_cfg, mesh, cfg.compute_dtype)
+        if latest is not None and base_lm.config != model_cfg:
+            raise ConfigError(f"{base_ref['init_from']} is no longer the model the run's adapter was trained on")
+        model_cfg = base_lm.config
+        # the train config the checkpoints record names the base as resolved (a resume rebuilds that one)
+        cfg = cfg.replace(init_from=base_ref["init_from"], seed_config=base_ref["seed_config"])
+        cfg = cfg.replace(base_dtype=base_ref["dtype"])
     if train_ds.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     if train_ds.eos_id >= model_cfg.vocab_size:
@@ -484,16 +516,22 @@ def _train(
     cfg = cfg.replace(model=model_cfg)
 
     optimizer = make_optimizer(cfg, model_cfg)
-    shardings = state_shardings(model_cfg, optimizer, mesh)
+    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
     loader_state = LoaderState()
     with jax.set_mesh(mesh):
         if latest is not None:
-            params_target, opt_target = abstract_state(shardings, model_cfg, optimizer)
+            params_target, opt_target = abstract_state(shardings, model_cfg, optimizer, cfg.lora)
             params, opt_state, desc = ckpts.restore(latest, params_target, opt_target)
             loader_state = LoaderState.from_dict(desc["loader"])
             start = latest
         else:
-            if init_lm is not None:
+            if cfg.lora is not None:
+                init = jax.jit(
+                    lambda k: model.init_adapter(model_cfg, cfg.lora, k, cfg.param_dtype),
+                    out_shardings=shardings.params,
+                )
+                params = init(jax.random.fold_in(jax.random.key(cfg.seed), ADAPTER_KEY))
+            elif init_lm is not None:
                 params = init_lm.params
             else:
                 init = jax.jit(lambda k: model.init(model_cfg, k, cfg.param_dtype), out_shardings=shardings.params)
@@ -508,23 +546,38 @@ def _train(
     loader = TrainLoader(
         train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, jax.process_index(), jax.process_count(), loader_state
     )
-    step_fn = make_train_step(cfg, model_cfg, optimizer, shardings)
+    base = None if base_lm is None else base_lm.params
+    base_shardings = None if base is None else jax.tree.map(lambda x: x.sharding, base)
+    step_fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
     eval_fn = make_eval_step(cfg, model_cfg, mesh)
     batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
     global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
     tokens_per_step = cfg.batch_size * train_ds.seq_len
-    flops_per_step = flops_per_token(model_cfg, train_ds.seq_len) * tokens_per_step
+    flops_per_step = flops_per_token(model_cfg, train_ds.seq_len, cfg.lora) * tokens_per_step
     peak = peak_flops(mesh, cfg.compute_dtype)
     noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
     log = MetricsLog(out_dir)
     result = TrainResult(out_dir, start)
 
     last_saved = start
+    # a LoRA run's checkpoints hold the adapter alone, with the settings and the base it was trained on
+    lora_desc = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": base_ref}
+
+    def full(params: model.Params) -> model.Params:
+        """The model the trained parameters are part of: themselves, or the base with them as its adapter."""
+        return params if base is None else {**base, "lora": params}
+
+    def language_model() -> api.LanguageModel:
+        if base_lm is None:
+            return api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
+        return api.LanguageModel(
+            model_cfg, full(state.params), mesh, base_lm.dtype, folder=out_dir, quantized=base_lm.quantized
+        )
 
     def save(step: int) -> None:
         nonlocal last_saved
         desc = checkpoint.description(
-            model_cfg, state.params, step=step, loader=loader.state.to_dict(), train_config=_jsonable(cfg)
+            model_cfg, state.params, step=step, loader=loader.state.to_dict(), train_config=_jsonable(cfg), **lora_desc
         )
         ckpts.save(step, state.params, state.opt_state, desc)
         last_saved = step
@@ -539,7 +592,7 @@ def _train(
             ):
                 t = _global_batch(tokens, rows, (cfg.micro_batch_size, ds.seq_len + 1))
                 w = _global_batch(weights, weights_sharding, (cfg.micro_batch_size,))
-                s, c = eval_fn(state.params, t, w)
+                s, c = eval_fn(full(state.params), t, w)
                 total, count = total + _scalar(s), count + _scalar(c)
             values[f"val/{name}"] = total / count
         result.val_losses[step] = values
@@ -549,7 +602,7 @@ def _train(
     def run_eval_tasks(step: int) -> None:
         from meshlm.evaluate import evaluate_tasks
 
-        lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
+        lm = language_model()
         metrics = evaluate_tasks(lm, cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path)
         values = {f"eval/{k}": v for k, v in metrics.items()}
         log.write(step, values)
@@ -559,7 +612,13 @@ def _train(
     show = print if main else lambda *_: None
     say = tqdm.write if main else lambda *_: None
     n_params = model.count_params(model_cfg)
-    show(f"meshlm train: {n_params:,} params on {describe(mesh)}; {len(train_ds):,} train sequences")
+    what = f"{n_params:,} params"
+    if cfg.lora is not None:
+        what = (
+            f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {adapter_size(model_cfg, cfg.lora):,} "
+            f"trainable of {what}; base {base_ref['dtype']}"
+        )
+    show(f"meshlm train: {what} on {describe(mesh)}; {len(train_ds):,} train sequences")
     bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not (progress and main))
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time = time.perf_counter()
@@ -586,7 +645,7 @@ def _train(
     with _stop_on_signals() as signals, jax.set_mesh(mesh):
         while step < cfg.total_steps and not _any_process(bool(signals)):
             batch = _global_batch(next(loader), batch_sharding, global_shape)
-            state, metrics = step_fn(state, batch)
+            state, metrics = step_fn(state, batch) if base is None else step_fn(state, batch, base)
             step += 1
             if pending:
                 record(*pending)
@@ -615,10 +674,73 @@ def _train(
     if result.stopped_by_signal:
         why = f"signal {signals[0]}" if signals else "a signal to another process"
         show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
-    result.lm = api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
+    result.lm = language_model()
     if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result
+
+
+ADAPTER_KEY = 2**32 - 1  # folded into the seed's key for a new adapter: apart from the base's and dropout's keys
+
+
+def base_reference(cfg: TrainConfig) -> dict[str, Any]:
+    """What a LoRA run's frozen base is built from, as its checkpoints record it so that a resume rebuilds
+    the same base: `init_from` as an absolute path (a run folder resolved to its latest step, which would
+    otherwise move on), else the random model of `seed`; `dtype` is how the base is stored."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(checkpoint.resolve(path)).absolute())
+
+    return {
+        "init_from": absolute(cfg.init_from),
+        "seed_config": absolute(cfg.seed_config),
+        "dtype": cfg.frozen_dtype,
+        "seed": None if cfg.init_from else cfg.seed,
+    }
+
+
+def resumed_base(cfg: TrainConfig, desc: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    """The base that the run's checkpoint `folder` (description `desc`) records (None: a full run's),
+    once the config is checked to train what the checkpoint holds. The run's base comes from its
+    checkpoints, like its model: a config that leaves init_from or base_dtype out resumes with them,
+    one that names another is refused rather than ignored."""
+    saved = LoraConfig.from_dict(desc["lora"]) if "lora" in desc else None
+    if saved is None and cfg.lora is None:
+        return None
+    if saved is None:
+        raise ConfigError(
+            f"{folder} is a full training run's checkpoint, but the config has a lora section; train the adapter "
+            f"in a new out_dir, with init_from {folder.parent.parent} to start from this run's model"
+        )
+    if cfg.lora is None:
+        raise ConfigError(
+            f"{folder} holds a LoRA adapter (rank {saved.rank} on {', '.join(saved.targets)}), but the config has "
+            "no lora section; resume with the run's lora settings, or train in a new out_dir"
+        )
+    if saved != cfg.lora:
+        raise ConfigError(
+            f"lora {cfg.lora.to_dict()} differs from {saved.to_dict()}, which {folder} was trained with; resume "
+            "with the run's lora settings, or train in a new out_dir"
+        )
+    base, named = desc["base"], base_reference(cfg)
+    if cfg.init_from and named["init_from"] != base["init_from"]:
+        trained_on = base["init_from"] or f"a random model of seed {base['seed']}"
+        raise ConfigError(
+            f"init_from {named['init_from']} is not the base the adapter in {folder} was trained on ({trained_on})"
+        )
+    if cfg.base_dtype and cfg.base_dtype != base["dtype"]:
+        raise ConfigError(f"base_dtype {cfg.base_dtype} differs from {base['dtype']}, the base of {folder}")
+    return base
+
+
+def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, compute_dtype: str) -> api.LanguageModel:
+    """A LoRA run's frozen base on `mesh`, as `base_reference` describes it (`model_cfg`: a random
+    base's config). A quantized base keeps its other weights (embedding, norms, head) in `compute_dtype`."""
+    quantize = base["dtype"] if base["dtype"] in QUANTIZED else None
+    dtype = compute_dtype if quantize else base["dtype"]
+    if base["init_from"]:
+        return api.load(base["init_from"], mesh, dtype, seed_config=base["seed_config"], quantize=quantize)
+    return api.from_config(model_cfg, mesh, dtype, base["seed"], quantize=quantize)
 
 
 def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:

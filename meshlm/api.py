@@ -274,10 +274,16 @@ def load(
     first use (`lm.tokenizer`), so models used token by token need none.
     `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
     rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
-    or a meshlm LoRA run (or one of its steps).
+    or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base with its adapter.
     """
     dtype_of(dtype)
     path, fmt = registry.resolve(path)
+    if fmt == "meshlm" and adapters.is_lora_run(path):  # a LoRA run: its base, with its adapter
+        base = adapters.run_base(checkpoint.read_description(path))
+        if base is None or adapter is not None:
+            why = "it trained on a random base (no init_from)" if base is None else "give the adapter alone"
+            raise ConfigError(f"{path} is a LoRA run's adapter, not a model: {why}")
+        return load(base, mesh, dtype, seed_config=seed_config, tokenizer=tokenizer, quantize=quantize, adapter=path)
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm" and seed_config is None and not quantize:  # orbax restores its own arrays onto any mesh
         cfg, params = checkpoint.restore_params(path, device_mesh, dtype)

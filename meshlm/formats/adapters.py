@@ -317,6 +317,23 @@ def _fuse(
     return modules[roles[0]][0].format(layer), A, layout.join(parts), total, scales.pop()
 
 
+def export_run(run: str | Path, folder: str | Path) -> Path:
+    """Write a meshlm LoRA run's adapter (its latest step, or the step given) as a PEFT folder for the
+    base's transformers class: the base folder's own architecture when it is a Hugging Face folder (so a
+    CodeGen base gets CodeGen's module names), else the one `hf.export_arch` picks. Returns the step read."""
+    run = Path(checkpoint.resolve(run))
+    if not (Path(run).exists() and is_lora_run(run)):
+        raise CheckpointError(f"{run}: not a meshlm LoRA run (its checkpoints hold no adapter)")
+    desc, adapter = read_run(run)
+    cfg = ModelConfig.from_dict(desc["model"])
+    base = run_base(desc)
+    arch = hf.export_arch(cfg)
+    if base is not None and hf.detect(base):
+        arch = hf.ARCHS.get(read_json(Path(base) / "config.json", "").get("model_type"), arch)
+    write_peft(folder, adapter, cfg, arch, dropout=desc["lora"].get("dropout", 0.0), base=base)
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------
 # Merging
 

@@ -18,11 +18,12 @@ from peft import PeftModel, get_peft_model
 from safetensors.numpy import load_file, save_file
 
 import meshlm
-from meshlm import CheckpointError, ConfigError, api, model, quant
+from meshlm import CheckpointError, ConfigError, api, cli, model, quant
 from meshlm.config import LoraConfig
 from meshlm.formats import adapters, hf
 from tests import oracle
 from tests.test_family_hf import ARCHS as FAMILY
+from tests.test_generate import greedy, hf_greedy
 
 MESH = "data=2,fsdp=2,model=2"
 VOCAB = 256
@@ -192,9 +193,7 @@ def test_fresh_adapter_changes_nothing(bases):
 
 
 def test_adapter_of_another_architecture_is_refused(bases, saved_adapters):
-    with pytest.raises(
-        CheckpointError, match="module .gpt_neox.* is not a projection of this 2-layer GPTJForCausalLM"
-    ):
+    with pytest.raises(CheckpointError, match="module .gpt_neox.* is not a projection of this 2-layer GPTJForCausalLM"):
         meshlm.load(bases["gptj"], adapter=saved_adapters["neox"][0])
 
 
@@ -310,3 +309,28 @@ def test_nf4_needs_whole_blocks(tmp_path):
     cfg = meshlm.preset("gptj-demo").replace(d_model=48, n_head=4, d_ff=96, rotary_dim=4)
     with pytest.raises(ConfigError, match="nf4 quantizes blocks of 64"):
         meshlm.from_config(cfg, quantize="nf4")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running with an adapter, and the command line
+
+
+def test_greedy_generation_with_an_adapter_matches_peft(bases, saved_adapters):
+    """Decoding with the KV cache runs the adapter too: token for token what peft's model generates."""
+    folder, _ = saved_adapters["neo"]
+    lm = meshlm.load(bases["neo"], adapter=folder)
+    m = oracle.HFModel(bases["neo"], PeftModel.from_pretrained(oracle.load_hf(bases["neo"]), folder).eval())
+    prompts = [[5, 17, 99, 3], [42, 7, 7, 130, 2, 9]]
+    got = lm.generate_tokens(prompts, greedy(10))
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.tokens == hf_greedy(m, prompt, 10)[0]
+
+
+def test_merge_and_export_on_the_command_line(bases, saved_adapters, tmp_path):
+    folder, want = saved_adapters["codegen"]
+    assert cli.main(["merge", str(bases["codegen"]), str(folder), str(tmp_path / "merged")]) == 0
+    np.testing.assert_allclose(meshlm.load(tmp_path / "merged").logits(TOKENS), want, atol=1e-4, rtol=0)
+    # nothing is overwritten; a base that is not a model is one line
+    assert cli.main(["merge", str(bases["codegen"]), str(folder), str(tmp_path / "merged")]) == 1
+    assert cli.main(["merge", str(folder), str(folder), str(tmp_path / "other")]) == 1
+    assert cli.main(["export-adapter", str(bases["codegen"]), str(tmp_path / "x")]) == 1

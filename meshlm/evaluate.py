@@ -122,7 +122,8 @@ class MeshLM(TemplateLM):
     model_args: pretrained (checkpoint folder, or a loaded LanguageModel from Python), mesh (a spec such as
     "data=2,fsdp=2,model=2", which works inside lm-eval's comma-separated model_args too), dtype,
     batch_size, max_length (defaults to the model's context), max_gen_toks, tokenizer (a tokenizer.json or
-    .tiktoken file, or a model folder; default: the model's own, as `LanguageModel.tokenizer`).
+    .tiktoken file, or a model folder; default: the model's own, as `LanguageModel.tokenizer`), adapter
+    (a LoRA adapter: a PEFT folder or a meshlm LoRA run) and quantize ("int8" or "nf4"), as `meshlm.load`.
     """
 
     def __init__(
@@ -137,6 +138,8 @@ class MeshLM(TemplateLM):
         device: str | None = None,
         max_batch_size: int | None = None,
         seed: int = 1234,
+        adapter: str | None = None,
+        quantize: str | None = None,
         **mesh_axes: int,
     ):
         super().__init__()
@@ -144,7 +147,8 @@ class MeshLM(TemplateLM):
         if isinstance(pretrained, LanguageModel):
             self.lm = pretrained
         else:
-            self.lm = load(pretrained, mesh=mesh_spec(mesh, **mesh_axes), dtype=dtype)
+            mesh = mesh_spec(mesh, **mesh_axes)
+            self.lm = load(pretrained, mesh=mesh, dtype=dtype, adapter=adapter, quantize=quantize)
         self.tokenizer = self.lm.tokenizer if tokenizer is None else load_tokenizer(tokenizer)
         if isinstance(batch_size, str):
             batch_size = None if batch_size.startswith("auto") else int(batch_size)

@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,7 +74,7 @@ def in_repo_root():
         os.chdir(before)
 
 
-def harness(model: str, model_args: str, batch_size: int) -> dict:
+def harness(model: str, model_args: str, batch_size: int, tasks: list[str] = TASKS) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -81,7 +82,7 @@ def harness(model: str, model_args: str, batch_size: int) -> dict:
         return lm_eval.simple_evaluate(
             model=model,
             model_args=model_args,
-            tasks=TASKS,
+            tasks=tasks,
             batch_size=batch_size,
             device="cpu",
             task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
@@ -105,6 +106,11 @@ def responses(results: dict, task: str) -> list:
     return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
+def unwrap(response: Any) -> Any:
+    """One request's response: lm-eval wraps some in a one-element list."""
+    return response[0] if isinstance(response, list | tuple) and len(response) == 1 else response
+
+
 def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):
     expected = evaluate.flatten_metrics(hf_results)
     got = evaluate.flatten_metrics(meshlm_results)
@@ -119,8 +125,7 @@ def test_per_request_loglikelihoods_match_the_hf_backend(hf_results, meshlm_resu
     assert len(got) == len(expected) > 0
     for exp_doc, got_doc in zip(expected, got, strict=True):
         for exp_req, got_req in zip(exp_doc, got_doc, strict=True):
-            exp_req = exp_req[0] if isinstance(exp_req, list | tuple) and len(exp_req) == 1 else exp_req
-            got_req = got_req[0] if isinstance(got_req, list | tuple) and len(got_req) == 1 else got_req
+            exp_req, got_req = unwrap(exp_req), unwrap(got_req)
             if task == "meshlm_test_wikitext":
                 # A whole document's log-likelihood is about -4000 for the 325-token one, where one float32 step
                 # is 2.4e-4 and the hf backend sums in float32: agreement to a few float32 steps.
@@ -254,3 +259,22 @@ def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_
     logged = {k: v for r in records if r["step"] == 2 for k, v in r.items() if k.startswith("eval/")}
     assert set(logged) == {"eval/meshlm_test_lambada/perplexity", "eval/meshlm_test_lambada/acc"}
     assert logged == {f"eval/{k}": pytest.approx(v, rel=1e-6) for k, v in expected.items()}
+
+
+def test_an_adapter_gives_the_hf_backends_metrics_with_peft(hf_gptj, tmp_path):
+    """`adapter=` against lm-eval's hf backend with `peft=`, on the same random LoRA adapter, unmerged."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    settings = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc_out"], init_lora_weights=False)
+    get_peft_model(oracle.load_hf(hf_gptj.path), settings).save_pretrained(tmp_path / "adapter")
+    tasks = ["meshlm_test_mc", "meshlm_test_gen"]
+    args = f"pretrained={hf_gptj.path},dtype=float32"
+    expected = harness("hf", f"{args},peft={tmp_path / 'adapter'}", batch_size=1, tasks=tasks)
+    got = harness("meshlm", f"{args},adapter={tmp_path / 'adapter'}", batch_size=4, tasks=tasks)
+    plain = harness("meshlm", args, batch_size=4, tasks=tasks)
+    assert responses(got, "meshlm_test_gen") == responses(expected, "meshlm_test_gen")
+    assert responses(plain, "meshlm_test_gen") != responses(expected, "meshlm_test_gen")  # the adapter matters
+    for exp_doc, got_doc in zip(*(responses(r, "meshlm_test_mc") for r in (expected, got)), strict=True):
+        for exp_req, got_req in zip(exp_doc, got_doc, strict=True):
+            assert unwrap(got_req)[0] == pytest.approx(unwrap(exp_req)[0], abs=1e-4)

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
-from meshlm.config import ConfigError, InputError, ModelConfig, dtype_of
+from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.formats import adapters, hf, registry
 from meshlm.formats.slices import place
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
@@ -264,26 +264,43 @@ def load(
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face folder or a seed step_N folder onto `mesh`.
 
-    A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
+        A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
 
-    `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
-    `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
-    dimensions that its weights do not record; GPT-J-6B's values are the default.
-    `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
-    checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
-    first use (`lm.tokenizer`), so models used token by token need none.
-    `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
-    rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
-    or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base with its adapter.
+        `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
+        `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
+        dimensions that its weights do not record; GPT-J-6B's values are the default.
+        `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
+        checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
+        first use (`lm.tokenizer`), so models used token by token need none.
+        `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
+        rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
+        or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base (quantized as it
+    was trained, unless `quantize` says otherwise) with its adapter.
     """
     dtype_of(dtype)
     path, fmt = registry.resolve(path)
     if fmt == "meshlm" and adapters.is_lora_run(path):  # a LoRA run: its base, with its adapter
-        base = adapters.run_base(checkpoint.read_description(path))
-        if base is None or adapter is not None:
-            why = "it trained on a random base (no init_from)" if base is None else "give the adapter alone"
-            raise ConfigError(f"{path} is a LoRA run's adapter, not a model: {why}")
-        return load(base, mesh, dtype, seed_config=seed_config, tokenizer=tokenizer, quantize=quantize, adapter=path)
+        if adapter is not None:
+            raise ConfigError(f"{path} is a LoRA run's adapter, not a base for another adapter")
+        desc = checkpoint.read_description(path)
+        base = adapters.run_base(desc)
+        quantize = quantize or (base["dtype"] if base["dtype"] in QUANTIZED else None)  # as it was trained
+        if base["init_from"] is None:  # the random model of the run's seed
+            cfg = ModelConfig.from_dict(desc["model"])
+            lm = from_config(cfg, mesh, dtype, base["seed"], tokenizer, quantize)
+            lm.params = {**lm.params, "lora": adapters.load(path, cfg, lm.mesh, dtype)}
+            lm.folder = path
+            return lm
+        seed_config = seed_config or base["seed_config"]
+        return load(
+            base["init_from"],
+            mesh,
+            dtype,
+            seed_config=seed_config,
+            tokenizer=tokenizer,
+            quantize=quantize,
+            adapter=path,
+        )
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm" and seed_config is None and not quantize:  # orbax restores its own arrays onto any mesh
         cfg, params = checkpoint.restore_params(path, device_mesh, dtype)

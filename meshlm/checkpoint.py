@@ -13,7 +13,8 @@ CheckpointManager: `params/` (same layout as above), `opt_state/`, and `meshlm/m
 description plus step, loader position and train config). Orbax writes each step in a temporary
 folder and renames it when every item is complete, so a crash mid-save leaves nothing that restores.
 `meshlm.load` reads either kind, and a run folder (its latest step). Restoring reads straight into
-any mesh and dtype.
+any mesh and dtype. A LoRA run's `params/` holds its adapter alone; its description says so (`lora`,
+the adapter's settings) and records what the frozen base was built from (`base`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def model_description(path: str | Path) -> dict[str, Any]:
     desc = read_description(path)
     if "lora" in desc:
         raise CheckpointError(
-            f"{path}: a LoRA run's checkpoint, which holds an adapter only; load its base with adapter={path}"
+            f"{path}: a LoRA run's checkpoint holds an adapter, not a model; load the run (its base with the "
+            "adapter) or merge the adapter into its base (`meshlm merge`)"
         )
     return desc
 

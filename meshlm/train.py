@@ -6,6 +6,10 @@ at 1.0, decoupled weight decay on matrices only, learning rate warmed up linearl
 along a half cosine to `end_lr` over `anneal_steps`, flat after that. Parameters are kept in fp32
 (`param_dtype`) and cast to `compute_dtype` inside the model; optimizer state takes the parameters'
 shardings, so with an `fsdp` axis it is sharded ZeRO-3 style.
+
+With a `lora` section only a LoRA adapter trains (its gradients and optimizer state alone) over a frozen
+base stored as `base_dtype`: float, int8 or NF4. The base is rebuilt, never saved: checkpoints hold the
+adapter and its optimizer state, and record what the base was built from.
 """
 
 from __future__ import annotations
@@ -504,8 +508,9 @@ def _train(
             raise ConfigError(f"{base_ref['init_from']} is no longer the model the run's adapter was trained on")
         model_cfg = base_lm.config
         # the train config the checkpoints record names the base as resolved (a resume rebuilds that one)
-        cfg = cfg.replace(init_from=base_ref["init_from"], seed_config=base_ref["seed_config"])
-        cfg = cfg.replace(base_dtype=base_ref["dtype"])
+        cfg = cfg.replace(
+            init_from=base_ref["init_from"], seed_config=base_ref["seed_config"], base_dtype=base_ref["dtype"]
+        )
     if train_ds.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     if train_ds.eos_id >= model_cfg.vocab_size:

@@ -334,3 +334,23 @@ def test_merge_and_export_on_the_command_line(bases, saved_adapters, tmp_path):
     assert cli.main(["merge", str(bases["codegen"]), str(folder), str(tmp_path / "merged")]) == 1
     assert cli.main(["merge", str(folder), str(folder), str(tmp_path / "other")]) == 1
     assert cli.main(["export-adapter", str(bases["codegen"]), str(tmp_path / "x")]) == 1
+
+
+def test_a_trained_adapter_exported_for_peft_gives_meshlm_logits(bases, tmp_path):
+    """`meshlm train` with a lora section on a transformers base, `meshlm export-adapter`, then peft."""
+    from meshlm import train
+    from tests.test_train import tiny_config, write_dataset
+
+    rows = np.random.default_rng(3).integers(0, VOCAB, (8, 17))
+    data = write_dataset(tmp_path / "data", rows, rows)
+    lora = {"rank": 2, "alpha": 4.0, "targets": ["q", "v", "out", "fc_out"]}
+    cfg = tiny_config(data, tmp_path / "run", model=meshlm.load(bases["neox"]).config, lora=lora,
+                      init_from=str(bases["neox"]), total_steps=3)  # fmt: skip
+    result = train.train(cfg, progress=False)
+    assert cli.main(["export-adapter", str(tmp_path / "run"), str(tmp_path / "peft")]) == 0
+    theirs = peft_logits(PeftModel.from_pretrained(oracle.load_hf(bases["neox"]), tmp_path / "peft").eval())
+    np.testing.assert_allclose(result.lm.logits(TOKENS), theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - meshlm.load(bases["neox"]).logits(TOKENS)).max() > 1e-3  # the adapter trained
+    assert json.loads((tmp_path / "peft" / adapters.CONFIG).read_text())["base_model_name_or_path"] == str(
+        bases["neox"].absolute()
+    )

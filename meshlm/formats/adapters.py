@@ -193,9 +193,10 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], Adapter]:
     return desc, jax.tree.map(lambda x: np.asarray(x, np.float32), adapter)
 
 
-def run_base(desc: dict[str, Any]) -> str | None:
-    """The base model a LoRA run trained its adapter on (None: a random base from the run's seed)."""
-    return desc.get("train_config", {}).get("init_from")
+def run_base(desc: dict[str, Any]) -> dict[str, Any]:
+    """What a LoRA run's frozen base was built from (see `train.base_reference`): `init_from` (an absolute
+    path, or None for the random model of `seed`), `seed_config` and `dtype` (how it was stored)."""
+    return desc["base"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def export_run(run: str | Path, folder: str | Path) -> Path:
         raise CheckpointError(f"{run}: not a meshlm LoRA run (its checkpoints hold no adapter)")
     desc, adapter = read_run(run)
     cfg = ModelConfig.from_dict(desc["model"])
-    base = run_base(desc)
+    base = run_base(desc)["init_from"]
     arch = hf.export_arch(cfg)
     if base is not None and hf.detect(base):
         arch = hf.ARCHS.get(read_json(Path(base) / "config.json", "").get("model_type"), arch)

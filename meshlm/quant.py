@@ -54,7 +54,8 @@ class Int8Weight:
 
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         n_in = self.codes.ndim - self.scale.ndim  # one layer's weight: the scale covers the output dims
-        return (self.codes.astype(jnp.float32) * self.scale.reshape((1,) * n_in + self.scale.shape)).astype(dtype)
+        # in `dtype` (every int8 is exact in bfloat16): no float32 copy of the layer's weight is ever made
+        return self.codes.astype(dtype) * self.scale.reshape((1,) * n_in + self.scale.shape).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -71,8 +72,9 @@ class NF4Weight:
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         high, low = self.codes >> 4, self.codes & 15
         index = jnp.stack([high, low], axis=2).reshape(self.absmax.shape[0], NF4_BLOCK, *self.absmax.shape[1:])
-        values = jnp.asarray(nf4_code())[index.astype(jnp.int32)] * self.absmax[:, None]
-        return values.reshape(*self.in_shape, *self.absmax.shape[1:]).astype(dtype)
+        # looked up and scaled in `dtype`: no float32 copy of the layer's weight is ever made
+        values = jnp.asarray(nf4_code(), dtype)[index] * self.absmax[:, None].astype(dtype)
+        return values.reshape(*self.in_shape, *self.absmax.shape[1:])
 
 
 QuantizedWeight = Int8Weight | NF4Weight

@@ -54,8 +54,7 @@ class Int8Weight:
 
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         n_in = self.codes.ndim - self.scale.ndim  # one layer's weight: the scale covers the output dims
-        # in `dtype` (every int8 is exact in bfloat16): no float32 copy of the layer's weight is ever made
-        return self.codes.astype(dtype) * self.scale.reshape((1,) * n_in + self.scale.shape).astype(dtype)
+        return (self.codes.astype(jnp.float32) * self.scale.reshape((1,) * n_in + self.scale.shape)).astype(dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -13,6 +13,11 @@ jitted matmul: the whole model is never held dequantized.
   (`nf4_code`). Blocks run along the input dimension, as bitsandbytes blocks a torch [out, in]
   weight, so the output dimensions (heads, d_ff) keep their names and their tensor-parallel sharding.
   Two codes share a byte (first in the high nibble). Scales stay float32 (no double quantization).
+
+Why not Google's qwix: it quantizes a Flax (Linen/NNX) model by intercepting its layers' ops, and
+meshlm's model is pure functions over a plain parameter pytree scanned over layers; what is needed
+here is two formulas and a pytree that the scan slices, and NF4 must be bitsandbytes' exactly (the
+tests check it against bitsandbytes' own quantizer), so the formulas are written out below.
 """
 
 from __future__ import annotations

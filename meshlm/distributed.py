@@ -1,8 +1,9 @@
 """Multi-controller start-up: the same program runs on every host and the hosts form one global mesh.
 
-No orchestrator: each process calls `initialize` before touching devices. On TPU pod slices, SLURM,
-Open MPI and Kubernetes, JAX finds the coordinator itself; elsewhere it comes from
-`--coordinator/--num-processes/--process-id` or the `MESHLM_*` variables that `meshlm launch` sets.
+No orchestrator: each process calls `initialize` before touching devices. Where JAX's own cluster
+detection finds the job (TPU pod slices, SLURM, Open MPI, Kubernetes; see `detected_cluster`), JAX
+finds the coordinator itself; elsewhere it comes from `--coordinator/--num-processes/--process-id` or
+the `MESHLM_*` variables that `meshlm launch` sets.
 A process that dies makes the others stop after `heartbeat_timeout_s` instead of hanging.
 """
 
@@ -25,15 +26,17 @@ ENV_PROCESS_ID = "MESHLM_PROCESS_ID"
 DEFAULT_HEARTBEAT_S = 60
 
 
-def cluster_detected() -> bool:
-    """True under a multi-process launcher whose environment JAX reads by itself."""
-    env = os.environ
-    return (
-        int(env.get("SLURM_NTASKS", "1")) > 1
-        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-        or "JAX_COORDINATOR_ADDRESS" in env
-    )
+def detected_cluster() -> str | None:
+    """The cluster that `jax.distributed.initialize()` would join by itself, by JAX's own detection (TPU
+    pod slices on GCE and GKE, SLURM, Open MPI, Kubernetes), or "JAX_COORDINATOR_ADDRESS" when that
+    variable is set; None on a lone machine. JAX's detectors have no public entry point, so this asks
+    the same registry `initialize` consults."""
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:
+        return "JAX_COORDINATOR_ADDRESS"
+    from jax._src import clusters
+
+    detectors = (c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method)
+    return next((c.__name__ for c in detectors if c.is_env_present()), None)
 
 
 def initialize(
@@ -60,7 +63,7 @@ def initialize(
         jax.distributed.initialize(
             coordinator, num_processes, process_id, heartbeat_timeout_seconds=heartbeat_timeout_s
         )
-    elif cluster_detected():
+    elif detected_cluster():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
 
 

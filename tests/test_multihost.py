@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -129,3 +130,24 @@ def test_a_dying_process_stops_the_job_with_a_clear_message(tmp_path):
     assert result.returncode == 7
     assert "process 1 exited with code 7; stopping the others" in result.stderr
     assert time.monotonic() - start < 60
+
+
+def test_a_cluster_is_joined_by_jaxs_own_detection_and_a_lone_machine_is_not(monkeypatch):
+    """SLURM's variables make `initialize` call `jax.distributed.initialize()` with nothing of meshlm's;
+    without them, nothing is called."""
+    from meshlm import distributed
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
+    for var in ("MESHLM_COORDINATOR", "MESHLM_NUM_PROCESSES", "MESHLM_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.detected_cluster() is None
+    distributed.initialize()
+    assert calls == []
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}  # fmt: skip
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.detected_cluster() == "SlurmCluster"
+    distributed.initialize(heartbeat_timeout_s=5)
+    assert calls == [((), {"heartbeat_timeout_seconds": 5})]

@@ -151,7 +151,7 @@ def bench_train(
         warmup_steps=0,
         anneal_steps=10,
     )
-    opt = train.make_optimizer(tcfg, cfg, state_dtype=None if state_dtype == "float32" else state_dtype)
+    opt = train.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
     shardings = train.state_shardings(cfg, opt, mesh)
     step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
 

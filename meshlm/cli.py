@@ -262,18 +262,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from meshlm import config, train
 
-    overrides = list(args.set or [])
-    if args.init_from:
-        overrides.append(f"init_from={args.init_from}")
+    # typed flags go straight into the config (a folder named "2024" stays a string); they win over --set
+    flags = {"init_from": args.init_from, "seed_config": args.seed_config, "mesh": args.mesh, "out_dir": args.out_dir}
+    flags = {key: value for key, value in flags.items() if value is not None}
     if args.resume_optimizer:
-        overrides.append("resume_optimizer=true")
-    if args.seed_config:
-        overrides.append(f"seed_config={args.seed_config}")
-    if args.mesh:
-        overrides.append(f"mesh={args.mesh}")
-    if args.out_dir:
-        overrides.append(f"out_dir={args.out_dir}")
-    cfg = config.load_train_config(args.config, overrides)
+        flags["resume_optimizer"] = True
+    cfg = config.load_train_config(args.config, args.set or [], flags)
     result = train.train(cfg, progress=not args.no_progress)
     if jax.process_index() == 0:
         print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")

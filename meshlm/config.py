@@ -400,6 +400,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    adam_dtype: str = "float32"  # how Adam's two moments are stored between steps; "bfloat16" saves 4 bytes/param
     clip_norm: float = 1.0
     z_loss: float = 0.0
     param_dtype: str = "float32"
@@ -460,6 +461,12 @@ class TrainConfig:
                 raise ConfigError(f"train config: {key} needs init_from (the seed checkpoint to start from)")
         if self.lora is not None:
             object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
+        if self.adam_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train config: adam_dtype must be float32 or bfloat16, got {self.adam_dtype!r}")
+        if self.adam_dtype != "float32" and self.resume_optimizer:
+            raise ConfigError(
+                "train config: resume_optimizer continues the seed's moments as stored; keep adam_dtype float32"
+            )
         _ = self.policy  # checks the dtypes, remat and attention names
         if self.base_dtype is not None:
             if self.base_dtype not in QUANTIZED:
@@ -663,9 +670,12 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
-def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML/JSON config (meshlm's or the seed's), apply `key=value` overrides, validate."""
-    values: dict[str, Any] = {}
+def load_train_config(
+    path: str | Path | None = None, overrides: list[str] = (), values: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Read a YAML/JSON config (meshlm's or the seed's), apply `key=value` overrides, then the already
+    typed `values` (the command line's flags, which win), validate."""
+    read: dict[str, Any] = {}
     if path is not None:
         import yaml
 
@@ -675,11 +685,11 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         try:
-            values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            read = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise ConfigError(f"{path}: cannot parse ({e})") from None
-        if not isinstance(values, dict):
+        if not isinstance(read, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
-        if is_seed_config(values):
-            values = from_seed_config(values)
-    return TrainConfig.from_dict(apply_overrides(values, list(overrides)))
+        if is_seed_config(read):
+            read = from_seed_config(read)
+    return TrainConfig.from_dict({**apply_overrides(read, list(overrides)), **(values or {})})

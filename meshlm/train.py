@@ -81,8 +81,8 @@ def decay_mask(cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params
 def make_optimizer(
     cfg: TrainConfig, model_cfg: ModelConfig, state_dtype: str | None = None
 ) -> optax.GradientTransformation:
-    """The seed's AdamW. `state_dtype` "bfloat16" stores both moments in bf16 between steps (they are
-    updated in fp32), which saves 4 bytes per parameter where memory is short."""
+    """The seed's AdamW. `state_dtype` (default: the config's `adam_dtype`) "bfloat16" stores both moments in
+    bf16 between steps (they are updated in fp32), which saves 4 bytes per parameter where memory is short."""
     adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(
@@ -94,7 +94,8 @@ def make_optimizer(
             mask=decay_mask(model_cfg, cfg.lora),
         ),
     )
-    return adamw if state_dtype is None else stored_as(adamw, dtype_of(state_dtype))
+    state_dtype = state_dtype or cfg.adam_dtype
+    return adamw if state_dtype == "float32" else stored_as(adamw, dtype_of(state_dtype))
 
 
 def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:
@@ -759,7 +760,7 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
             f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
             "checkpoint carries Adam's moments to resume"
         )
-    # Moments take the parameters' dtype, as optax's Adam keeps them (make_optimizer is given no state_dtype here).
+    # Moments take the parameters' dtype, as optax's Adam keeps them (adam_dtype is float32 with resume_optimizer).
     seed = mtj.load_optimizer_moments(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
     if seed.step >= cfg.total_steps:
         raise ConfigError(

@@ -18,7 +18,7 @@ import torch
 
 import meshlm
 from meshlm import checkpoint, cli, data, model, train
-from meshlm.config import ModelConfig, TrainConfig, load_train_config
+from meshlm.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from meshlm.loader import LoaderState, TrainLoader
 from meshlm.sharding import make_mesh
 from tests import oracle
@@ -93,6 +93,23 @@ def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
         v_hat = (1 - 0.999) * g**2 / (1 - 0.999)
         want = p - 0.01 * (m_hat / (np.sqrt(v_hat) + 1e-8) + (0.3 * p if decay else 0))
         np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_adam_moments_are_stored_in_bf16_and_update_like_fp32_ones():
+    """`adam_dtype: bfloat16` keeps both moments in bf16 between steps and computes the update in fp32."""
+    params = model.init(CFG8, jax.random.key(0))
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+    steps = {}
+    for dtype in ("float32", "bfloat16"):
+        opt = train.make_optimizer(TrainConfig(lr=0.01, warmup_steps=0, adam_dtype=dtype), CFG8)
+        updates, state = jax.jit(opt.update)(grads, opt.init(params), params)
+        moments = [x for x in jax.tree.leaves(state) if x.ndim > 0]
+        assert {x.dtype for x in moments} == {jnp.dtype(dtype)}
+        steps[dtype] = updates
+    for want, got in zip(jax.tree.leaves(steps["float32"]), jax.tree.leaves(steps["bfloat16"]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-6)  # bf16's 8-bit mantissa
+    with pytest.raises(ConfigError, match="adam_dtype must be float32 or bfloat16"):
+        TrainConfig(adam_dtype="float16")
 
 
 def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
@@ -392,6 +409,20 @@ def run_cli_error(capsys, *argv) -> str:
     assert len(err.splitlines()) == 1, err
     assert err.startswith("meshlm train: error: ")
     return err
+
+
+def test_typed_flags_are_not_reparsed_as_yaml(monkeypatch):
+    """--out-dir 2024 names a folder "2024", not the integer 2024; flags win over --set."""
+    seen = []
+
+    def record(cfg: TrainConfig, progress: bool) -> train.TrainResult:
+        seen.append(cfg)
+        return train.TrainResult(Path(cfg.out_dir), 0)
+
+    monkeypatch.setattr(train, "train", record)
+    argv = ["train", "--set", "out_dir=elsewhere", "--out-dir", "2024", "--mesh", "data=1", "--init-from", "yes"]
+    assert cli.main(argv) == 0
+    assert (seen[0].out_dir, seen[0].mesh, seen[0].init_from) == ("2024", "data=1", "yes")
 
 
 def test_bad_inputs_each_give_one_clear_line(tmp_path, capsys, dataset):

@@ -7,7 +7,7 @@ Three layers, each used by the next:
   chunk of steps inside one `lax.while_loop`, over a batch of rows whose state (`Rows`) stays on the
   devices; rows can be written into the slots of a running batch, which is how the server batches
   requests that arrive at different times;
-- host bookkeeping (`Sequence`): collects a row's tokens, detokenises incrementally, applies stop
+- host bookkeeping (`RowOutput`): collects a row's tokens, detokenises incrementally, applies stop
   strings, and `generate` drives a fixed batch to the end.
 
 Shapes are bucketed (batch and prompt to powers of two, the cache to a power of two or the context),
@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable, Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -204,12 +203,12 @@ class Step(NamedTuple):
     done: np.ndarray  # [B] bool: the row has finished (stop token or max_new_tokens)
 
 
-def any_sampling(params: Seq[SamplingParams | None]) -> bool:
+def any_sampling(params: Sequence[SamplingParams | None]) -> bool:
     """Whether any row draws at random (temperature above 0), rather than all decoding greedily."""
     return any(sp is not None and sp.temperature > 0 for sp in params)
 
 
-def settings_for(params: Seq[SamplingParams | None], n_rows: int) -> Settings:
+def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settings:
     """Host arrays for `n_rows` rows; rows beyond `params` (padding) are greedy and produce nothing."""
     stop_ids = np.full((n_rows, MAX_STOP_IDS), -1, np.int32)
     values = np.zeros((5, n_rows), np.float64)
@@ -379,7 +378,7 @@ class Generator:
             )
 
     def prefill(
-        self, prompts: Seq[Seq[int]], params: Seq[SamplingParams], n_rows: int, cache_len: int
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], n_rows: int, cache_len: int
     ) -> tuple[Rows, Step]:
         """Run the prompts (right-padded to a common bucketed length) and choose each row's first token."""
         for prompt, sp in zip(prompts, params, strict=True):
@@ -411,7 +410,7 @@ class Generator:
             )
         return rows, self._to_host(out, rows)
 
-    def insert(self, rows: Rows, new: Rows, slots: Seq[int]) -> Rows:
+    def insert(self, rows: Rows, new: Rows, slots: Sequence[int]) -> Rows:
         """Rows of `new` into `slots` of a running batch (the rest of `new` is padding)."""
         index = np.full(new.token.shape[0], rows.token.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
@@ -459,7 +458,7 @@ class Completion:
 
 
 @dataclass
-class Sequence:
+class RowOutput:
     """A row's output as it arrives: tokens, incremental text with stop strings and held-back partials."""
 
     sampling: SamplingParams
@@ -533,12 +532,12 @@ class Sequence:
 
 def run(
     generator: Generator,
-    prompts: Seq[Seq[int]],
-    params: Seq[SamplingParams],
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
     tokenizer: Tokenizer | None = None,
     chunk: int = 64,
-) -> Iterator[list[Sequence]]:
-    """Generate for a fixed batch of token prompts, yielding the rows' `Sequence`s after every device call
+) -> Iterator[list[RowOutput]]:
+    """Generate for a fixed batch of token prompts, yielding the rows' `RowOutput`s after every device call
     (prefill, then up to `chunk` decode steps each) until all have finished; streaming reads them."""
     check_chunk(chunk)
     if len(prompts) != len(params):
@@ -547,7 +546,7 @@ def run(
         raise InputError("stop strings need a tokenizer")
     if not prompts:
         return
-    seqs = [Sequence(p, tokenizer) for p in params]
+    seqs = [RowOutput(p, tokenizer) for p in params]
     max_new = max(p.max_new_tokens for p in params)
     longest = max(len(p) for p in prompts)
     generator.check_fits(longest, max_new)
@@ -566,13 +565,13 @@ def run(
 
 def generate(
     generator: Generator,
-    prompts: Seq[Seq[int]],
-    params: Seq[SamplingParams],
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
     tokenizer: Tokenizer | None = None,
     chunk: int = 64,
 ) -> list[Completion]:
     """Generate for a fixed batch of token prompts until every row finishes."""
-    seqs: list[Sequence] = []
+    seqs: list[RowOutput] = []
     for seqs in run(generator, prompts, params, tokenizer, chunk):  # noqa: B007
         pass
     return [s.result() for s in seqs]

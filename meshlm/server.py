@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
 from meshlm.config import InputError
-from meshlm.generate import SamplingParams, Sequence, any_sampling, check_chunk
+from meshlm.generate import RowOutput, SamplingParams, any_sampling, check_chunk
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
@@ -51,7 +51,7 @@ class Row:
     """One completion being generated, shared by the engine thread and the request handler."""
 
     prompt: list[int]
-    seq: Sequence
+    seq: RowOutput
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue  # shared by the rows of one request: receives `index` on every change
     index: int = 0
@@ -102,7 +102,7 @@ class Engine:
     def warm_up(self) -> None:
         """Compile the decode loop and a one-row prefill before the first request needs them."""
         loop = asyncio.new_event_loop()
-        row = Row([self.lm.tokenizer.eot_id], Sequence(SamplingParams(max_new_tokens=2)), loop, asyncio.Queue())
+        row = Row([self.lm.tokenizer.eot_id], RowOutput(SamplingParams(max_new_tokens=2)), loop, asyncio.Queue())
         self._admit([row])
         self._decode()
         self.slots = [None] * self.max_batch
@@ -330,7 +330,7 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
         for p in prompts:
             for j in range(body.n):
                 sampling = base.replace(seed=seed + j)
-                rows.append(Row(p, Sequence(sampling, tok), loop, updates, index=len(rows)))
+                rows.append(Row(p, RowOutput(sampling, tok), loop, updates, index=len(rows)))
         return rows
 
     def submit(rows: list[Row]) -> None:

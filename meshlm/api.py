@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from meshlm import checkpoint, model
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.formats import adapters, hf, registry
-from meshlm.formats.slices import place
+from meshlm.formats.slices import place, projection_quantizers
 from meshlm.generate import Completion, Generator, SamplingParams, generate, run
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
@@ -264,17 +264,17 @@ def load(
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face folder or a seed step_N folder onto `mesh`.
 
-        A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
+    A training run's folder (or a step folder inside it) loads its latest (or that) step's parameters.
 
-        `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
-        `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
-        dimensions that its weights do not record; GPT-J-6B's values are the default.
-        `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
-        checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
-        first use (`lm.tokenizer`), so models used token by token need none.
-        `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
-        rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
-        or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base (quantized as it
+    `mesh` is a spec such as "data=1,fsdp=2,model=4", a `jax.sharding.Mesh`, or None for one device.
+    `seed_config` (seed checkpoints only) is the seed's run JSON, for the head count and rotary
+    dimensions that its weights do not record; GPT-J-6B's values are the default.
+    `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
+    checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
+    first use (`lm.tokenizer`), so models used token by token need none.
+    `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
+    rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
+    or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base (quantized as it
     was trained, unless `quantize` says otherwise) with its adapter.
     """
     dtype_of(dtype)
@@ -288,9 +288,8 @@ def load(
         if base["init_from"] is None:  # the random model of the run's seed
             cfg = ModelConfig.from_dict(desc["model"])
             lm = from_config(cfg, mesh, dtype, base["seed"], tokenizer, quantize)
-            lm.params = {**lm.params, "lora": adapters.load(path, cfg, lm.mesh, dtype)}
-            lm.folder = path
-            return lm
+            params = {**lm.params, "lora": adapters.load(path, cfg, lm.mesh, dtype)}
+            return LanguageModel(cfg, params, lm.mesh, dtype, tokenizer, folder=path, quantized=quantize)
         seed_config = seed_config or base["seed_config"]
         return load(
             base["init_from"],
@@ -387,8 +386,7 @@ def from_config(
     shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
     params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
     if quantize:
-        model.check_quantize(cfg, quantize)
-        quantized = jax.eval_shape(lambda p: model.quantize(p, quantize), params)
-        targets = plan(quantized, model.logical_axes(cfg, quantize=quantize), device_mesh)
-        params = jax.jit(lambda p: model.quantize(p, quantize), out_shardings=targets, donate_argnums=0)(params)
+        quantizers = projection_quantizers(cfg, quantize, device_mesh, dtype)
+        quantized = lambda path, x: quantizers.get(model.param_name(path), lambda x: x)(x)
+        params = jax.tree_util.tree_map_with_path(quantized, params)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, quantized=quantize)

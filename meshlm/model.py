@@ -13,6 +13,7 @@ depth.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -115,11 +116,25 @@ def param_table(cfg: ModelConfig) -> Params:
     return table
 
 
+def _parent(tree: Params, path: tuple[str, ...]) -> Params:
+    for key in path[:-1]:
+        tree = tree[key]
+    return tree
+
+
 def projection(layers: Params, role: str) -> Any:
     """The weight of projection `role` ("q", ..., "fc_out") in a layer's (or the stacked layers') parameters."""
     path, _ = PROJECTION_PATHS[role]
-    for key in path:
-        layers = layers[key]
+    return _parent(layers, path)[path[-1]]
+
+
+def _map_projections(layers: Params, fn: Callable[[str, Any], Any]) -> Params:
+    """A copy of a (stacked) layers tree with each projection's weight replaced by fn(role, weight)."""
+    copy = lambda tree: {k: copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+    layers = copy(layers)
+    for role, (path, _) in PROJECTION_PATHS.items():
+        parent = _parent(layers, path)
+        parent[path[-1]] = fn(role, parent[path[-1]])
     return layers
 
 
@@ -128,50 +143,61 @@ def projection_name(role: str) -> str:
     return ".".join(("layers", *PROJECTION_PATHS[role][0]))
 
 
+def projection_dims(cfg: ModelConfig, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's input and output dimensions of projection `role`."""
+    shape = projection(param_table(cfg)["layers"], role).shape[1:]
+    n_in = PROJECTION_PATHS[role][1]
+    return shape[:n_in], shape[n_in:]
+
+
+def adapter_params(cfg: ModelConfig, role: str, rank: int, scale: float) -> Params:
+    """One projection's adapter: A [layers, in..., rank] initialised as PEFT does (kaiming-uniform, bound
+    1 / sqrt(fan_in)), B [layers, rank, out...] zero (so a fresh adapter changes nothing), and `scale`
+    per layer. A and B take the base weight's axis names on its input and output sides (heads and d_ff
+    split as in the base); the rank axis is replicated."""
+    weight = projection(param_table(cfg)["layers"], role)
+    n_in = PROJECTION_PATHS[role][1]
+    (L, *shape), (_, *axes) = weight.shape, weight.axes
+    return {
+        "a": Param(
+            (L, *shape[:n_in], rank), ("layers", *axes[:n_in], None), "uniform", 1 / math.sqrt(math.prod(shape[:n_in]))
+        ),
+        "b": Param((L, rank, *shape[n_in:]), ("layers", None, *axes[n_in:]), "zeros"),
+        "scale": Param((L,), ("layers",), "constant", scale),
+    }
+
+
 def adapter_table(cfg: ModelConfig, lora: LoraConfig) -> Params:
-    """A LoRA adapter's parameters: per target, A [layers, in..., rank] initialised as PEFT does
-    (kaiming-uniform, bound 1 / sqrt(fan_in)), B [layers, rank, out...] zero (so a fresh adapter changes
-    nothing), and the scale alpha / rank per layer. A and B take the base weight's axis names on its
-    input and output sides (heads and d_ff split as in the base); the rank axis is replicated."""
-    base = param_table(cfg)["layers"]
-    table = {}
+    """A LoRA adapter's parameters (`adapter_params` for each target), its rank checked against each projection."""
     for role in lora.targets:
-        weight = projection(base, role)
-        n_in = PROJECTION_PATHS[role][1]
-        (L, *shape), (_, *axes) = weight.shape, weight.axes
-        fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+        fan_in, fan_out = (math.prod(dims) for dims in projection_dims(cfg, role))
         if lora.rank > min(fan_in, fan_out):
             raise ConfigError(f"lora: rank {lora.rank} exceeds projection {role!r} ({fan_in} -> {fan_out})")
-        table[role] = {
-            "a": Param((L, *shape[:n_in], lora.rank), ("layers", *axes[:n_in], None), "uniform", 1 / math.sqrt(fan_in)),
-            "b": Param((L, lora.rank, *shape[n_in:]), ("layers", None, *axes[n_in:]), "zeros"),
-            "scale": Param((L,), ("layers",), "constant", lora.scale),
-        }
-    return table
+    return {role: adapter_params(cfg, role, lora.rank, lora.scale) for role in lora.targets}
 
 
 def _is_param(x: Any) -> bool:
     return isinstance(x, Param)
 
 
+def axes_of(table: Params) -> Params:
+    """The logical axis names of a table of `Param`s, same structure."""
+    return jax.tree.map(lambda p: p.axes, table, is_leaf=_is_param)
+
+
 def logical_axes(cfg: ModelConfig, lora: LoraConfig | None = None, quantize: str | None = None) -> Params:
     """The pytree of logical axis names, same structure as the parameters (with an adapter under "lora",
     and the projections' quantized arrays, when given)."""
-    axes = jax.tree.map(lambda p: p.axes, param_table(cfg), is_leaf=_is_param)
+    table = param_table(cfg)
+    axes = axes_of(table)
     if quantize:
-        shapes = param_table(cfg)["layers"]
-        for role, (path, n_in) in PROJECTION_PATHS.items():
-            parent = _parent(axes["layers"], path)
-            parent[path[-1]] = quant.quantized_axes(parent[path[-1]], projection(shapes, role).shape, quantize, n_in)
+        shape = lambda role: projection(table["layers"], role).shape
+        axes["layers"] = _map_projections(
+            axes["layers"], lambda role, a: quant.quantized_axes(a, shape(role), quantize, PROJECTION_PATHS[role][1])
+        )
     if lora:
-        axes["lora"] = jax.tree.map(lambda p: p.axes, adapter_table(cfg, lora), is_leaf=_is_param)
+        axes["lora"] = axes_of(adapter_table(cfg, lora))
     return axes
-
-
-def _parent(tree: Params, path: tuple[str, ...]) -> Params:
-    for key in path[:-1]:
-        tree = tree[key]
-    return tree
 
 
 def _init_table(table: Params, key: jax.Array, dtype: str) -> Params:
@@ -209,17 +235,21 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
 def quantize(params: Params, kind: str) -> Params:
     """`params` with the six projections' weights quantized to `kind` ("int8" or "nf4"; see `meshlm.quant`).
     Under `jax.jit` with `out_shardings` from `logical_axes(cfg, quantize=kind)`, each device quantizes its shard."""
-    layers = jax.tree.map(lambda x: x, params["layers"])  # a new tree of the same arrays
-    for path, n_in in PROJECTION_PATHS.values():
-        parent = _parent(layers, path)
-        parent[path[-1]] = quant.quantize(parent[path[-1]], kind, n_in)
+    layers = _map_projections(params["layers"], lambda role, w: quant.quantize(w, kind, PROJECTION_PATHS[role][1]))
     return {**params, "layers": layers}
+
+
+def dequantize(params: Params, dtype: str = "float32") -> Params:
+    """`params` with quantized projections rebuilt whole as float arrays (for checks and merging, not for running)."""
+    dense = lambda w: jax.vmap(lambda one: quant.dense(one, dtype_of(dtype)))(w)
+    return {**params, "layers": _map_projections(params["layers"], lambda _, w: dense(w))}
 
 
 def check_quantize(cfg: ModelConfig, kind: str) -> None:
     """A ConfigError if `cfg`'s projections cannot be quantized to `kind`."""
+    layers = param_table(cfg)["layers"]
     for role, (_, n_in) in PROJECTION_PATHS.items():
-        quant.check(kind, role, projection(param_table(cfg)["layers"], role).shape, n_in)
+        quant.check(kind, role, projection(layers, role).shape, n_in)
 
 
 def param_name(path: tuple[Any, ...]) -> str:

@@ -273,21 +273,11 @@ def test_int8_is_per_output_channel_absmax():
     assert np.abs(back - w).max() <= np.abs(w).max(axis=1, keepdims=True).max() / 254 + 1e-6
 
 
-def _dequantized(params: model.Params) -> model.Params:
-    layers = jax.tree.map(lambda x: x, params["layers"], is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
-    for role, (path, _) in model.PROJECTION_PATHS.items():
-        parent = layers
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = jax.vmap(lambda w: w.dense(jnp.float32))(model.projection(params["layers"], role))
-    return {**params, "layers": layers}
-
-
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_quantized_forward_equals_the_dequantized_model(kind, bases):
     lm = meshlm.load(bases["neox"], quantize=kind)
     assert isinstance(lm.params["layers"]["attn"]["q"], quant.QuantizedWeight)
-    reference = np.asarray(model.forward(_dequantized(lm.params), jnp.asarray(TOKENS), lm.config))
+    reference = np.asarray(model.forward(model.dequantize(lm.params), jnp.asarray(TOKENS), lm.config))
     np.testing.assert_allclose(lm.logits(TOKENS), reference, atol=1e-4, rtol=0)
     exact = meshlm.load(bases["neox"]).logits(TOKENS)
     assert 0 < np.abs(reference - exact).max()  # the only error is the quantization's own

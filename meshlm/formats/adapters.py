@@ -54,13 +54,6 @@ def _modules(arch: hf.Arch, cfg: ModelConfig) -> dict[str, tuple[str, hf.Layout]
     return out
 
 
-def _shapes(cfg: ModelConfig, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One layer's input and output dimensions of projection `role`."""
-    shape = model.param_shapes(cfg)[model.projection_name(role)][1:]
-    n_in = model.PROJECTION_PATHS[role][1]
-    return shape[:n_in], shape[n_in:]
-
-
 def _arch_for(modules: set[str], cfg: ModelConfig, where: Path) -> hf.Arch:
     """The architecture whose module names the adapter's modules are."""
     best, best_missing = None, None
@@ -131,7 +124,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> Adapter:
     rslora = bool(conf.get("use_rslora", False))
     found: dict[str, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}  # role -> layer -> (a, b, scale)
     for role, (template, layout) in modules.items():
-        ins, outs = _shapes(cfg, role)
+        ins, outs = model.projection_dims(cfg, role)
         for layer in range(cfg.n_layer):
             module = template.format(layer)
             if module not in pairs:
@@ -158,7 +151,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> Adapter:
 
 def _stack(layers: dict[int, tuple[np.ndarray, np.ndarray, float]], cfg: ModelConfig, role: str) -> dict[str, Any]:
     """One role's per-layer (a, b, scale) as stacked arrays: zeros for missing layers, ranks padded to the largest."""
-    ins, outs = _shapes(cfg, role)
+    ins, outs = model.projection_dims(cfg, role)
     rank = max(a.shape[-1] for a, _, _ in layers.values())
     a = np.zeros((cfg.n_layer, *ins, rank), np.float32)
     b = np.zeros((cfg.n_layer, rank, *outs), np.float32)
@@ -219,18 +212,11 @@ def read(path: str | Path, cfg: ModelConfig) -> Adapter:
 def load(path: str | Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str = "float32") -> model.Params:
     """An adapter placed on `mesh`, sharded like its base (see `model.adapter_table`)."""
     adapter = read(path, cfg)
-    axes = {role: _axes(cfg, role) for role in adapter}
+    axes = {role: model.axes_of(model.adapter_params(cfg, role, parts["a"].shape[-1], 0.0))
+            for role, parts in adapter.items()}  # fmt: skip
     arrays = jax.tree.map(lambda x: x.astype(dtype_of(dtype)) if x.ndim > 1 else x, adapter)
     shardings = plan(arrays, axes, mesh)
     return jax.tree.map(from_host, arrays, shardings)
-
-
-def _axes(cfg: ModelConfig, role: str) -> dict[str, tuple[str | None, ...]]:
-    axes = model.logical_axes(cfg)["layers"]
-    for key in model.PROJECTION_PATHS[role][0]:
-        axes = axes[key]
-    n_in = model.PROJECTION_PATHS[role][1]
-    return {"a": (*axes[: 1 + n_in], None), "b": ("layers", None, *axes[1 + n_in :]), "scale": ("layers",)}
 
 
 # ---------------------------------------------------------------------------------------------------

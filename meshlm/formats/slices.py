@@ -46,15 +46,7 @@ def place(
     placed, so the devices never hold more than one of them unquantized."""
     abstract = model.abstract_params(cfg, dtype)
     shardings = plan(abstract, model.logical_axes(cfg), mesh)
-    quantizers = {}
-    if quantize:
-        model.check_quantize(cfg, quantize)
-        quantized = jax.eval_shape(lambda p: model.quantize(p, quantize), abstract)
-        targets = plan(quantized, model.logical_axes(cfg, quantize=quantize), mesh)
-        for role, (_, n_in) in model.PROJECTION_PATHS.items():
-            quantizer = functools.partial(quant.quantize, kind=quantize, n_in=n_in)
-            target = model.projection(targets["layers"], role)
-            quantizers[model.projection_name(role)] = jax.jit(quantizer, out_shardings=target)
+    quantizers = projection_quantizers(cfg, quantize, mesh, dtype) if quantize else {}
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> Any:
         name = model.param_name(path)
@@ -62,3 +54,20 @@ def place(
         return quantizers[name](array) if name in quantizers else array
 
     return jax.tree_util.tree_map_with_path(build, abstract, shardings)
+
+
+def projection_quantizers(
+    cfg: ModelConfig, kind: str, mesh: jax.sharding.Mesh, dtype: str = "float32"
+) -> dict[str, Callable[[jax.Array], Any]]:
+    """Parameter name -> a jitted function that quantizes that placed projection weight to `kind` on the
+    devices, its output laid out by `model.logical_axes(cfg, quantize=kind)`: one projection at a time."""
+    model.check_quantize(cfg, kind)
+    quantized = jax.eval_shape(lambda p: model.quantize(p, kind), model.abstract_params(cfg, dtype))
+    targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
+    return {
+        model.projection_name(role): jax.jit(
+            functools.partial(quant.quantize, kind=kind, n_in=n_in),
+            out_shardings=model.projection(targets["layers"], role),
+        )
+        for role, (_, n_in) in model.PROJECTION_PATHS.items()
+    }

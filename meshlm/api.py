@@ -311,6 +311,14 @@ def load(
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path, quantized=quantize)
 
 
+def read_config(path: str | Path, seed_config: str | Path | None = None) -> ModelConfig:
+    """The model config of anything `load` reads (a LoRA run: its base's), without reading its weights."""
+    path, fmt = registry.resolve(path)
+    if fmt == "meshlm":
+        return ModelConfig.from_dict(checkpoint.read_description(path)["model"])
+    return registry.open(path, fmt, "float32", seed_config)[0]
+
+
 def _start_hf_folder(path: str | Path, cfg: ModelConfig, files: dict[str, Path], every_process: bool = True) -> None:
     """Check that an architecture represents `cfg`, then start the folder with the tokenizer `files`: a
     refused config writes nothing, and config.json (the mark of a whole HF folder) comes last."""

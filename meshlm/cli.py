@@ -274,6 +274,45 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    """What a training run (or, with --serve, a server) needs per device on a TPU slice, this CPU or a GPU,
+    from XLA's own compiler: whether it fits, the largest micro-batch that does, and what to change if not."""
+    from meshlm import api, config, planner
+
+    flags = {"init_from": args.init_from, "mesh": args.mesh}
+    cfg = config.load_train_config(args.config, args.set or [], {k: v for k, v in flags.items() if v is not None})
+    if cfg.init_from:
+        cfg = cfg.replace(model=api.read_config(cfg.init_from, cfg.seed_config))
+    if args.memory is not None and args.memory <= 0:
+        raise config.ConfigError(f"--memory must be a positive number of GiB, got {args.memory}")
+    capacity = None if args.memory is None else int(args.memory * 2**30)
+    if args.serve:
+        p = planner.plan_serve(
+            cfg.model,
+            args.target,
+            mesh=args.mesh,
+            context=args.context,
+            rows=args.rows,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            search=not args.no_search,
+            capacity=capacity,
+            progress=print,
+        )
+        print(planner.describe_serve(p, cfg.model))
+        return
+    p = planner.plan_train(
+        cfg,
+        args.target,
+        seq_len=args.seq_len,
+        search=not args.no_search,
+        suggest=not args.no_search,
+        capacity=capacity,
+        progress=print,
+    )
+    print(planner.describe_train(p, cfg))
+
+
 def cmd_prepare(args: argparse.Namespace) -> None:
     """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
     from meshlm import data
@@ -404,6 +443,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     _add_distributed(p)
     p.set_defaults(handler=cmd_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="what a training run or a server needs per device on a TPU slice, this CPU or a GPU, and what fits",
+        description=cmd_plan.__doc__ + " TPU targets compile ahead of time with libtpu (pip install "
+        "'meshlm[tpu]'; no TPU needed); GPU figures are estimates. See docs/finetune.md.",
+    )
+    p.add_argument("config", nargs="?", help="the train config (YAML/JSON) to plan; default: the built-in demo")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. remat=full")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="tpu:GENERATION:TOPOLOGY (tpu:v5e:2x2, tpu:v3:8x16, tpu:v5p:4x4x4), cpu, or gpu:NAME-<N>gb "
+        "(gpu:h100-80gb)",
+    )
+    p.add_argument("--mesh", metavar="SPEC", help="device mesh (default: the config's, else every device on fsdp)")
+    p.add_argument(
+        "--init-from", metavar="PATH", help="plan for this checkpoint's model (its config is read, no weights)"
+    )
+    p.add_argument("--memory", type=float, metavar="GIB", help="memory per device, replacing the target's own")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the data's or the model's)")
+    p.add_argument("--no-search", action="store_true", help="the config's own micro-batch only: no search, no advice")
+    p.add_argument("--serve", action="store_true", help="plan a server: weights and KV cache, concurrent rows")
+    p.add_argument("--context", type=int, default=None, help="--serve: tokens per row (default: the model's context)")
+    p.add_argument("--rows", type=int, default=1, help="--serve: concurrent rows to report (default 1)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="--serve weights")
+    p.add_argument("--quantize", choices=["int8", "nf4"], default=None, help="--serve: quantized projections")
+    p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser(
         "prepare",

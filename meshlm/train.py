@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshlm import api, checkpoint, model
+from meshlm import api, checkpoint, footprint, model
 from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
@@ -147,9 +147,11 @@ def abstract_state(
     model_cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     lora: LoraConfig | None = None,
+    dtype: str = "float32",
 ) -> Any:
-    """ShapeDtypeStructs with shardings: the target that restores a checkpoint onto this mesh."""
-    abstract = trainable_abstract(model_cfg, lora)
+    """ShapeDtypeStructs with shardings of the trained parameters (stored as `dtype`) and their optimizer
+    state: the target that restores a checkpoint onto this mesh."""
+    abstract = trainable_abstract(model_cfg, lora, dtype)
     opt = jax.eval_shape(optimizer.init, abstract)
 
     def attach(a: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -219,6 +221,86 @@ def make_train_step(
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
+
+
+def base_storage(cfg: TrainConfig) -> tuple[str, str | None]:
+    """How a LoRA run keeps its frozen base: (dtype, quantize). A quantized base keeps its other weights
+    (embedding, norms, head) in the compute dtype."""
+    if cfg.frozen_dtype in QUANTIZED:
+        return cfg.compute_dtype, cfg.frozen_dtype
+    return cfg.frozen_dtype, None
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """`meshlm train`'s step for one config on one mesh before anything is allocated: the jitted step,
+    ShapeDtypeStructs (with their shardings) of its arguments, and what it was built from. `meshlm train`
+    runs what `compile()` returns; `meshlm plan` reports its footprint."""
+
+    fn: Callable[..., Any]
+    inputs: tuple[Any, ...]  # (state, batch), or (state, batch, base) for a LoRA run
+    optimizer: optax.GradientTransformation
+    shardings: TrainState
+    mesh: Mesh
+
+    def compile(self) -> Any:
+        """The compiled step (`footprint.OutOfMemory` where the compiler refuses it for the device's memory)."""
+        with jax.set_mesh(self.mesh):  # the activation constraints apply inside the mesh
+            return footprint.compile_for(self.fn.lower(*self.inputs))
+
+    @property
+    def base_shardings(self) -> Any:
+        return None if len(self.inputs) < 3 else jax.tree.map(lambda a: a.sharding, self.inputs[2])
+
+
+def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: int) -> StepProgram:
+    """The train step of `cfg` for `model_cfg` on `mesh` over sequences of `seq_len` tokens."""
+    optimizer = make_optimizer(cfg, model_cfg)
+    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
+    params, opt_state = abstract_state(shardings, model_cfg, optimizer, cfg.lora, cfg.param_dtype)
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt_state)
+    batch_shape = (cfg.micro_batches, cfg.micro_batch_size, seq_len + 1)
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=named_sharding(mesh, (None, "batch", "seq")))
+    inputs: tuple[Any, ...] = (state, batch)
+    base_shardings = None
+    if cfg.lora is not None:
+        dtype, quantize = base_storage(cfg)
+        base = model.abstract_params(model_cfg, dtype)
+        if quantize:
+            base = jax.eval_shape(lambda p: model.quantize(p, quantize), base)
+        base_shardings = plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh)
+        inputs += (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, base_shardings),)
+    fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
+    return StepProgram(fn, inputs, optimizer, shardings, mesh)
+
+
+def check_fits(compiled: Any, mesh: Mesh, cfg: TrainConfig) -> footprint.Footprint:
+    """The compiled step's footprint per device, once it is known to fit the devices' memory."""
+    used = footprint.Footprint.of(compiled)
+    capacity = footprint.device_capacity(mesh.devices.flat[0])
+    if capacity is not None and used.total > capacity:
+        raise footprint.OutOfMemory(out_of_memory(cfg, mesh, used.total, capacity), used.total, capacity)
+    return used
+
+
+def out_of_memory(cfg: TrainConfig, mesh: Mesh, needed: int | None, capacity: int | None) -> str:
+    """One line: what the step needs, what the device has, and the first settings worth trying."""
+    tries = []
+    if cfg.remat != "full":
+        tries.append("remat=full")
+    sizes = dict(mesh.shape)
+    if sizes["data"] > 1:
+        tries.append(f'mesh "fsdp={sizes["data"] * sizes["fsdp"]},model={sizes["model"]}"')
+    if cfg.micro_batch_size > batch_ways(mesh) and (cfg.batch_size // (2 * cfg.micro_batches)) % batch_ways(mesh) == 0:
+        tries.append(f"micro_batches={2 * cfg.micro_batches}")
+    if cfg.lora is None and cfg.adam_dtype == "float32":
+        tries.append("adam_dtype=bfloat16")
+    if cfg.lora is None:
+        tries.append("a lora section")
+    needs = "more memory than the device has" if needed is None else f"{footprint.gib(needed)} per device"
+    has = "" if capacity is None else f", the device has {footprint.gib(capacity)}"
+    try_line = f"; try {' or '.join(tries[:3])}" if tries else ""
+    return f"the train step needs {needs}{has}{try_line} (`meshlm plan` finds a setting that fits)"
 
 
 def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable:
@@ -372,6 +454,7 @@ class TrainResult:
     val_losses: dict[int, dict[str, float]] = field(default_factory=dict)
     stopped_by_signal: bool = False
     lm: api.LanguageModel | None = None
+    memory: footprint.Footprint | None = None  # the compiled step's memory per device
 
 
 @contextmanager
@@ -490,7 +573,7 @@ def _train(
             "optimizer (drop one of the two)"
         )
 
-    init_lm = seed_opt = None
+    seed_opt = None
     model_cfg = cfg.model
     base_ref = base_reference(cfg) if cfg.lora is not None else None
     if latest is not None:  # the run's own checkpoints come first, also in a run that continued a seed run
@@ -500,14 +583,13 @@ def _train(
     elif cfg.init_from and cfg.lora is None:
         if cfg.resume_optimizer:  # read first: a wrong checkpoint fails before the parameters are loaded
             seed_opt = load_seed_optimizer(cfg, mesh)
-        init_lm = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
-        model_cfg = init_lm.config
-    base_lm = None  # a LoRA run's frozen model, which never enters the optimizer
-    if base_ref is not None:
-        base_lm = load_base(base_ref, model_cfg, mesh, cfg.compute_dtype)
-        if latest is not None and base_lm.config != model_cfg:
-            raise ConfigError(f"{base_ref['init_from']} is no longer the model the run's adapter was trained on")
-        model_cfg = base_lm.config
+        model_cfg = api.read_config(cfg.init_from, cfg.seed_config)
+    if base_ref is not None:  # a LoRA run's frozen model, which never enters the optimizer
+        if base_ref["init_from"]:
+            base_cfg = api.read_config(base_ref["init_from"], base_ref["seed_config"])
+            if latest is not None and base_cfg != model_cfg:
+                raise ConfigError(f"{base_ref['init_from']} is no longer the model the run's adapter was trained on")
+            model_cfg = base_cfg
         # the train config the checkpoints record names the base as resolved (a resume rebuilds that one)
         cfg = cfg.replace(
             init_from=base_ref["init_from"], seed_config=base_ref["seed_config"], base_dtype=base_ref["dtype"]
@@ -521,12 +603,26 @@ def _train(
         )
     cfg = cfg.replace(model=model_cfg)
 
-    optimizer = make_optimizer(cfg, model_cfg)
-    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
+    main = jax.process_index() == 0  # only process 0 prints
+    show = print if main else lambda *_: None
+    # The step is compiled, and checked against the devices' memory, before any weights are read.
+    program = step_program(cfg, model_cfg, mesh, train_ds.seq_len)
+    compile_start = time.perf_counter()
+    try:
+        step_fn = program.compile()
+    except footprint.OutOfMemory as e:
+        raise footprint.OutOfMemory(out_of_memory(cfg, mesh, e.needed, e.capacity), e.needed, e.capacity) from None
+    used = check_fits(step_fn, mesh, cfg)
+    show(
+        f"meshlm train: step compiled in {time.perf_counter() - compile_start:.1f} s; it needs "
+        f"{footprint.gib(used.total)} per device"
+    )
+    optimizer, shardings = program.optimizer, program.shardings
+    base_lm = None if base_ref is None else load_base(base_ref, model_cfg, mesh, cfg)
     loader_state = LoaderState()
     with jax.set_mesh(mesh):
         if latest is not None:
-            params_target, opt_target = abstract_state(shardings, model_cfg, optimizer, cfg.lora)
+            params_target, opt_target = program.inputs[0].params, program.inputs[0].opt_state
             params, opt_state, desc = ckpts.restore(latest, params_target, opt_target)
             loader_state = LoaderState.from_dict(desc["loader"])
             start = latest
@@ -537,8 +633,9 @@ def _train(
                     out_shardings=shardings.params,
                 )
                 params = init(jax.random.fold_in(jax.random.key(cfg.seed), ADAPTER_KEY))
-            elif init_lm is not None:
-                params = init_lm.params
+            elif cfg.init_from:
+                params = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config).params
+                params = jax.device_put(params, shardings.params)
             else:
                 init = jax.jit(lambda k: model.init(model_cfg, k, cfg.param_dtype), out_shardings=shardings.params)
                 params = init(jax.random.key(cfg.seed))
@@ -552,9 +649,7 @@ def _train(
     loader = TrainLoader(
         train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, jax.process_index(), jax.process_count(), loader_state
     )
-    base = None if base_lm is None else base_lm.params
-    base_shardings = None if base is None else jax.tree.map(lambda x: x.sharding, base)
-    step_fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
+    base = None if base_lm is None else jax.device_put(base_lm.params, program.base_shardings)
     eval_fn = make_eval_step(cfg, model_cfg, mesh)
     batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
     global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
@@ -563,7 +658,7 @@ def _train(
     peak = peak_flops(mesh, cfg.compute_dtype)
     noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
     log = MetricsLog(out_dir)
-    result = TrainResult(out_dir, start)
+    result = TrainResult(out_dir, start, memory=used)
 
     last_saved = start
     # a LoRA run's checkpoints hold the adapter alone, with the settings and the base it was trained on
@@ -614,8 +709,6 @@ def _train(
         log.write(step, values)
         say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
-    main = jax.process_index() == 0  # only process 0 prints
-    show = print if main else lambda *_: None
     say = tqdm.write if main else lambda *_: None
     n_params = model.count_params(model_cfg)
     what = f"{n_params:,} params"
@@ -739,11 +832,10 @@ def resumed_base(cfg: TrainConfig, desc: dict[str, Any], folder: Path) -> dict[s
     return base
 
 
-def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, compute_dtype: str) -> api.LanguageModel:
+def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig) -> api.LanguageModel:
     """A LoRA run's frozen base on `mesh`, as `base_reference` describes it (`model_cfg`: a random
-    base's config). A quantized base keeps its other weights (embedding, norms, head) in `compute_dtype`."""
-    quantize = base["dtype"] if base["dtype"] in QUANTIZED else None
-    dtype = compute_dtype if quantize else base["dtype"]
+    base's config), stored as `base_storage(cfg)` says."""
+    dtype, quantize = base_storage(cfg)
     if base["init_from"]:
         return api.load(base["init_from"], mesh, dtype, seed_config=base["seed_config"], quantize=quantize)
     return api.from_config(model_cfg, mesh, dtype, base["seed"], quantize=quantize)

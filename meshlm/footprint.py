@@ -1,0 +1,126 @@
+"""What a compiled program needs per device, and what a device has: the figures `meshlm train` checks
+before it loads a model and `meshlm plan` reports, read from XLA's own compiler.
+
+A program's footprint is XLA's `memory_analysis()` of the compiled executable: its arguments, its outputs
+less those aliased to donated arguments, and its temporaries. For a TPU the compiler also refuses a program
+that exceeds the chip's HBM (RESOURCE_EXHAUSTED), naming the bytes it needed and the bytes available;
+both are parsed here, so the capacity of a TPU comes from the compiler too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from meshlm.config import MeshlmError
+
+GIB = 2**30
+# XLA's "G" is GiB: a 15.61G program fits in "15.75G available"
+_UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_NEEDED = re.compile(r"(?:required for [^(]*\(|Used )([\d.]+)([BKMGT])")
+_AVAILABLE = re.compile(r"(?:available HBM \(|of )([\d.]+)([BKMGT])")
+
+
+class OutOfMemory(MeshlmError):
+    """A program does not fit the device: the compiler said so, or its footprint exceeds the capacity."""
+
+    def __init__(self, message: str, needed: int | None = None, capacity: int | None = None):
+        super().__init__(message)
+        self.needed, self.capacity = needed, capacity
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per device of one compiled program, as XLA's memory analysis reports them."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments: counted once, with the arguments
+    temporaries: int
+    code: int  # generated code, apart from the data
+
+    @classmethod
+    def of(cls, compiled: Any) -> Footprint:
+        s = compiled.memory_analysis()
+        return cls(
+            s.argument_size_in_bytes,
+            s.output_size_in_bytes,
+            s.alias_size_in_bytes,
+            s.temp_size_in_bytes,
+            s.generated_code_size_in_bytes,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def compile_for(lowered: Any) -> Any:
+    """`lowered.compile()`, with the compiler's refusal of an over-budget program as `OutOfMemory`."""
+    try:
+        return lowered.compile()
+    except Exception as e:  # XLA raises JaxRuntimeError (or ValueError) for a program over the HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        message = str(e).splitlines()[0]
+        raise OutOfMemory(message, needed_bytes(message), available_bytes(message)) from None
+
+
+def needed_bytes(message: str) -> int | None:
+    """The bytes an over-budget program needs, from XLA's RESOURCE_EXHAUSTED message (None: not stated)."""
+    return _bytes(_NEEDED.search(message))
+
+
+def available_bytes(message: str) -> int | None:
+    """The bytes the device has for a program, from XLA's RESOURCE_EXHAUSTED message (None: not stated)."""
+    return _bytes(_AVAILABLE.search(message))
+
+
+def _bytes(m: re.Match | None) -> int | None:
+    return None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def host_memory() -> int:
+    """Physical memory of this host."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_capacity(device: Any) -> int | None:
+    """Bytes a program may use on `device`: the runtime's own limit where it reports one (GPUs, TPUs),
+    the compiler's for a TPU known only by its topology, a share of host memory for a CPU device
+    (simulated CPU devices share one host). None: unknown."""
+    if device.platform == "cpu":
+        local = sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu"))
+        return host_memory() // max(local, 1)
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a device of a topology description cannot run anything
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "tpu":
+        return compiler_capacity(device)
+    return None
+
+
+def compiler_capacity(device: Any) -> int | None:
+    """The HBM a TPU chip makes available to one program, as its compiler states it when it refuses a
+    program far larger than any chip (compiled ahead of time: nothing is allocated)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh([device], ("d",)), PartitionSpec())
+    huge = jax.ShapeDtypeStruct((2**38,), "float32", sharding=sharding)  # 1 TiB
+    try:
+        compile_for(jax.jit(lambda a: a * 2 + 1, out_shardings=sharding).lower(huge))
+    except OutOfMemory as e:
+        return e.capacity
+    return None
+
+
+def gib(n: float | None) -> str:
+    return "?" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{n / GIB:.2f} GiB"

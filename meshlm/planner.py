@@ -1,0 +1,607 @@
+"""`meshlm plan`: what a training run or a server needs per device on some hardware, and what fits.
+
+The figures come from XLA's own compiler, for the very step `meshlm train` runs (`train.step_program`):
+- a TPU slice (`tpu:v5e:2x2`, `tpu:v3:8x16`, ...) is compiled ahead of time with `libtpu` on any machine,
+  and its compiler states each chip's capacity;
+- `cpu` compiles for this machine's devices;
+- a GPU (`gpu:h100-80gb`, `gpu:rtx4090-24gb`, any `gpu:NAME-<N>gb`) has no compiler without a GPU, so its
+  figures are an estimate from the shapes, the optimizer and the remat policy (`estimate_train`), calibrated
+  against compiled CPU and TPU figures and labelled as an estimate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from meshlm import footprint, generate, model, train
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.footprint import Footprint, OutOfMemory, gib
+from meshlm.sharding import MESH_AXES, batch_ways, make_mesh, named_sharding, parse_mesh_spec, plan
+
+# GPUs by name: memory (decimal GB, as sold) and dense bf16 peak FLOP/s. Any "NAME-<N>gb" works too.
+GPUS = {
+    "b200-180gb": (180e9, 2250e12),
+    "h200-141gb": (141e9, 989e12),
+    "h100-80gb": (80e9, 989e12),
+    "a100-80gb": (80e9, 312e12),
+    "a100-40gb": (40e9, 312e12),
+    "l40s-48gb": (48e9, 362e12),
+    "a6000-48gb": (48e9, 155e12),
+    "l4-24gb": (24e9, 121e12),
+    "a10g-24gb": (24e9, 70e12),
+    "rtx4090-24gb": (24e9, 165e12),
+    "rtx3090-24gb": (24e9, 71e12),
+    "v100-32gb": (32e9, 125e12),
+    "v100-16gb": (16e9, 125e12),
+    "t4-16gb": (16e9, 65e12),
+}
+# Dense bf16 peak FLOP/s of one JAX device of each TPU generation (a v2/v3 device is one core).
+TPU_PEAK = {"TPU v2": 22.5e12, "TPU v3": 61.5e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12}
+TPU_PEAK |= {"TPU v6 lite": 918e12}
+# JAX preallocates this share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION) and runs programs within it.
+GPU_MEMORY_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a plan is for: devices to compile for (None: a GPU, estimated), and each device's memory."""
+
+    spec: str
+    platform: str  # "tpu", "cpu" or "gpu"
+    device_kind: str
+    n_devices: int | None  # None: as many as the mesh asks for (GPUs)
+    devices: list[Any] | None = None
+    capacity: int | None = None  # bytes per device (TPU: from its compiler, on first use)
+    peak_flops: float = float("nan")  # per device, bf16
+
+    @property
+    def estimated(self) -> bool:
+        return self.devices is None
+
+    def mesh(self, spec: str | None) -> Mesh | AbstractMesh:
+        """The mesh `spec` over this target's devices (default: every device on fsdp, ZeRO-3)."""
+        if self.n_devices is None:
+            sizes = parse_mesh_spec(spec or "data=1", math.prod(_sizes_of(spec or "data=1")))
+            return AbstractMesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        devices = self.devices
+        if self.platform == "cpu" and spec and -1 not in _sizes_of(spec):  # a mesh over some of this host's devices
+            devices = devices[: math.prod(_sizes_of(spec))]
+            spec = spec if "data" in spec else f"{spec},data=1"
+        try:
+            return make_mesh(spec or f"fsdp={self.n_devices}", devices)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (target {self.spec} has {self.n_devices} devices)") from None
+
+
+def _sizes_of(spec: str) -> list[int]:
+    return [int(m) for m in re.findall(r"=\s*(-?\d+)", spec)] or [1]
+
+
+def target(spec: str) -> Target:
+    """A target from its name: `tpu:<generation>:<topology>`, `cpu`, or `gpu:<name>-<N>gb`."""
+    kind, _, rest = spec.partition(":")
+    if kind == "cpu" and not rest:
+        devices = jax.devices("cpu")
+        return Target(spec, "cpu", devices[0].device_kind, len(devices), devices, footprint.device_capacity(devices[0]))
+    if kind == "tpu" and rest:
+        if importlib.util.find_spec("libtpu") is None:
+            raise ConfigError(
+                f"target {spec}: TPU programs are compiled with libtpu, which is not installed; "
+                "pip install 'meshlm[tpu]' (it works on a machine without a TPU)"
+            )
+        from jax.experimental import topologies
+
+        try:
+            devices = topologies.get_topology_desc(platform="tpu", topology_name=rest).devices
+        except Exception as e:  # libtpu's error: a name it does not know, or its lock held by another process
+            why = str(e).splitlines()[0][:200]
+            if "lockfile" in why:
+                raise ConfigError(f"target {spec}: libtpu is in use by another process ({why})") from None
+            raise ConfigError(
+                f"target {spec}: not a TPU topology libtpu knows ({why}); "
+                "e.g. tpu:v5e:2x2, tpu:v4:2x2x1, tpu:v5p:4x4x4, tpu:v3:8x16"
+            ) from None
+        kind_name = devices[0].device_kind
+        peak = TPU_PEAK.get(kind_name, float("nan"))
+        return Target(spec, "tpu", kind_name, len(devices), list(devices), None, peak)
+    if kind == "gpu" and rest:
+        name = rest.lower()
+        m = re.fullmatch(r"[a-z0-9_.]+-(\d+(?:\.\d+)?)gb", name)
+        if m is None:
+            raise ConfigError(
+                f"target {spec}: a GPU is named NAME-<memory>gb, e.g. gpu:h100-80gb; known: "
+                + ", ".join(f"gpu:{g}" for g in GPUS)
+            )
+        memory, peak = GPUS.get(name, (float(m.group(1)) * 1e9, float("nan")))
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION))
+        return Target(spec, "gpu", name, None, None, int(memory * fraction), peak)
+    raise ConfigError(f"unknown target {spec!r}; expected tpu:<generation>:<topology> (e.g. tpu:v5e:2x2), cpu, "
+                      "or gpu:<name>-<N>gb (e.g. gpu:h100-80gb)")  # fmt: skip
+
+
+def capacity_of(tgt: Target, mesh: Mesh | AbstractMesh) -> int | None:
+    if tgt.capacity is not None or tgt.estimated:
+        return tgt.capacity
+    return footprint.device_capacity(mesh.devices.flat[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+
+
+def per_device(tree: Any) -> int:
+    """Bytes of one device's shards of a pytree of ShapeDtypeStructs with shardings (the largest shard
+    where shards differ in size)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@dataclass
+class TrainFit:
+    """One train step at one micro-batch on one mesh: what it holds per device and whether it fits."""
+
+    micro_batch: int  # sequences per micro-batch, over all devices
+    params: int  # trained parameters (a LoRA run: the adapter)
+    optimizer: int
+    gradients: int  # held by the step while it runs (part of its temporaries)
+    base: int  # a LoRA run's frozen model
+    batch: int
+    total: int | None  # per device: compiled (arguments + outputs - aliased + temporaries), or estimated
+    capacity: int | None
+    compiled: Footprint | None = None
+    estimated: bool = False
+    refused: str = ""  # the compiler's words when it refused the program
+
+    @property
+    def fits(self) -> bool:
+        if self.refused:
+            return False
+        return self.total is not None and (self.capacity is None or self.total <= self.capacity)
+
+    @property
+    def activations(self) -> int | None:
+        """Activations and every other temporary: the rest of the total."""
+        if self.total is None:
+            return None
+        return self.total - self.params - self.optimizer - self.gradients - self.base - self.batch
+
+
+@dataclass
+class TrainPlan:
+    """`plan_train`'s answer: the config's own micro-batch, the largest that fits, and a change that would
+    make it fit when nothing does."""
+
+    target: Target
+    mesh: str
+    seq_len: int
+    config: TrainFit
+    largest: int | None  # largest micro-batch that fits (None: not searched, 0: none)
+    tried: list[TrainFit] = field(default_factory=list)
+    suggestion: str | None = None
+    flops_per_step: float = 0.0  # the model's FLOPs for one step of the config's batch
+    xla_flops: float | None = None  # XLA's count for one device (a scanned layer counted once)
+    limit: int = 0  # the largest micro-batch the search tried
+
+
+def seq_len_of(cfg: TrainConfig, seq_len: int | None = None) -> int:
+    """The sequence length a run trains on: given, the prepared dataset's, the config's, or the model's."""
+    if seq_len is not None:
+        return seq_len
+    if cfg.data is not None:
+        from meshlm.data import read_index
+
+        try:
+            return int(read_index(cfg.data)["seq_len"])
+        except (OSError, KeyError):
+            pass
+    return cfg.seq_len or cfg.model.max_seq_len
+
+
+def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len: int) -> tuple[TrainFit, Any]:
+    """Compile (or, for a GPU, estimate) `cfg`'s train step on `mesh`: its fit, and the compiled step."""
+    program = train.step_program(cfg, cfg.model, mesh, seq_len)
+    state, batch = program.inputs[:2]
+    parts = dict(
+        micro_batch=cfg.micro_batch_size,
+        params=per_device(state.params),
+        optimizer=per_device(state.opt_state) + per_device(state.step),
+        gradients=gradient_bytes(state.params),
+        base=per_device(program.inputs[2]) if cfg.lora is not None else 0,
+        batch=per_device(batch),
+        capacity=capacity_of(tgt, mesh),
+    )
+    if tgt.estimated:
+        return TrainFit(total=estimate_train(cfg, mesh, seq_len, **parts), estimated=True, **parts), None
+    try:
+        compiled = program.compile()
+    except OutOfMemory as e:
+        return TrainFit(total=e.needed, refused=str(e), **{**parts, "capacity": e.capacity or parts["capacity"]}), None
+    used = Footprint.of(compiled)
+    return TrainFit(total=used.total, compiled=used, **parts), compiled
+
+
+def estimate_train(cfg: TrainConfig, mesh: Any, seq_len: int, **parts: int) -> int:
+    """Bytes per device of `cfg`'s train step where no compiler can say (a GPU): the arguments exactly
+    (from the shardings), then the temporaries. The summed gradient lives through the whole step; the
+    micro-batch's gradient is produced layer by layer while the activations are freed, so the two share
+    memory: temporaries = one gradient + max(one gradient, activations)."""
+    arguments = parts["params"] + parts["optimizer"] + parts["base"] + parts["batch"]
+    one_gradient = parts["gradients"] // 2
+    return arguments + one_gradient + max(one_gradient, activation_bytes(cfg, dict(mesh.shape), seq_len))
+
+
+def gradient_bytes(trained: Any) -> int:
+    """The step's gradients per device: the micro-batch's and their running sum, both float32."""
+    return 2 * sum(math.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(trained))
+
+
+def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> int:
+    """Activation memory per device of one micro-batch under the remat policy, from the shapes.
+
+    Per layer and token, the backward pass keeps what the policy saves: `full` the block's input;
+    `dots_no_batch` the outputs of q, k, v, out and fc_in; `dots` those, the block's input and the
+    attention probabilities; `none` every intermediate. On top come one block's intermediates while it is
+    recomputed (float32 attention scores among them) and the LM head's float32 logits with their softmax
+    and gradient, for the `model.LOSS_CHUNK` positions computed at once. The coefficients are counts of
+    XLA's buffers, checked against compiled CPU and TPU figures by `tests/test_planner.py`.
+    """
+    m = cfg.model
+    c = jnp.dtype(dtype_of(cfg.compute_dtype)).itemsize
+    rows = max(cfg.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
+    tokens = rows * seq_len
+    tp = sizes["model"]
+    d, f = m.d_model, m.d_ff // tp
+    a = max(m.n_head // tp, 1) * m.d_head  # one device's attention width
+    s = max(m.n_head // tp, 1) * seq_len  # one device's attention probabilities per query
+    saved = {
+        "full": d * c,
+        "dots_no_batch": (4 * a + f) * c,
+        "dots": (d + 4 * a + f) * c + s * 4,
+        "none": (3 * d + 5 * a + 3 * f) * c + 3 * s * 4,
+    }[cfg.remat]
+    block = (d + a + 2 * f) * c + 3 * s * 4
+    chunk = tokens if seq_len <= model.LOSS_CHUNK or seq_len % model.LOSS_CHUNK else rows * model.LOSS_CHUNK
+    head = chunk * 7 * (m.vocab_size // tp)
+    adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
+    trained = train.adapter_size(m, cfg.lora) if cfg.lora else model.count_params(m)
+    return tokens * (m.n_layer * saved + block) + head + adam * trained // math.prod(sizes.values())
+
+
+def plan_train(
+    cfg: TrainConfig,
+    target_spec: str,
+    *,
+    mesh: str | None = None,
+    seq_len: int | None = None,
+    search: bool = True,
+    max_micro_batch: int = 1024,
+    suggest: bool = True,
+    capacity: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TrainPlan:
+    """What `cfg`'s train step needs per device on `target_spec`; with `search`, the largest micro-batch
+    that fits (bisection over compiles); with `suggest`, when not even the smallest fits, the first of
+    these that makes it fit: remat=full, bf16 Adam moments, every data-parallel device on fsdp, tensor
+    parallelism, LoRA, QLoRA (NF4). `capacity` (bytes per device) replaces the target's own."""
+    tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
+    mesh_spec = mesh or cfg.mesh
+    device_mesh = tgt.mesh(mesh_spec)
+    seq = seq_len_of(cfg, seq_len)
+    if seq > cfg.model.max_seq_len:
+        raise ConfigError(f"seq_len {seq} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
+    train.check_batch(cfg, device_mesh)
+    say = progress or (lambda _: None)
+    own, compiled = fit_train(cfg, tgt, device_mesh, seq)
+    say(describe_fit(own))
+    result = TrainPlan(tgt, _mesh_spec(device_mesh), seq, own, None, [own], limit=max_micro_batch)
+    result.flops_per_step = train.flops_per_token(cfg.model, seq, cfg.lora) * cfg.batch_size * seq
+    if compiled is not None:
+        result.xla_flops = _flops(compiled)
+    if search:
+        ways = batch_ways(device_mesh)
+
+        def fits(m: int) -> bool:
+            if m == cfg.micro_batch_size:
+                return own.fits
+            fit, _ = fit_train(cfg.replace(batch_size=m * cfg.micro_batches), tgt, device_mesh, seq)
+            result.tried.append(fit)
+            say(describe_fit(fit))
+            return fit.fits
+
+        result.largest = ways * largest(lambda k: fits(k * ways), max_micro_batch // ways)
+    if suggest and not (result.largest if search else own.fits):
+        result.suggestion = suggest_change(cfg, tgt, device_mesh, seq, say)
+    return result
+
+
+def largest(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest k in [1, limit] with fits(k) and not fits(k + 1) (0 if even 1 does not fit), by
+    doubling and then bisection; `fits` is taken to be monotone."""
+    if limit < 1 or not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None:
+        k = min(2 * good, limit)
+        if k == good:
+            return good
+        if fits(k):
+            good = k
+        else:
+            bad = k
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def suggest_change(cfg: TrainConfig, tgt: Target, mesh: Any, seq: int, say: Callable[[str], None]) -> str | None:
+    """The first change, smallest first, under which one micro-batch per data-parallel way fits."""
+    sizes = dict(mesh.shape)
+    n = math.prod(sizes.values())
+    candidates: list[tuple[str, TrainConfig, str | None]] = []
+    if cfg.remat != "full":
+        candidates.append(("remat=full", cfg.replace(remat="full"), None))
+    if cfg.lora is None and cfg.adam_dtype == "float32":
+        candidates.append(("adam_dtype=bfloat16", cfg.replace(adam_dtype="bfloat16", remat="full"), None))
+    lean = cfg.replace(remat="full", adam_dtype="bfloat16" if cfg.lora is None else cfg.adam_dtype)
+    for model_ways in _divisors(n):
+        if model_ways < sizes["model"] or cfg.model.n_head % model_ways:
+            continue
+        spec = f"fsdp={n // model_ways},model={model_ways}"
+        if spec != _mesh_spec(mesh):
+            candidates.append((f'mesh "{spec}" (with remat=full, bf16 Adam)', lean, spec))
+    if cfg.lora is None:
+        lora = LoraConfig(rank=16, alpha=32.0, targets=("q", "k", "v", "out"))
+        candidates.append(("LoRA (a lora section, rank 16 on q, k, v, out; bf16 base)",
+                           cfg.replace(lora=lora, base_dtype="bfloat16", remat="full"), None))  # fmt: skip
+        candidates.append(("QLoRA (a lora section with base_dtype=nf4)",
+                           cfg.replace(lora=lora, base_dtype="nf4", remat="full"), None))  # fmt: skip
+    for what, changed, spec in candidates:
+        try:
+            changed_mesh = tgt.mesh(spec) if spec else mesh
+            changed = changed.replace(batch_size=batch_ways(changed_mesh) * changed.micro_batches)
+        except ConfigError:
+            continue
+        fit, _ = fit_train(changed, tgt, changed_mesh, seq)
+        say(f"  with {what}: " + describe_fit(fit).strip())
+        if fit.fits:
+            return f"{what}: {gib(fit.total)} per device at micro-batch {fit.micro_batch}"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _mesh_spec(mesh: Any) -> str:
+    return ",".join(f"{a}={s}" for a, s in dict(mesh.shape).items() if s > 1) or "data=1"
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # not every backend reports costs
+        return None
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0)) if cost else None
+
+
+def describe_fit(fit: TrainFit) -> str:
+    what = f"  micro-batch {fit.micro_batch}: "
+    if fit.refused:
+        needs = f"needs {gib(fit.total)}; " if fit.total else ""
+        return what + f"does not fit ({needs}the compiler: {fit.refused})"
+    label = "estimated " if fit.estimated else ""
+    verdict = "fits" if fit.fits else "does not fit"
+    return what + f"{verdict}: {label}{gib(fit.total)} of {gib(fit.capacity)} per device"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Serving
+
+
+@dataclass
+class ServeFit:
+    rows: int
+    weights: int
+    cache: int  # the rows' KV cache (and their other per-row state)
+    total: int | None
+    capacity: int | None
+    estimated: bool = False
+    refused: str = ""
+
+    @property
+    def fits(self) -> bool:
+        if self.refused:
+            return False
+        return self.total is not None and (self.capacity is None or self.total <= self.capacity)
+
+
+@dataclass
+class ServePlan:
+    target: Target
+    mesh: str
+    context: int
+    dtype: str
+    quantize: str | None
+    config: ServeFit
+    largest: int | None
+
+
+def fit_serve(
+    cfg: ModelConfig, tgt: Target, mesh: Any, rows: int, context: int, dtype: str, quantize: str | None
+) -> ServeFit:
+    """The server's resident state for `rows` rows of `context` tokens: its decode step (weights, rows and
+    their KV cache) plus, on top, a one-row prefill of a whole context (its output and temporaries)."""
+    policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
+    params = model.abstract_params(cfg, dtype)
+    if quantize:
+        params = jax.eval_shape(lambda p: model.quantize(p, quantize), params)
+    shardings = plan(params, model.logical_axes(cfg, quantize=quantize), mesh)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+    def prefill_inputs(n: int) -> tuple[Any, ...]:
+        batch = named_sharding(mesh, ("batch", None))
+        tokens = jax.ShapeDtypeStruct((n, context), jnp.int32, sharding=batch)
+        mask = jax.ShapeDtypeStruct((n, context), jnp.bool_, sharding=batch)
+        settings = generate.settings_for([generate.SamplingParams()] * n, n)
+        settings = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_row_sharding(mesh, x)), settings
+        )
+        return tokens, mask, settings
+
+    static = dict(cfg=cfg, policy=policy, sampling=True)
+    with jax.set_mesh(mesh):
+        ways = batch_ways(mesh)
+        n_rows = -(-rows // ways) * ways
+        row_state, _ = jax.eval_shape(
+            lambda p, *a: generate._prefill(p, *a, cache_len=context, **static), params, *prefill_inputs(n_rows)
+        )
+        weights = per_device(params)
+        capacity = capacity_of(tgt, mesh)
+    rows_sharded = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_row_sharding(mesh, x)), row_state
+    )
+    cache = per_device(rows_sharded)
+    if tgt.estimated:
+        one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
+        return ServeFit(rows, weights, cache, weights + cache + one, capacity, estimated=True)
+    n_steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=named_sharding(mesh, ()))
+    try:
+        with jax.set_mesh(mesh):
+            decode = footprint.compile_for(generate._decode.lower(params, rows_sharded, n_steps, **static))
+            prefill = footprint.compile_for(
+                generate._prefill.lower(params, *prefill_inputs(ways), cache_len=context, **static)
+            )
+    except OutOfMemory as e:
+        return ServeFit(rows, weights, cache, e.needed, e.capacity or capacity, refused=str(e))
+    decoding, prefilling = Footprint.of(decode), Footprint.of(prefill)
+    total = decoding.total + prefilling.total - prefilling.arguments  # a prefill runs beside the rows
+    return ServeFit(rows, weights, cache, total, capacity)
+
+
+def _row_sharding(mesh: Any, x: Any) -> Any:
+    if x.ndim == 5:  # cache k/v [L, B, H, S, K]
+        return named_sharding(mesh, model.CACHE_AXES)
+    return named_sharding(mesh, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def plan_serve(
+    cfg: ModelConfig,
+    target_spec: str,
+    *,
+    mesh: str | None = None,
+    context: int | None = None,
+    rows: int = 1,
+    dtype: str = "bfloat16",
+    quantize: str | None = None,
+    search: bool = True,
+    max_rows: int = 4096,
+    capacity: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ServePlan:
+    """Weights and KV cache per device for `rows` concurrent rows of `context` tokens (default: the model's
+    context), and with `search` the most rows that fit. `capacity` (bytes per device) replaces the target's."""
+    tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
+    if mesh is None and tgt.n_devices and tgt.n_devices > 1:  # tensor parallel as far as the heads allow
+        ways = max(d for d in _divisors(tgt.n_devices) if cfg.n_head % d == 0)
+        mesh = f"fsdp={tgt.n_devices // ways},model={ways}"
+    device_mesh = tgt.mesh(mesh)
+    ctx = context or cfg.max_seq_len
+    if ctx > cfg.max_seq_len:
+        raise ConfigError(f"context {ctx} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    say = progress or (lambda _: None)
+
+    def fit(n: int) -> ServeFit:
+        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize)
+        say(f"  {n} rows x {ctx} tokens: {'fits' if f.fits else 'does not fit'}, {gib(f.total)} of {gib(f.capacity)}")
+        return f
+
+    own = fit(rows)
+    found = None
+    if search:
+        found = largest(lambda n: own.fits if n == rows else fit(n).fits, max_rows)
+    return ServePlan(tgt, _mesh_spec(device_mesh), ctx, dtype, quantize, own, found)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reports
+
+STATED_MFU = 0.4  # the utilisation a predicted step time is also given at
+
+
+def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
+    fit = p.config
+    how = "estimated from the shapes (no GPU compiler runs without a GPU)" if p.target.estimated else "compiled by XLA"
+    devices = p.target.n_devices or math.prod(_sizes_of(p.mesh))
+    what = "full fine-tune" if cfg.lora is None else (
+        f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} over a {cfg.frozen_dtype} base")  # fmt: skip
+    lines = [
+        f"meshlm plan: {model.count_params(cfg.model):,} params, {what}, remat {cfg.remat}, adam {cfg.adam_dtype}, "
+        f"micro-batch {fit.micro_batch} x {p.seq_len} tokens",
+        f"target {p.target.spec}: {devices} x {p.target.device_kind}, mesh {p.mesh}; {how}",
+        "per device:",
+        f"  parameters (trained)        {gib(fit.params)}",
+        f"  optimizer state             {gib(fit.optimizer)}",
+    ]
+    if fit.base:
+        lines.append(f"  frozen base                 {gib(fit.base)}")
+    lines.append(f"  batch                       {gib(fit.batch)}")
+    if fit.total is not None and not fit.refused:
+        lines.append(f"  gradients (float32, x2)     {gib(fit.gradients)}")
+        lines.append(f"  activations, other temps    {gib(fit.activations)}")
+    verdict = "fits" if fit.fits else "does NOT fit"
+    lines.append(f"  total                       {gib(fit.total)} of {gib(fit.capacity)}: {verdict}")
+    if fit.refused:
+        lines.append(f"  the compiler: {fit.refused}")
+    if p.largest is not None:
+        lines.append(
+            f"largest micro-batch that fits: {p.largest} x {p.seq_len} tokens"
+            if p.largest
+            else "not even the smallest micro-batch fits"
+        )
+    if p.suggestion:
+        lines.append(f"what would fit: {p.suggestion}")
+    elif p.largest == 0 or (p.largest is None and not fit.fits):
+        lines.append("what would fit: nothing tried fits; add devices (a larger slice or more GPUs)")
+    peak = p.target.peak_flops * devices
+    if p.flops_per_step and not math.isnan(peak):
+        at_peak = p.flops_per_step / peak
+        lines.append(
+            f"step of {cfg.batch_size} sequences: {p.flops_per_step:.3e} model FLOPs; {_seconds(at_peak)} at the "
+            f"chips' peak, {_seconds(at_peak / STATED_MFU)} at {STATED_MFU:.0%} MFU"
+        )
+    if p.xla_flops:
+        lines.append(f"XLA's FLOP count for one device: {p.xla_flops:.3e} (a scanned layer is counted once)")
+    return "\n".join(lines)
+
+
+def describe_serve(p: ServePlan, cfg: ModelConfig) -> str:
+    fit = p.config
+    how = "estimated" if p.target.estimated else "compiled by XLA"
+    weights = p.quantize or p.dtype
+    lines = [
+        f"meshlm plan --serve: {model.count_params(cfg):,} params in {weights}, context {p.context}",
+        f"target {p.target.spec}: {p.target.device_kind}, mesh {p.mesh}; {how}",
+        "per device:",
+        f"  weights                     {gib(fit.weights)}",
+        f"  {fit.rows} rows' KV cache and state {gib(fit.cache)}",
+        f"  total (decode + a prefill)  {gib(fit.total)} of {gib(fit.capacity)}: "
+        + ("fits" if fit.fits else "does NOT fit"),
+    ]
+    if p.largest is not None:
+        lines.append(f"concurrent {p.context}-token rows that fit: {p.largest}")
+    return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"

@@ -48,6 +48,7 @@ SCENARIOS = [
     # beyond it: GPT-3-175B-shaped on v5p, GPT-NeoX-20B on v4 and v5p
     Scenario("gptj-175b-v5p-128", gptj_shaped(96, 12288, 96), "tpu:v5p:4x4x8", "fsdp=16,model=8"),
     Scenario("gptj-175b-v5p-512", gptj_shaped(96, 12288, 96), "tpu:v5p:8x8x8", "fsdp=64,model=8"),
+    Scenario("gptj-805b-v5p-512", gptj_shaped(160, 20480, 160), "tpu:v5p:8x8x8", "fsdp=32,model=16"),
     Scenario("neox-20b-v4-32", preset("gpt-neox-20b"), "tpu:v4:2x2x4", "fsdp=8,model=4"),
     Scenario("neox-20b-v5p-8", preset("gpt-neox-20b"), "tpu:v5p:2x2x2", "fsdp=8"),
 ]
@@ -77,7 +78,7 @@ def run(s: Scenario) -> str:
         f"| {s.name} | {model.count_params(s.model) / 1e9:.1f}B | {s.target} ({tgt.n_devices} x {tgt.device_kind}) "
         f"| {p.mesh} | {fit.micro_batch} | {gib(fit.params)} | {gib(fit.optimizer)} | {gib(fit.total)} "
         f"| {gib(fit.capacity)} | {verdict} | {largest} | {step_flops:.2e} | {at_40:.2f} s "
-        f"| {p.xla_flops or 0:.2e} | {seconds:.0f} s |"
+        f"| {f'{p.xla_flops:.2e}' if p.xla_flops else '-'} | {seconds:.0f} s |"
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm import footprint, generate, model, train
@@ -77,10 +78,15 @@ class Target:
         if self.platform == "cpu" and spec and -1 not in _sizes_of(spec):  # a mesh over some of this host's devices
             devices = devices[: math.prod(_sizes_of(spec))]
             spec = spec if "data" in spec else f"{spec},data=1"
+        spec = spec or f"fsdp={self.n_devices}"
         try:
-            return make_mesh(spec or f"fsdp={self.n_devices}", devices)
+            return make_mesh(spec, devices)
         except ConfigError as e:
             raise ConfigError(f"{e} (target {self.spec} has {self.n_devices} devices)") from None
+        except (AssertionError, NotImplementedError):  # shapes jax.make_mesh cannot lay out on the torus (v4 cores)
+            sizes = parse_mesh_spec(spec, len(devices))
+            shape = tuple(sizes[a] for a in MESH_AXES)
+            return Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _sizes_of(spec: str) -> list[int]:
@@ -113,6 +119,8 @@ def target(spec: str) -> Target:
             ) from None
         kind_name = devices[0].device_kind
         peak = TPU_PEAK.get(kind_name, float("nan"))
+        if kind_name == "TPU v4" and getattr(devices[0], "num_cores", 2) == 1:  # a v4 slice listed by core
+            peak /= 2
         return Target(spec, "tpu", kind_name, len(devices), list(devices), None, peak)
     if kind == "gpu" and rest:
         name = rest.lower()
@@ -145,6 +153,11 @@ def per_device(tree: Any) -> int:
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
+def within(total: int | None, capacity: int | None, refused: str = "") -> bool:
+    """Whether a program fits: not refused by its compiler, and its total within the capacity (if known)."""
+    return not refused and total is not None and (capacity is None or total <= capacity)
+
+
 @dataclass
 class TrainFit:
     """One train step at one micro-batch on one mesh: what it holds per device and whether it fits."""
@@ -163,9 +176,7 @@ class TrainFit:
 
     @property
     def fits(self) -> bool:
-        if self.refused:
-            return False
-        return self.total is not None and (self.capacity is None or self.total <= self.capacity)
+        return within(self.total, self.capacity, self.refused)
 
     @property
     def activations(self) -> int | None:
@@ -352,13 +363,13 @@ def suggest_change(cfg: TrainConfig, tgt: Target, mesh: Any, seq: int, say: Call
         candidates.append(("remat=full", cfg.replace(remat="full"), None))
     if cfg.lora is None and cfg.adam_dtype == "float32":
         candidates.append(("adam_dtype=bfloat16", cfg.replace(adam_dtype="bfloat16", remat="full"), None))
-    lean = cfg.replace(remat="full", adam_dtype="bfloat16" if cfg.lora is None else cfg.adam_dtype)
     for model_ways in _divisors(n):
         if model_ways < sizes["model"] or cfg.model.n_head % model_ways:
             continue
         spec = f"fsdp={n // model_ways},model={model_ways}"
-        if spec != _mesh_spec(mesh):
-            candidates.append((f'mesh "{spec}" (with remat=full, bf16 Adam)', lean, spec))
+        if (n // model_ways, model_ways) != (sizes["fsdp"], sizes["model"]):
+            remat = "" if cfg.remat == "full" else " with remat=full"
+            candidates.append((f'mesh "{spec}"{remat}', cfg.replace(remat="full"), spec))
     if cfg.lora is None:
         lora = LoraConfig(rank=16, alpha=32.0, targets=("q", "k", "v", "out"))
         candidates.append(("LoRA (a lora section, rank 16 on q, k, v, out; bf16 base)",
@@ -421,9 +432,7 @@ class ServeFit:
 
     @property
     def fits(self) -> bool:
-        if self.refused:
-            return False
-        return self.total is not None and (self.capacity is None or self.total <= self.capacity)
+        return within(self.total, self.capacity, self.refused)
 
 
 @dataclass

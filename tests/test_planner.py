@@ -120,7 +120,7 @@ def test_tpu_target_compiles_ahead_of_time(tiny_train):
     assert plan.target.n_devices == 4 and plan.target.device_kind == "TPU v5 lite"
     assert plan.config.compiled is not None and plan.config.fits
     assert 15 * 2**30 < plan.config.capacity < 16 * 2**30  # the compiler's own figure for a v5e chip
-    with pytest.raises(ConfigError, match="uses 8 devices.*tpu:v5e:2x2 has 4"):
+    with pytest.raises(ConfigError, match="8 devices.*tpu:v5e:2x2 has 4"):
         planner.plan_train(cfg, "tpu:v5e:2x2", mesh="data=2,fsdp=2,model=2", search=False)
     with pytest.raises(ConfigError, match="not a TPU topology"):
         planner.target("tpu:v9:2x2")
@@ -179,3 +179,17 @@ def test_serve_plan_finds_the_most_rows():
     plan = planner.plan_serve(TINY, "cpu", mesh="data=1", context=128, dtype="float32", capacity=capacity, max_rows=64)
     assert plan.largest == 4
     assert np.isclose(plan.config.weights, four.weights)
+
+
+def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
+    wide = ModelConfig(
+        n_layer=2, d_model=256, n_head=4, d_ff=512, rotary_dim=8, vocab_size=512, n_vocab_used=512, max_seq_len=128
+    )  # NF4 blocks of 64 inputs, split over fsdp and model
+    cfg = tiny_train(model=wide, lora={"rank": 4, "targets": ["q", "v"]}, base_dtype="nf4", mesh="fsdp=2,model=2")
+    plan = planner.plan_train(cfg, "cpu", search=False)
+    full = planner.plan_train(cfg.replace(lora=None, base_dtype=None), "cpu", search=False)
+    adapter = train.adapter_size(wide, cfg.lora)
+    assert plan.config.compiled is not None and plan.config.fits
+    assert plan.config.params < 4 * adapter  # the adapter's shards, fp32
+    assert 0 < plan.config.base < full.config.params  # NF4 projections: smaller than the fp32 model
+    assert plan.config.optimizer < full.config.optimizer / 10

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshlm import config, model, train
+from meshlm import config, metrics, model, optim, train_step
 from meshlm.sharding import make_mesh
 
 
@@ -106,7 +106,7 @@ def device_memory() -> int:
 
 def probe_matmul(shapes: Shapes) -> dict[str, float]:
     n = shapes.matmul_n
-    flops = train.measure_matmul_peak("bfloat16", n=n, repeats=shapes.repeats)
+    flops = metrics.measure_matmul_peak("bfloat16", n=n, repeats=shapes.repeats)
     return {"n": n, "tflops": flops / 1e12}
 
 
@@ -126,7 +126,7 @@ def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
     """fp32 Adam moments if the state (fp32 weights, gradients, moments: 16 bytes/param) plus the
     optimizer's fp32 update (4) leaves 15% of memory for activations; bf16 moments (4 bytes/param less)
     otherwise."""
-    need = train.state_bytes_per_device(cfg, {}, bytes_per_param=20)
+    need = metrics.state_bytes_per_device(cfg, {}, bytes_per_param=20)
     return "float32" if need <= 0.85 * memory else "bfloat16"
 
 
@@ -151,13 +151,13 @@ def bench_train(
         warmup_steps=0,
         anneal_steps=10,
     )
-    opt = train.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
-    shardings = train.state_shardings(cfg, opt, mesh)
-    step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
+    opt = optim.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
+    shardings = train_step.state_shardings(cfg, opt, mesh)
+    step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
 
-    def init_state(key: jax.Array) -> train.TrainState:
+    def init_state(key: jax.Array) -> train_step.TrainState:
         params = model.init(cfg, key)
-        return train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+        return train_step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
 
     make_state = jax.jit(init_state, out_shardings=shardings)
     result: dict[str, Any] = {
@@ -166,7 +166,8 @@ def bench_train(
         "remat": remat,
         "attention": attention,
         "optimizer_state": state_dtype,
-        "state_gb": train.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12) / 1e9,
+        "state_gb": metrics.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12)
+        / 1e9,
         "device_memory_gb": memory / 1e9,
         "tried": {},
     }
@@ -183,12 +184,12 @@ def bench_train(
             footprint = compiled_bytes(compiled)
             if footprint > memory:  # fail fast instead of an allocation error part-way through the step
                 raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
-            state, metrics = compiled(state, tokens)  # warm-up; each step donates and replaces the state
-            first_loss = float(metrics["loss"])
+            state, stats = compiled(state, tokens)  # warm-up; each step donates and replaces the state
+            first_loss = float(stats["loss"])
             start = time.perf_counter()
             for _ in range(shapes.train_steps):
-                state, metrics = compiled(state, tokens)
-            loss = float(metrics["loss"])
+                state, stats = compiled(state, tokens)
+            loss = float(stats["loss"])
             step_s = (time.perf_counter() - start) / shapes.train_steps
         except Exception as err:  # an OOM tries the next batch; anything else is the section's error
             if not is_oom(err):
@@ -198,7 +199,7 @@ def bench_train(
             gc.collect()
             continue
         tokens_per_s = batch_size * shapes.seq_len / step_s
-        flops = train.flops_per_token(cfg, shapes.seq_len) * tokens_per_s
+        flops = metrics.flops_per_token(cfg, shapes.seq_len) * tokens_per_s
         result["tried"][batch_size] = "ok"
         result |= {
             "batch": batch_size,
@@ -210,7 +211,7 @@ def bench_train(
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
             "model_tflops": flops / 1e12,
-            "mfu": flops / train.peak_flops(mesh, "bfloat16"),
+            "mfu": flops / metrics.peak_flops(mesh, "bfloat16"),
             "mfu_vs_matmul": flops / (matmul_tflops * 1e12),
         }
         return result
@@ -241,7 +242,7 @@ def bench_generate(
     prompt = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.n_vocab_used)
     empty = model.init_cache(cfg, 1, T, "bfloat16")
     seconds = timed(lambda: prefill(params, prompt, empty), shapes.repeats)
-    prefill_flops = train.flops_per_token(cfg, T) / 3 * T / seconds  # the forward third of the training count
+    prefill_flops = metrics.flops_per_token(cfg, T) / 3 * T / seconds  # the forward third of the training count
     result: dict[str, Any] = {
         "params": model.count_params(cfg),
         "weight_gb": weight_bytes / 1e9,

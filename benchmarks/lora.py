@@ -26,7 +26,7 @@ import torch
 from family import torch_model  # benchmarks/family.py and timing.py, beside this script
 from timing import best_time
 
-from meshlm import api, config, model, train
+from meshlm import api, config, metrics, model, optim, train_step
 from meshlm.config import QUANTIZED
 from meshlm.sharding import make_mesh
 
@@ -44,12 +44,12 @@ def meshlm_step(
     mesh = make_mesh(None)
     # a quantized base keeps its other weights in the compute dtype, as train.load_base builds it
     base = api.from_config(cfg, mesh, "float32" if quantize else base_dtype, seed=0, quantize=quantize).params
-    opt = train.make_optimizer(tcfg, cfg)
-    shardings = train.state_shardings(cfg, opt, mesh, lora)
-    step_fn = train.make_train_step(tcfg, cfg, opt, shardings, jax.tree.map(lambda x: x.sharding, base))
+    opt = optim.make_optimizer(tcfg, cfg)
+    shardings = train_step.state_shardings(cfg, opt, mesh, lora)
+    step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings, jax.tree.map(lambda x: x.sharding, base))
     init = jax.jit(lambda k: model.init_adapter(cfg, lora, k, "float32"), out_shardings=shardings.params)
     adapter = init(jax.random.key(1))
-    state = train.TrainState(jnp.int32(0), adapter, jax.jit(opt.init, out_shardings=shardings.opt_state)(adapter))
+    state = train_step.TrainState(jnp.int32(0), adapter, jax.jit(opt.init, out_shardings=shardings.opt_state)(adapter))
     batch = jnp.asarray(tokens[None])
 
     def step() -> None:
@@ -58,7 +58,7 @@ def meshlm_step(
             state, metrics = step_fn(state, batch, base)
         metrics["loss"].block_until_ready()
 
-    return step, train.adapter_size(cfg, lora)
+    return step, metrics.adapter_size(cfg, lora)
 
 
 def peft_step(cfg: config.ModelConfig, lora: config.LoraConfig, tokens: np.ndarray) -> tuple[Callable[[], None], int]:

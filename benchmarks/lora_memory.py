@@ -3,7 +3,7 @@ XLA makes 15.75 GiB available) on this machine, which has no TPU, with the figur
 compiler; and the same step for a small model on this CPU, its compiled figures beside the memory it
 actually used when run.
 
-The step is `meshlm train`'s (`train.step_program`) for rank 16 on q, k, v, out, an fp32 adapter with
+The step is `meshlm train`'s (`train_step.step_program`) for rank 16 on q, k, v, out, an fp32 adapter with
 AdamW, bf16 compute, full remat, over a frozen base stored as bf16, int8 or NF4 (its other weights in
 bf16). The TPU part is `meshlm plan` (`planner.plan_train`) on a one-chip topology: the micro-batch
 doubles from 1 until XLA refuses the program (RESOURCE_EXHAUSTED names the bytes it needs), then bisects
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm import api, config, model, planner, train
+from meshlm import api, config, model, planner, train_step
 from meshlm.config import QUANTIZED
 from meshlm.footprint import Footprint, gib
 from meshlm.sharding import make_mesh
@@ -99,7 +99,7 @@ def cpu_run(cfg: config.ModelConfig, lora: config.LoraConfig, base: str, micro_b
     """One markdown row: the CPU-compiled step's memory analysis, then the resident memory growth while
     the same compiled program runs `steps` times on real inputs built as `meshlm train` builds them."""
     mesh = make_mesh(None)
-    program = train.step_program(lora_config(cfg, lora, base, micro_batch, seq), cfg, mesh, seq)
+    program = train_step.step_program(lora_config(cfg, lora, base, micro_batch, seq), cfg, mesh, seq)
     compiled = program.compile()
     used = Footprint.of(compiled)
     quantize = base if base in QUANTIZED else None
@@ -109,7 +109,7 @@ def cpu_run(cfg: config.ModelConfig, lora: config.LoraConfig, base: str, micro_b
     shardings = program.shardings
     adapter = jax.jit(lambda k: model.init_adapter(cfg, lora, k), out_shardings=shardings.params)(jax.random.key(1))
     opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(adapter)
-    state = train.TrainState(jax.device_put(jnp.int32(0), shardings.step), adapter, opt_state)
+    state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), adapter, opt_state)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (1, micro_batch, seq + 1)).astype(np.int32)
     batch = jax.device_put(tokens, program.inputs[1].sharding)
     jax.block_until_ready((frozen, state, batch))

@@ -16,7 +16,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from meshlm import model, planner, train
+from meshlm import metrics, model, planner
 from meshlm.config import ModelConfig, TrainConfig, preset
 from meshlm.footprint import gib
 
@@ -70,7 +70,7 @@ def run(s: Scenario) -> str:
     print(planner.describe_train(p, cfg), flush=True)
     peak = tgt.peak_flops * tgt.n_devices
     tokens = (p.largest or fit.micro_batch) * 2048
-    step_flops = train.flops_per_token(s.model, 2048) * tokens
+    step_flops = metrics.flops_per_token(s.model, 2048) * tokens
     at_40 = step_flops / peak / planner.STATED_MFU
     largest = p.largest if s.search else "-"
     verdict = "yes" if fit.fits else f"no ({fit.refused[:60]})" if fit.refused else "no"

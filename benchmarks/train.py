@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from family import ARCHS, shaped_as, torch_model  # benchmarks/family.py, beside this script
 
-from meshlm import config, model, train
+from meshlm import config, metrics, model, optim, train_step
 from meshlm.sharding import make_mesh
 
 
@@ -35,11 +35,11 @@ def time_steps(step: callable, n: int) -> float:
 def meshlm_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
     tcfg = config.TrainConfig(model=cfg, batch_size=len(tokens), warmup_steps=0, anneal_steps=10)
     mesh = make_mesh(None)
-    opt = train.make_optimizer(tcfg, cfg)
-    shardings = train.state_shardings(cfg, opt, mesh)
-    step_fn = train.make_train_step(tcfg, cfg, opt, shardings)
+    opt = optim.make_optimizer(tcfg, cfg)
+    shardings = train_step.state_shardings(cfg, opt, mesh)
+    step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
     params = jax.jit(lambda k: model.init(cfg, k), out_shardings=shardings.params)(jax.random.key(0))
-    state = train.TrainState(jnp.int32(0), params, jax.jit(opt.init)(params))
+    state = train_step.TrainState(jnp.int32(0), params, jax.jit(opt.init)(params))
     batch = jnp.asarray(tokens[None])
 
     def step() -> None:
@@ -88,14 +88,14 @@ def main() -> None:
     cfg = shaped_as(args.arch, config.preset(args.preset))
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (args.batch, args.seq + 1)).astype(np.int32)
     n_tokens = args.batch * args.seq
-    flops = train.flops_per_token(cfg, args.seq) * n_tokens
+    flops = metrics.flops_per_token(cfg, args.seq) * n_tokens
     print(
         f"config {args.arch} at {args.preset}'s sizes: {model.count_params(cfg):,} params, "
         f"batch {args.batch} x seq {args.seq}, fp32, torch threads {torch.get_num_threads()}, "
         f"{jax.devices()[0].platform}"
     )
 
-    peak = max(train.measure_matmul_peak(), torch_matmul_peak())
+    peak = max(metrics.measure_matmul_peak(), torch_matmul_peak())
     t_meshlm = time_steps(meshlm_step(cfg, tokens), args.steps)
     t_torch = time_steps(torch_step(cfg, tokens), args.steps)
     print(f"matmul peak (best of JAX, torch): {peak / 1e9:.1f} GFLOP/s")

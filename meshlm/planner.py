@@ -1,6 +1,6 @@
 """`meshlm plan`: what a training run or a server needs per device on some hardware, and what fits.
 
-The figures come from XLA's own compiler, for the very step `meshlm train` runs (`train.step_program`):
+The figures come from XLA's own compiler, for the very step `meshlm train` runs (`train_step.step_program`):
 - a TPU slice (`tpu:v5e:2x2`, `tpu:v3:8x16`, ...) is compiled ahead of time with `libtpu` on any machine,
   and its compiler states each chip's capacity;
 - `cpu` compiles for this machine's devices;
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from meshlm import footprint, generate, model, train
+from meshlm import footprint, generate, metrics, model, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.sharding import MESH_AXES, batch_ways, make_mesh, named_sharding, parse_mesh_spec, plan
@@ -219,7 +219,7 @@ def seq_len_of(cfg: TrainConfig, seq_len: int | None = None) -> int:
 
 def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len: int) -> tuple[TrainFit, Any]:
     """Compile (or, for a GPU, estimate) `cfg`'s train step on `mesh`: its fit, and the compiled step."""
-    program = train.step_program(cfg, cfg.model, mesh, seq_len)
+    program = train_step.step_program(cfg, cfg.model, mesh, seq_len)
     state, batch = program.inputs[:2]
     parts = dict(
         micro_batch=cfg.micro_batch_size,
@@ -283,7 +283,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     chunk = tokens if seq_len <= model.LOSS_CHUNK or seq_len % model.LOSS_CHUNK else rows * model.LOSS_CHUNK
     head = chunk * 7 * (m.vocab_size // tp)
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
-    trained = train.adapter_size(m, cfg.lora) if cfg.lora else model.count_params(m)
+    trained = metrics.adapter_size(m, cfg.lora) if cfg.lora else model.count_params(m)
     return tokens * (m.n_layer * saved + block) + head + adam * trained // math.prod(sizes.values())
 
 
@@ -309,12 +309,12 @@ def plan_train(
     seq = seq_len_of(cfg, seq_len)
     if seq > cfg.model.max_seq_len:
         raise ConfigError(f"seq_len {seq} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
-    train.check_batch(cfg, device_mesh)
+    train_step.check_batch(cfg, device_mesh)
     say = progress or (lambda _: None)
     own, compiled = fit_train(cfg, tgt, device_mesh, seq)
     say(describe_fit(own))
     result = TrainPlan(tgt, _mesh_spec(device_mesh), seq, own, None, [own], limit=max_micro_batch)
-    result.flops_per_step = train.flops_per_token(cfg.model, seq, cfg.lora) * cfg.batch_size * seq
+    result.flops_per_step = metrics.flops_per_token(cfg.model, seq, cfg.lora) * cfg.batch_size * seq
     if compiled is not None:
         result.xla_flops = _flops(compiled)
     if search:

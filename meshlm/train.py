@@ -1,11 +1,6 @@
-"""Training: the seed's optimizer and schedule, one jitted sharded step with gradient accumulation,
-validation, metrics, checkpoints and resume.
-
-The recipe is the one GPT-J was trained with: AdamW (b1 0.9, b2 0.999, eps 1e-8), global-norm clipping
-at 1.0, decoupled weight decay on matrices only, learning rate warmed up linearly and then annealed
-along a half cosine to `end_lr` over `anneal_steps`, flat after that. Parameters are kept in fp32
-(`param_dtype`) and cast to `compute_dtype` inside the model; optimizer state takes the parameters'
-shardings, so with an `fsdp` axis it is sharded ZeRO-3 style.
+"""Training: the loop that runs the step (`meshlm.train_step`) over the data, with validation, lm-eval tasks,
+metrics, checkpoints, resume and a clean stop on SIGTERM. The optimizer is `meshlm.optim`'s, the
+throughput and noise-scale accounting `meshlm.metrics`'.
 
 With a `lora` section only a LoRA adapter trains (its gradients and optimizer state alone) over a frozen
 base stored as `base_dtype`: float, int8 or NF4. The base is rebuilt, never saved: checkpoints hold the
@@ -14,439 +9,39 @@ adapter and its optimizer state, and record what the base was built from.
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, footprint, model
-from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
-from meshlm.sharding import batch_ways, describe, make_mesh, named_sharding, plan, spec_for
+from meshlm.metrics import MetricsLog, NoiseScale, adapter_size, flops_per_token, peak_flops
+from meshlm.sharding import describe, make_mesh, named_sharding
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
+from meshlm.train_step import (
+    TrainState,
+    base_storage,
+    check_batch,
+    check_fits,
+    make_eval_step,
+    out_of_memory,
+    step_program,
+)
 
-# ---------------------------------------------------------------------------------------------------
-# Optimizer
 
-
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The seed's `gpt3_schedule`: linear warmup from 0, half-cosine to `end_lr` over `anneal_steps`, then flat."""
-    warmup, anneal, peak, end = cfg.warmup_steps, cfg.anneal_steps, cfg.lr, cfg.end_lr
-
-    def schedule(step: jax.Array) -> jax.Array:
-        step = jnp.asarray(step, jnp.float32)
-        warm = jnp.clip(step, 0, warmup) / warmup if warmup else 1.0
-        anneal_pct = jnp.clip(step - warmup, 0, anneal) / anneal
-        return warm * peak - (peak - end) * (1 - jnp.cos(jnp.pi * anneal_pct)) / 2
-
-    return schedule
-
-
-def trainable_axes(model_cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:
-    """Logical axes of what a run trains: the whole model, or with `lora` only the adapter."""
-    return model.logical_axes(model_cfg) if lora is None else model.logical_axes(model_cfg, lora)["lora"]
-
-
-def trainable_abstract(model_cfg: ModelConfig, lora: LoraConfig | None = None, dtype: str = "float32") -> Any:
-    """ShapeDtypeStructs of what a run trains (see `trainable_axes`)."""
-    if lora is None:
-        return model.abstract_params(model_cfg, dtype)
-    return jax.eval_shape(lambda: model.init_adapter(model_cfg, lora, jax.random.key(0), dtype))
-
-
-def decay_mask(cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:
-    """True for weight matrices (two or more axes besides the stacked `layers` axis, LoRA's A and B
-    included); biases, norms and adapter scales: False."""
-    return jax.tree.map(
-        lambda axes: sum(a != "layers" for a in axes) >= 2,
-        trainable_axes(cfg, lora),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
-def make_optimizer(
-    cfg: TrainConfig, model_cfg: ModelConfig, state_dtype: str | None = None
-) -> optax.GradientTransformation:
-    """The seed's AdamW. `state_dtype` (default: the config's `adam_dtype`) "bfloat16" stores both moments in
-    bf16 between steps (they are updated in fp32), which saves 4 bytes per parameter where memory is short."""
-    adamw = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(
-            lr_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask(model_cfg, cfg.lora),
-        ),
-    )
-    state_dtype = state_dtype or cfg.adam_dtype
-    return adamw if state_dtype == "float32" else stored_as(adamw, dtype_of(state_dtype))
-
-
-def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:
-    """`inner` with its floating-point state kept in `dtype` between steps and computed in fp32."""
-
-    def cast(tree: Any, dt: jnp.dtype) -> Any:
-        return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        updates, state = inner.update(updates, cast(state, jnp.float32), params)
-        return updates, cast(state, dtype)
-
-    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The sharded train state and step
-
-
-def schedule_count(opt_state: Any) -> jax.Array:
-    """The count the learning rate is taken at: the step in a meshlm run; a continued seed run's may differ."""
-    return optax.tree_utils.tree_get(
-        opt_state, "count", filtering=lambda path, _: path[-1].tuple_name == "ScaleByScheduleState"
-    )
-
-
-class TrainState(NamedTuple):
-    step: jax.Array
-    params: model.Params  # what is trained: the model, or a LoRA run's adapter
-    opt_state: Any
-
-
-def state_shardings(
-    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, lora: LoraConfig | None = None
-) -> TrainState:
-    """Trained parameters by the sharding rules; each optimizer moment like its parameter; counters replicated."""
-    abstract = trainable_abstract(model_cfg, lora)
-    params = plan(abstract, trainable_axes(model_cfg, lora), mesh)
-    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_abstract = jax.eval_shape(optimizer.init, abstract)
-    opt = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_abstract, params, transform_non_params=lambda _: replicated
-    )
-    return TrainState(replicated, params, opt)
-
-
-def abstract_state(
-    shardings: TrainState,
-    model_cfg: ModelConfig,
-    optimizer: optax.GradientTransformation,
-    lora: LoraConfig | None = None,
-    dtype: str = "float32",
-) -> Any:
-    """ShapeDtypeStructs with shardings of the trained parameters (stored as `dtype`) and their optimizer
-    state: the target that restores a checkpoint onto this mesh."""
-    abstract = trainable_abstract(model_cfg, lora, dtype)
-    opt = jax.eval_shape(optimizer.init, abstract)
-
-    def attach(a: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    return jax.tree.map(attach, abstract, shardings.params), jax.tree.map(attach, opt, shardings.opt_state)
-
-
-def make_train_step(
-    cfg: TrainConfig,
-    model_cfg: ModelConfig,
-    optimizer: optax.GradientTransformation,
-    shardings: TrainState,
-    base_shardings: Any = None,
-) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """One optimizer step over a batch [micro_batches, micro_batch_size, seq_len + 1]: `step(state, batch)`,
-    or for a LoRA run `step(state, batch, base)`, where `base` is the frozen model (laid out as
-    `base_shardings`): only the adapter in `state.params` has gradients and optimizer state.
-
-    Gradients of the micro-batches are summed inside a `lax.scan`, so accumulation costs one compiled
-    step and one micro-batch of activation memory. The state's buffers are donated; the base's are not.
-    """
-    policy = cfg.policy
-    schedule = lr_schedule(cfg)
-
-    def objective(params: model.Params, tokens: jax.Array, base: model.Params | None, key: jax.Array) -> Any:
-        full = params if base is None else {**base, "lora": params}
-        return model.loss(full, tokens, model_cfg, policy, z_loss=cfg.z_loss, dropout_key=key)
-
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
-
-    def step(state: TrainState, batch: jax.Array, base: model.Params | None) -> tuple[TrainState, dict[str, Any]]:
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step), batch.shape[0])
-
-        def micro(acc: model.Params, xs: tuple[jax.Array, jax.Array]) -> tuple[model.Params, tuple[jax.Array, ...]]:
-            tokens, key = xs
-            (total, aux), grads = grad_fn(state.params, tokens, base, key)
-            acc = jax.tree.map(jnp.add, acc, grads)
-            acc = jax.lax.with_sharding_constraint(acc, shardings.params)
-            return acc, (total, aux["ce"], jnp.square(optax.tree.norm(grads)))
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (totals, ces, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
-        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": ces.mean(),
-            "loss_with_z": totals.mean(),
-            "grad_norm": optax.tree.norm(grads),
-            "micro_grad_sq": micro_sq.mean(),
-            "lr": schedule(schedule_count(state.opt_state)),
-        }
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    batch_sharding = named_sharding(shardings.step.mesh, (None, "batch", "seq"))
-    if cfg.lora is None:
-        return jax.jit(
-            lambda state, batch: step(state, batch, None),
-            in_shardings=(shardings, batch_sharding),
-            out_shardings=(shardings, None),
-            donate_argnums=0,
-        )
-    return jax.jit(
-        step,
-        in_shardings=(shardings, batch_sharding, base_shardings),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
-
-
-def base_storage(cfg: TrainConfig) -> tuple[str, str | None]:
-    """How a LoRA run keeps its frozen base: (dtype, quantize). A quantized base keeps its other weights
-    (embedding, norms, head) in the compute dtype."""
-    if cfg.frozen_dtype in QUANTIZED:
-        return cfg.compute_dtype, cfg.frozen_dtype
-    return cfg.frozen_dtype, None
-
-
-@dataclass(frozen=True)
-class StepProgram:
-    """`meshlm train`'s step for one config on one mesh before anything is allocated: the jitted step,
-    ShapeDtypeStructs (with their shardings) of its arguments, and what it was built from. `meshlm train`
-    runs what `compile()` returns; `meshlm plan` reports its footprint."""
-
-    fn: Callable[..., Any]
-    inputs: tuple[Any, ...]  # (state, batch), or (state, batch, base) for a LoRA run
-    optimizer: optax.GradientTransformation
-    shardings: TrainState
-    mesh: Mesh
-
-    def compile(self) -> Any:
-        """The compiled step (`footprint.OutOfMemory` where the compiler refuses it for the device's memory)."""
-        with jax.set_mesh(self.mesh):  # the activation constraints apply inside the mesh
-            return footprint.compile_for(self.fn.lower(*self.inputs))
-
-    @property
-    def base_shardings(self) -> Any:
-        return None if len(self.inputs) < 3 else jax.tree.map(lambda a: a.sharding, self.inputs[2])
-
-
-def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: int) -> StepProgram:
-    """The train step of `cfg` for `model_cfg` on `mesh` over sequences of `seq_len` tokens."""
-    optimizer = make_optimizer(cfg, model_cfg)
-    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
-    params, opt_state = abstract_state(shardings, model_cfg, optimizer, cfg.lora, cfg.param_dtype)
-    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt_state)
-    batch_shape = (cfg.micro_batches, cfg.micro_batch_size, seq_len + 1)
-    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=named_sharding(mesh, (None, "batch", "seq")))
-    inputs: tuple[Any, ...] = (state, batch)
-    base_shardings = None
-    if cfg.lora is not None:
-        dtype, quantize = base_storage(cfg)
-        base = model.abstract_params(model_cfg, dtype)
-        if quantize:
-            base = jax.eval_shape(lambda p: model.quantize(p, quantize), base)
-        base_shardings = plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh)
-        inputs += (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, base_shardings),)
-    fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
-    return StepProgram(fn, inputs, optimizer, shardings, mesh)
-
-
-def check_fits(compiled: Any, mesh: Mesh, cfg: TrainConfig) -> footprint.Footprint:
-    """The compiled step's footprint per device, once it is known to fit the devices' memory."""
-    used = footprint.Footprint.of(compiled)
-    capacity = footprint.device_capacity(mesh.devices.flat[0])
-    if capacity is not None and used.total > capacity:
-        raise footprint.OutOfMemory(out_of_memory(cfg, mesh, used.total, capacity), used.total, capacity)
-    return used
-
-
-def out_of_memory(cfg: TrainConfig, mesh: Mesh, needed: int | None, capacity: int | None) -> str:
-    """One line: what the step needs, what the device has, and the first settings worth trying."""
-    tries = []
-    if cfg.remat != "full":
-        tries.append("remat=full")
-    sizes = dict(mesh.shape)
-    if sizes["data"] > 1:
-        tries.append(f'mesh "fsdp={sizes["data"] * sizes["fsdp"]},model={sizes["model"]}"')
-    if cfg.micro_batch_size > batch_ways(mesh) and (cfg.batch_size // (2 * cfg.micro_batches)) % batch_ways(mesh) == 0:
-        tries.append(f"micro_batches={2 * cfg.micro_batches}")
-    if cfg.lora is None and cfg.adam_dtype == "float32":
-        tries.append("adam_dtype=bfloat16")
-    if cfg.lora is None:
-        tries.append("a lora section")
-    needs = "more memory than the device has" if needed is None else f"{footprint.gib(needed)} per device"
-    has = "" if capacity is None else f", the device has {footprint.gib(capacity)}"
-    try_line = f"; try {' or '.join(tries[:3])}" if tries else ""
-    return f"the train step needs {needs}{has}{try_line} (`meshlm plan` finds a setting that fits)"
-
-
-def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable:
-    """Summed target loss and target count over rows [B, seq_len + 1] weighted per row."""
-    policy = replace(cfg.policy, remat="none")
-
-    def evaluate(params: model.Params, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-        mask = jnp.broadcast_to(weights[:, None], (tokens.shape[0], tokens.shape[1] - 1))
-        _, aux = model.loss(params, tokens, model_cfg, policy, loss_mask=mask)
-        return aux["ce"] * aux["tokens"], aux["tokens"]
-
-    shard = named_sharding(mesh, ("batch", "seq"))
-    return jax.jit(evaluate, in_shardings=(None, shard, named_sharding(mesh, ("batch",))))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Throughput and the gradient noise scale
-
-
-def adapter_size(model_cfg: ModelConfig, lora: LoraConfig) -> int:
-    """The parameters a LoRA run trains: its As and Bs (the per-layer scales are constants)."""
-    table = model.adapter_table(model_cfg, lora)
-    return sum(math.prod(p["a"].shape) + math.prod(p["b"].shape) for p in table.values())
-
-
-def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None) -> float:
-    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention).
-
-    With `lora` the frozen weights cost 4 x, not 6 x: the forward and the activations' gradient, but no
-    gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight.
-    """
-    # the embedding and learned positions are gathers (a tied embedding is the head's matmul too)
-    gathered = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
-    if model_cfg.position == "learned":
-        gathered += model_cfg.max_seq_len * model_cfg.d_model
-    matmul_params = model.count_params(model_cfg) - gathered
-    attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
-    if lora is None:
-        return 6 * matmul_params + attention
-    return 4 * matmul_params + 6 * adapter_size(model_cfg, lora) + attention
-
-
-def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
-    """Bytes of training state on one device, from shapes and the sharding rules alone (no devices needed).
-
-    The default 16 bytes per parameter is fp32 weights (4) + fp32 gradients (4) + Adam's two fp32
-    moments (8); gradients and moments are sharded exactly like the weights. Activations come on top.
-    """
-    total = 0
-    abstract = jax.tree.leaves(model.abstract_params(model_cfg))
-    axes = jax.tree.leaves(model.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
-    for leaf, names in zip(abstract, axes, strict=True):
-        shard = 1
-        for size, rule in zip(leaf.shape, spec_for(names), strict=True):
-            mesh_axes = () if rule is None else (rule,) if isinstance(rule, str) else rule
-            shard *= -(-size // math.prod(mesh_sizes.get(a, 1) for a in mesh_axes))
-        total += shard
-    return total * bytes_per_param
-
-
-# Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p": 459e12, "v5": 197e12}
-PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
-
-
-@functools.cache  # a host's peak does not change: measured once per process, not once per run
-def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square matmul on the default device: the achievable peak of a host or accelerator."""
-    dt = dtype_of(dtype)
-    a = jnp.ones((n, n), dt)
-    mm = jax.jit(jnp.matmul)
-    mm(a, a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = mm(a, a)
-    out.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
-
-
-def peak_flops(mesh: Mesh, dtype: str) -> float:
-    """Peak FLOP/s of the whole mesh: the table for accelerators, a measured matmul for a CPU host."""
-    device = mesh.devices.flat[0]
-    if device.platform == "cpu":  # simulated CPU devices share one host's cores
-        return measure_matmul_peak(dtype)
-    for kind, flops in PEAK_FLOPS.items():
-        if kind.lower() in device.device_kind.lower():
-            return flops * mesh.devices.size
-    return float("nan")
-
-
-@dataclass
-class NoiseScale:
-    """The gradient noise scale B_simple = S / |G|^2 (McCandlish et al. 2018, appendix A), as the seed logged
-    it: unbiased |G|^2 and S from the micro-batch and full-batch gradient norms, each an EMA."""
-
-    b_small: int
-    b_big: int
-    alpha: float
-    g2: float | None = None
-    s: float | None = None
-
-    def update(self, micro_grad_sq: float, grad_norm: float) -> dict[str, float]:
-        if self.b_big == self.b_small:
-            return {}
-        big_sq = grad_norm**2
-        g2 = (self.b_big * big_sq - self.b_small * micro_grad_sq) / (self.b_big - self.b_small)
-        s = (micro_grad_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
-        self.g2 = g2 if self.g2 is None else (1 - self.alpha) * self.g2 + self.alpha * g2
-        self.s = s if self.s is None else (1 - self.alpha) * self.s + self.alpha * s
-        return {"noise/G2": self.g2, "noise/S": self.s, "noise/B_simple": self.s / self.g2}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Metrics
-
-
-class MetricsLog:
-    """One record per logged step, to `metrics.jsonl` and TensorBoard (`tb/`), written by process 0."""
-
-    def __init__(self, out_dir: Path):
-        self.enabled = jax.process_index() == 0
-        if self.enabled:
-            from tensorboardX import SummaryWriter
-
-            self._jsonl = (out_dir / "metrics.jsonl").open("a")
-            self._tb = SummaryWriter(str(out_dir / "tb"))
-
-    def write(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self._jsonl.flush()
-        for key, value in values.items():
-            self._tb.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
-
-
-# ---------------------------------------------------------------------------------------------------
-# The loop
-
-
-@dataclass
 class TrainResult:
     out_dir: Path
     step: int
@@ -525,15 +120,6 @@ def _splits(folder: str) -> list[str]:
     from meshlm.data import read_index
 
     return list(read_index(folder)["splits"])
-
-
-def check_batch(cfg: TrainConfig, mesh: Mesh) -> None:
-    ways = batch_ways(mesh)
-    if cfg.micro_batch_size % ways:
-        raise ConfigError(
-            f"batch_size {cfg.batch_size} / micro_batches {cfg.micro_batches} = {cfg.micro_batch_size} sequences per "
-            f"micro-batch, not divisible by the mesh's batch axes data x fsdp = {ways}"
-        )
 
 
 def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:

@@ -14,7 +14,7 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from benchmarks import gpu
-from meshlm import model, train
+from meshlm import model, optim
 from meshlm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_bf16_stored_adam_state_stays_bf16_and_follows_fp32_adam():
     params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
     grads = jax.tree.map(lambda p: jnp.cos(3 * p) + 0.5, params)
     adam = optax.adam(1e-2)
-    stored = train.stored_as(adam, jnp.bfloat16)
+    stored = optim.stored_as(adam, jnp.bfloat16)
     state, ref_state = stored.init(params), adam.init(params)
     for _ in range(3):
         updates, state = stored.update(grads, state, params)

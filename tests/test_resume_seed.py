@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import meshlm
-from meshlm import checkpoint, cli, data, model, train
+from meshlm import checkpoint, cli, data, model, optim, train_step
 from meshlm.config import TrainConfig
 from meshlm.loader import TrainLoader
 from meshlm.sharding import make_mesh
@@ -66,9 +66,9 @@ def adamw_step(params, grads, mu, nu, count: int, mask):
 
 def saved_opt_state(run: Path, step: int, cfg: TrainConfig):
     model_cfg = meshlm.load(run).config
-    opt = train.make_optimizer(cfg, model_cfg)
-    params_target, opt_target = train.abstract_state(
-        train.state_shardings(model_cfg, opt, make_mesh(None)), model_cfg, opt
+    opt = optim.make_optimizer(cfg, model_cfg)
+    params_target, opt_target = train_step.abstract_state(
+        train_step.state_shardings(model_cfg, opt, make_mesh(None)), model_cfg, opt
     )
     ckpts = checkpoint.TrainCheckpoints(run / "checkpoints")
     try:
@@ -95,7 +95,7 @@ def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, 
     tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed))[0]
     model_cfg = meshlm.load(seed_run.step_dir, seed_config=seed_run.seed_config).config
     grads = jax.tree.map(np.asarray, jax.grad(lambda p: model.loss(p, tokens, model_cfg)[0])(params))
-    mask = train.decay_mask(model_cfg)
+    mask = optim.decay_mask(model_cfg)
     want, want_mu, want_nu = adamw_step(params, grads, mu, nu, seed_run.adam_count, mask)
     fresh, _, _ = adamw_step(params, grads, *(jax.tree.map(np.zeros_like, params),) * 2, 0, mask)
 
@@ -105,7 +105,7 @@ def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, 
     for name, tree, expected in (("params", got, want), ("mu", adam.mu, want_mu), ("nu", adam.nu, want_nu)):
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(expected), strict=True):
             np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6, err_msg=name)
-    assert int(adam.count) == seed_run.adam_count + 1 == int(train.schedule_count(opt_state))
+    assert int(adam.count) == seed_run.adam_count + 1 == int(optim.schedule_count(opt_state))
     far = max(np.abs(np.asarray(a) - b).max() for a, b in zip(*map(jax.tree.leaves, (got, fresh)), strict=True))
     assert far > 1e-4  # a fresh optimizer's step lands elsewhere
 

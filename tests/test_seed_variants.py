@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import meshlm
-from meshlm import ConfigError, api, cli, data, model, train
+from meshlm import ConfigError, api, cli, data, model, optim
 from meshlm.config import from_seed_config
 from meshlm.formats import mtj
 from meshlm.loader import TrainLoader
@@ -260,7 +260,7 @@ def test_a_full_variant_run_continues_with_its_adam_state(seed, tmp_path):
     params, mu, nu = (jax.tree.map(np.asarray, t) for t in (start.params, moments.mu, moments.nu))
     tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed))[0]
     grads = jax.tree.map(np.asarray, jax.grad(lambda p: model.loss(p, tokens, start.config)[0])(params))
-    want, want_mu, _ = adamw_step(params, grads, mu, nu, ck.adam_count, train.decay_mask(start.config))
+    want, want_mu, _ = adamw_step(params, grads, mu, nu, ck.adam_count, optim.decay_mask(start.config))
 
     opt_state = saved_opt_state(tmp_path / "run", ck.step + 1, cfg)
     adam = optax.tree_utils.tree_get(opt_state, "ScaleByAdamState")

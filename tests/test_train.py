@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import checkpoint, cli, data, model, train
+from meshlm import checkpoint, cli, data, metrics, model, optim, train, train_step
 from meshlm.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from meshlm.loader import LoaderState, TrainLoader
 from meshlm.sharding import make_mesh
@@ -61,14 +61,14 @@ def tiny_config(dataset: Path, out_dir: Path, **changes) -> TrainConfig:
 
 def test_schedule_warms_up_linearly_then_anneals_by_half_cosine_then_stays_flat():
     cfg = TrainConfig(lr=1.0, end_lr=0.1, warmup_steps=10, anneal_steps=100)
-    sched = train.lr_schedule(cfg)
+    sched = optim.lr_schedule(cfg)
     expected = {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.1 + 0.9 * (1 + np.cos(np.pi / 4)) / 2, 60: 0.55, 110: 0.1, 5000: 0.1}
     for step, want in expected.items():
         assert float(sched(step)) == pytest.approx(want, abs=1e-6), step
 
 
 def test_weight_decay_applies_to_matrices_only():
-    mask = train.decay_mask(CFG8)
+    mask = optim.decay_mask(CFG8)
     paths = jax.tree_util.tree_leaves_with_path(mask)
     decayed = {jax.tree_util.keystr(k, simple=True, separator=".") for k, v in paths if v}
     assert decayed == {
@@ -82,12 +82,12 @@ def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
     cfg = TrainConfig(lr=0.01, warmup_steps=0, anneal_steps=10, weight_decay=0.3)
     params = model.init(CFG8, jax.random.key(0))
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)  # global norm >> 1: clipping acts
-    opt = train.make_optimizer(cfg, CFG8)
+    opt = optim.make_optimizer(cfg, CFG8)
     updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
     new = jax.tree.map(lambda p, u: p + u, params, updates)
 
     norm = np.sqrt(sum(np.sum(np.square(np.asarray(g))) for g in jax.tree.leaves(grads)))
-    for p, g, n, decay in zip(*(jax.tree.leaves(t) for t in (params, grads, new, train.decay_mask(CFG8))), strict=True):
+    for p, g, n, decay in zip(*(jax.tree.leaves(t) for t in (params, grads, new, optim.decay_mask(CFG8))), strict=True):
         p, g = np.asarray(p, np.float64), np.asarray(g, np.float64) / norm
         m_hat = (1 - 0.9) * g / (1 - 0.9)
         v_hat = (1 - 0.999) * g**2 / (1 - 0.999)
@@ -101,7 +101,7 @@ def test_bf16_adam_moments_are_stored_in_bf16_and_update_like_fp32_ones():
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
     steps = {}
     for dtype in ("float32", "bfloat16"):
-        opt = train.make_optimizer(TrainConfig(lr=0.01, warmup_steps=0, adam_dtype=dtype), CFG8)
+        opt = optim.make_optimizer(TrainConfig(lr=0.01, warmup_steps=0, adam_dtype=dtype), CFG8)
         updates, state = jax.jit(opt.update)(grads, opt.init(params), params)
         moments = [x for x in jax.tree.leaves(state) if x.ndim > 0]
         assert {x.dtype for x in moments} == {jnp.dtype(dtype)}
@@ -115,11 +115,11 @@ def test_bf16_adam_moments_are_stored_in_bf16_and_update_like_fp32_ones():
 def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
     """With per-example gradients of mean G and total variance S, E|g_B|^2 = |G|^2 + S/B for a batch of B."""
     g2, s = 3.0, 40.0
-    noise = train.NoiseScale(b_small=2, b_big=8, alpha=0.5)
+    noise = metrics.NoiseScale(b_small=2, b_big=8, alpha=0.5)
     out = noise.update(micro_grad_sq=g2 + s / 2, grad_norm=np.sqrt(g2 + s / 8))
     assert out["noise/G2"] == pytest.approx(g2) and out["noise/S"] == pytest.approx(s)
     assert out["noise/B_simple"] == pytest.approx(s / g2)
-    assert train.NoiseScale(b_small=8, b_big=8, alpha=0.5).update(1.0, 1.0) == {}
+    assert metrics.NoiseScale(b_small=8, b_big=8, alpha=0.5).update(1.0, 1.0) == {}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,15 +134,15 @@ def init_params():
 def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Path, init_params):
     """n optimizer steps straight through `make_train_step`; returns (losses, params, state)."""
     mesh = make_mesh(mesh_spec)
-    opt = train.make_optimizer(cfg, cfg.model)
-    shardings = train.state_shardings(cfg.model, opt, mesh)
-    step_fn = train.make_train_step(cfg, cfg.model, opt, shardings)
+    opt = optim.make_optimizer(cfg, cfg.model)
+    shardings = train_step.state_shardings(cfg.model, opt, mesh)
+    step_fn = train_step.make_train_step(cfg, cfg.model, opt, shardings)
     loader = TrainLoader(data.TokenDataset(dataset), cfg.batch_size, cfg.micro_batches, seed=cfg.seed)
     batch_sharding = meshlm.sharding.named_sharding(mesh, (None, "batch", "seq"))
     with jax.set_mesh(mesh):
         params = jax.device_put(init_params, shardings.params)
         opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
-        state = train.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
+        state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
         losses = []
         for _ in range(n_steps):
             state, metrics = step_fn(state, jax.device_put(next(loader), batch_sharding))
@@ -397,9 +397,9 @@ def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
 
 def test_training_state_per_device_follows_the_sharding_rules():
     n = model.count_params(meshlm.preset("gptj-6b"))
-    assert train.state_bytes_per_device(meshlm.preset("gptj-6b"), {}) == 16 * n
+    assert metrics.state_bytes_per_device(meshlm.preset("gptj-6b"), {}) == 16 * n
     # fsdp splits every weight matrix along its embed axis; only the small biases and norms stay whole
-    per_device = train.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})
+    per_device = metrics.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})
     assert 16 * n / 8 < per_device < 16 * n / 8 * 1.01
 
 

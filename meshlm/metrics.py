@@ -1,0 +1,137 @@
+"""What a training run reports beside its loss: FLOPs per token, throughput and MFU against the devices'
+peak, the gradient noise scale, and the metrics log (JSON lines and TensorBoard)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from meshlm import model
+from meshlm.config import LoraConfig, ModelConfig, dtype_of
+from meshlm.sharding import spec_for
+
+
+def adapter_size(model_cfg: ModelConfig, lora: LoraConfig) -> int:
+    """The parameters a LoRA run trains: its As and Bs (the per-layer scales are constants)."""
+    table = model.adapter_table(model_cfg, lora)
+    return sum(math.prod(p["a"].shape) + math.prod(p["b"].shape) for p in table.values())
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None) -> float:
+    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention).
+
+    With `lora` the frozen weights cost 4 x, not 6 x: the forward and the activations' gradient, but no
+    gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight.
+    """
+    # the embedding and learned positions are gathers (a tied embedding is the head's matmul too)
+    gathered = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
+    if model_cfg.position == "learned":
+        gathered += model_cfg.max_seq_len * model_cfg.d_model
+    matmul_params = model.count_params(model_cfg) - gathered
+    attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+    if lora is None:
+        return 6 * matmul_params + attention
+    return 4 * matmul_params + 6 * adapter_size(model_cfg, lora) + attention
+
+
+def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
+    """Bytes of training state on one device, from shapes and the sharding rules alone (no devices needed).
+
+    The default 16 bytes per parameter is fp32 weights (4) + fp32 gradients (4) + Adam's two fp32
+    moments (8); gradients and moments are sharded exactly like the weights. Activations come on top.
+    """
+    total = 0
+    abstract = jax.tree.leaves(model.abstract_params(model_cfg))
+    axes = jax.tree.leaves(model.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    for leaf, names in zip(abstract, axes, strict=True):
+        shard = 1
+        for size, rule in zip(leaf.shape, spec_for(names), strict=True):
+            mesh_axes = () if rule is None else (rule,) if isinstance(rule, str) else rule
+            shard *= -(-size // math.prod(mesh_sizes.get(a, 1) for a in mesh_axes))
+        total += shard
+    return total * bytes_per_param
+
+
+# Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p": 459e12, "v5": 197e12}
+PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
+
+
+@functools.cache  # a host's peak does not change: measured once per process, not once per run
+def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul on the default device: the achievable peak of a host or accelerator."""
+    dt = dtype_of(dtype)
+    a = jnp.ones((n, n), dt)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = mm(a, a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops(mesh: Mesh, dtype: str) -> float:
+    """Peak FLOP/s of the whole mesh: the table for accelerators, a measured matmul for a CPU host."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":  # simulated CPU devices share one host's cores
+        return measure_matmul_peak(dtype)
+    for kind, flops in PEAK_FLOPS.items():
+        if kind.lower() in device.device_kind.lower():
+            return flops * mesh.devices.size
+    return float("nan")
+
+
+@dataclass
+class NoiseScale:
+    """The gradient noise scale B_simple = S / |G|^2 (McCandlish et al. 2018, appendix A), as the seed logged
+    it: unbiased |G|^2 and S from the micro-batch and full-batch gradient norms, each an EMA."""
+
+    b_small: int
+    b_big: int
+    alpha: float
+    g2: float | None = None
+    s: float | None = None
+
+    def update(self, micro_grad_sq: float, grad_norm: float) -> dict[str, float]:
+        if self.b_big == self.b_small:
+            return {}
+        big_sq = grad_norm**2
+        g2 = (self.b_big * big_sq - self.b_small * micro_grad_sq) / (self.b_big - self.b_small)
+        s = (micro_grad_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
+        self.g2 = g2 if self.g2 is None else (1 - self.alpha) * self.g2 + self.alpha * g2
+        self.s = s if self.s is None else (1 - self.alpha) * self.s + self.alpha * s
+        return {"noise/G2": self.g2, "noise/S": self.s, "noise/B_simple": self.s / self.g2}
+
+
+class MetricsLog:
+    """One record per logged step, to `metrics.jsonl` and TensorBoard (`tb/`), written by process 0."""
+
+    def __init__(self, out_dir: Path):
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self._jsonl = (out_dir / "metrics.jsonl").open("a")
+            self._tb = SummaryWriter(str(out_dir / "tb"))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.flush()
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()

@@ -420,6 +420,8 @@ class TrainConfig:
     noise_scale_alpha: float = 0.01  # EMA weight of the gradient-noise-scale estimate
     sample_prompt: str = "Return the"
     sample_tokens: int = 32  # greedy sample printed at the end; 0: none
+    wandb_project: str | None = None  # also log to Weights & Biases (pip install 'meshlm[wandb]'); None: off
+    wandb_run: str | None = None  # the W&B run's name (default: the run folder's name)
     # LoRA: train only an adapter (rank, alpha, dropout, targets) over a frozen base stored as `base_dtype`
     # (a float dtype, "int8" or "nf4"; default param_dtype). Checkpoints then hold the adapter alone.
     lora: LoraConfig | None = None
@@ -449,6 +451,9 @@ class TrainConfig:
                 f"train config: batch_size ({self.batch_size}) must be a multiple of "
                 f"micro_batches ({self.micro_batches})"
             )
+        for key in ("wandb_project", "wandb_run"):
+            if getattr(self, key) is not None and not (isinstance(getattr(self, key), str) and getattr(self, key)):
+                raise ConfigError(f"train config: {key} must be a name, got {getattr(self, key)!r}")
         if not isinstance(self.val_data, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.val_data.items()
         ):

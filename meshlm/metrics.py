@@ -6,16 +6,18 @@ from __future__ import annotations
 import functools
 import json
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshlm import model
-from meshlm.config import LoraConfig, ModelConfig, dtype_of
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
 from meshlm.sharding import spec_for
 
 
@@ -113,13 +115,24 @@ class NoiseScale:
 
 
 class MetricsLog:
-    """One record per logged step, to `metrics.jsonl` and TensorBoard (`tb/`), written by process 0."""
+    """One record per logged step, to `metrics.jsonl`, TensorBoard (`tb/`) and, with a `wandb_project`,
+    Weights & Biases; written by process 0. A resumed run continues its W&B run: the run's id is kept in
+    the run folder (`wandb_run_id`)."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(
+        self,
+        out_dir: Path,
+        wandb_project: str | None = None,
+        wandb_run: str | None = None,
+        config: dict[str, Any] | None = None,
+    ):
         self.enabled = jax.process_index() == 0
+        self._wandb = None
         if self.enabled:
             from tensorboardX import SummaryWriter
 
+            if wandb_project:  # first: a W&B run that cannot start stops the run before anything is written
+                self._wandb = start_wandb(out_dir, wandb_project, wandb_run, config or {})
             self._jsonl = (out_dir / "metrics.jsonl").open("a")
             self._tb = SummaryWriter(str(out_dir / "tb"))
 
@@ -130,8 +143,34 @@ class MetricsLog:
         self._jsonl.flush()
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+
+
+def start_wandb(out_dir: Path, project: str, name: str | None, config: dict[str, Any]) -> Any:
+    """A W&B run for the run folder `out_dir`: the same one again when the folder is resumed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("wandb_project is set, but wandb is not installed: pip install 'meshlm[wandb]'") from None
+    id_file = out_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+    try:
+        run = wandb.init(
+            project=project, name=name or out_dir.name, id=run_id, resume="allow", dir=str(out_dir), config=config
+        )
+    except Exception as e:  # wandb's own: no API key, no network; its messages are long
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"W&B run for project {project!r} did not start ({why}); log in (wandb login or WANDB_API_KEY), "
+            "or set WANDB_MODE=offline to keep the run in the run folder and `wandb sync` it later"
+        ) from None
+    id_file.write_text(run_id)
+    return run

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from meshlm.train_step import (
 )
 
 
+@dataclass
 class TrainResult:
     out_dir: Path
     step: int
@@ -243,7 +244,7 @@ def _train(
     flops_per_step = flops_per_token(model_cfg, train_ds.seq_len, cfg.lora) * tokens_per_step
     peak = peak_flops(mesh, cfg.compute_dtype)
     noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
-    log = MetricsLog(out_dir)
+    log = MetricsLog(out_dir, cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
     result = TrainResult(out_dir, start, memory=used)
 
     last_saved = start

@@ -31,7 +31,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import CheckpointError, ModelConfig, dtype_of, read_json
+from meshlm.config import RUN_CHECKPOINTS, CheckpointError, ModelConfig, dtype_of, read_json
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan
 from meshlm.tokenizer import copy_files
@@ -58,7 +58,7 @@ def resolve(path: str | Path) -> str | Path:
     if not Path(path).is_dir():
         return path
     path = Path(path)
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    folder = path / RUN_CHECKPOINTS if (path / RUN_CHECKPOINTS).is_dir() else path
     steps = [p for p in folder.glob("*") if p.name.isdigit() and (p / TRAIN_DESCRIPTION).is_file()]
     if not (path / MARKER).is_file() and not (path / TRAIN_DESCRIPTION).is_file() and steps:
         return max(steps, key=lambda p: int(p.name))

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from meshlm.config import ConfigError, MeshlmError
+from meshlm.config import RUN_CHECKPOINTS, ConfigError, MeshlmError
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -270,7 +270,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config.load_train_config(args.config, args.set or [], flags)
     result = train.train(cfg, progress=not args.no_progress)
     if jax.process_index() == 0:
-        print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / 'checkpoints'}")
+        print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / RUN_CHECKPOINTS}")
     return 0
 
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 GPT2_VOCAB = 50257  # ids the GPT-2 BPE tokenizer can produce; padded rows above it are never sampled
+RUN_CHECKPOINTS = "checkpoints"  # a training run's step folders live in <run>/checkpoints/<step>/
 
 
 class MeshlmError(Exception):

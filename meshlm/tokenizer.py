@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from meshlm.config import ConfigError
+from meshlm.config import RUN_CHECKPOINTS, ConfigError
 
 EOT_ID = 50256
 EOT_TEXT = "<|endoftext|>"
@@ -36,7 +36,6 @@ CACHE_FILE = Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshl
 # A model folder's tokenizer: tokenizer.json is what meshlm reads; the rest travel with it when a model is
 # saved or converted, so `transformers.AutoTokenizer` keeps working on the copy.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-RUN_CHECKPOINTS = "checkpoints"  # a training run's step folders live in <run>/checkpoints/<step>/
 
 
 class Tokenizer(Protocol):

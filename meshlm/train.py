@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, footprint, model
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.config import RUN_CHECKPOINTS, ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -134,7 +134,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
     mesh = make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
     train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
-    ckpts = checkpoint.TrainCheckpoints(out_dir / "checkpoints", cfg.keep_last, cfg.keep_every)
+    ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
     try:  # the manager's background threads must be stopped on every way out
         return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample)
     finally:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from meshlm.metrics import MetricsLog, NoiseScale, adapter_size, flops_per_token
 from meshlm.sharding import describe, make_mesh, named_sharding
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
 from meshlm.train_step import (
+    StepProgram,
     TrainState,
     base_storage,
     check_batch,
@@ -150,20 +151,77 @@ def _train(
     progress: bool,
     sample: bool,
 ) -> TrainResult:
-    from tqdm import tqdm
+    start = resolve(cfg, ckpts, train_ds, mesh)
+    cfg = start.cfg
+    program, step_fn, used = compile_step(cfg, mesh, train_ds.seq_len)
+    run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
+    batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
+    global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
+    result = TrainResult(run.out_dir, run.step, memory=used)
+    log = StepLog(cfg, mesh, train_ds.seq_len, run, result, progress)
+    run.show(f"meshlm train: {run.describe()} on {describe(mesh)}; {len(train_ds):,} train sequences")
 
-    out_dir = Path(cfg.out_dir)
-    latest = ckpts.latest_step()
+    step, pending = run.step, None
+    with _stop_on_signals() as signals, jax.set_mesh(mesh):
+        while step < cfg.total_steps and not _any_process(bool(signals)):
+            batch = _global_batch(next(run.loader), batch_sharding, global_shape)
+            run.state, metrics = step_fn(run.state, batch, *run.base_args)
+            step += 1
+            if pending:  # a step's metrics are read once the next step is queued: the devices never wait
+                log.record(*pending)
+            pending = (step, metrics)
+            validate_now = bool(cfg.val_every and step % cfg.val_every == 0)
+            evaluate_now = bool(cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0)
+            save_now = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            if validate_now or evaluate_now or save_now:
+                log.record(*pending)
+                pending = None
+                if validate_now and val_sets:
+                    log.write(step, run.validate(), result.val_losses)
+                if evaluate_now:
+                    log.write(step, run.evaluate_tasks())
+                if save_now:
+                    run.save(step)
+                log.restart_clock()  # throughput counts training only
+        if pending:
+            log.record(*pending)
+        if step != run.last_saved:
+            run.save(step)
+        log.close()
+        ckpts.wait()
+    result.step = step
+    result.stopped_by_signal = step < cfg.total_steps
+    if result.stopped_by_signal:
+        why = f"signal {signals[0]}" if signals else "a signal to another process"
+        run.show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
+    result.lm = run.language_model()
+    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
+        print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
+    return result
+
+
+class Start(NamedTuple):
+    """Where a run starts: its config with the model (and a LoRA run's base) resolved, the checkpoint step it
+    resumes from (None: a fresh run), the base it adapts, and a seed run's optimizer state to continue."""
+
+    cfg: TrainConfig
+    latest: int | None
+    base_ref: dict[str, Any] | None
+    seed_opt: mtj.SeedOptimizerState | None
+
+
+def resolve(cfg: TrainConfig, ckpts: checkpoint.TrainCheckpoints, train_ds: TokenDataset, mesh: Mesh) -> Start:
+    """The model the run trains, from its own latest checkpoint, else `init_from`'s config, else the
+    config's; every check that needs no weights. The run's checkpoints come first, also in a run that
+    continued a seed run."""
     if cfg.lora is not None and cfg.resume_optimizer:
         raise ConfigError(
             "resume_optimizer continues a full seed run's Adam state; a LoRA run trains a new adapter with a new "
             "optimizer (drop one of the two)"
         )
-
-    seed_opt = None
-    model_cfg = cfg.model
+    latest, seed_opt, model_cfg = ckpts.latest_step(), None, cfg.model
     base_ref = base_reference(cfg) if cfg.lora is not None else None
-    if latest is not None:  # the run's own checkpoints come first, also in a run that continued a seed run
+    if latest is not None:
         desc = checkpoint.read_description(ckpts.folder / str(latest))
         model_cfg = ModelConfig.from_dict(desc["model"])
         base_ref = resumed_base(cfg, desc, ckpts.folder / str(latest))
@@ -188,182 +246,198 @@ def _train(
             f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "
             "the data was tokenized for another vocabulary"
         )
-    cfg = cfg.replace(model=model_cfg)
+    return Start(cfg.replace(model=model_cfg), latest, base_ref, seed_opt)
 
-    main = jax.process_index() == 0  # only process 0 prints
-    show = print if main else lambda *_: None
-    # The step is compiled, and checked against the devices' memory, before any weights are read.
-    program = step_program(cfg, model_cfg, mesh, train_ds.seq_len)
-    compile_start = time.perf_counter()
+
+def compile_step(cfg: TrainConfig, mesh: Mesh, seq_len: int) -> tuple[StepProgram, Any, footprint.Footprint]:
+    """The run's step, compiled and checked against the devices' memory before any weights are read."""
+    program = step_program(cfg, cfg.model, mesh, seq_len)
+    began = time.perf_counter()
     try:
-        step_fn = program.compile()
+        compiled = program.compile()
     except footprint.OutOfMemory as e:
         raise footprint.OutOfMemory(out_of_memory(cfg, mesh, e.needed, e.capacity), e.needed, e.capacity) from None
-    used = check_fits(step_fn, mesh, cfg)
-    show(
-        f"meshlm train: step compiled in {time.perf_counter() - compile_start:.1f} s; it needs "
-        f"{footprint.gib(used.total)} per device"
-    )
-    optimizer, shardings = program.optimizer, program.shardings
-    base_lm = None if base_ref is None else load_base(base_ref, model_cfg, mesh, cfg)
-    loader_state = LoaderState()
-    with jax.set_mesh(mesh):
-        if latest is not None:
-            params_target, opt_target = program.inputs[0].params, program.inputs[0].opt_state
-            params, opt_state, desc = ckpts.restore(latest, params_target, opt_target)
-            loader_state = LoaderState.from_dict(desc["loader"])
-            start = latest
-        else:
+    used = check_fits(compiled, mesh, cfg)
+    if jax.process_index() == 0:
+        print(
+            f"meshlm train: step compiled in {time.perf_counter() - began:.1f} s; it needs "
+            f"{footprint.gib(used.total)} per device"
+        )
+    return program, compiled, used
+
+
+class Run:
+    """A run's state on the devices and what it does besides stepping: build or restore the state,
+    validate, evaluate, save, and present the trained model."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        mesh: Mesh,
+        program: StepProgram,
+        start: Start,
+        ckpts: checkpoint.TrainCheckpoints,
+        train_ds: TokenDataset,
+        val_sets: dict[str, TokenDataset],
+    ):
+        self.cfg, self.mesh, self.ckpts, self.val_sets, self.out_dir = cfg, mesh, ckpts, val_sets, Path(cfg.out_dir)
+        self.base_ref = start.base_ref
+        self.base_lm = None if start.base_ref is None else load_base(start.base_ref, cfg.model, mesh, cfg)
+        self.base = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.base_shardings)
+        self.state, loader_state, self.step = self._initial_state(program, start)
+        self.last_saved = self.step
+        process, processes = jax.process_index(), jax.process_count()
+        self.loader = TrainLoader(
+            train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, process, processes, loader_state
+        )
+        self.eval_fn = make_eval_step(cfg, cfg.model, mesh)
+        self.main = jax.process_index() == 0  # only process 0 prints
+
+    def _initial_state(self, program: StepProgram, start: Start) -> tuple[TrainState, LoaderState, int]:
+        cfg, shardings = self.cfg, program.shardings
+        with jax.set_mesh(self.mesh):
+            if start.latest is not None:
+                target = program.inputs[0]
+                params, opt_state, desc = self.ckpts.restore(start.latest, target.params, target.opt_state)
+                step = jax.device_put(jnp.asarray(start.latest, jnp.int32), shardings.step)
+                return TrainState(step, params, opt_state), LoaderState.from_dict(desc["loader"]), start.latest
             if cfg.lora is not None:
-                init = jax.jit(
-                    lambda k: model.init_adapter(model_cfg, cfg.lora, k, cfg.param_dtype),
-                    out_shardings=shardings.params,
-                )
-                params = init(jax.random.fold_in(jax.random.key(cfg.seed), ADAPTER_KEY))
+                key = jax.random.fold_in(jax.random.key(cfg.seed), ADAPTER_KEY)
+                init = lambda k: model.init_adapter(cfg.model, cfg.lora, k, cfg.param_dtype)
+                params = jax.jit(init, out_shardings=shardings.params)(key)
             elif cfg.init_from:
-                params = api.load(cfg.init_from, mesh=mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config).params
-                params = jax.device_put(params, shardings.params)
+                params = api.load(cfg.init_from, mesh=self.mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
+                params = jax.device_put(params.params, shardings.params)
             else:
-                init = jax.jit(lambda k: model.init(model_cfg, k, cfg.param_dtype), out_shardings=shardings.params)
-                params = init(jax.random.key(cfg.seed))
-            opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-            start = 0
-            if seed_opt is not None:
-                opt_state = jax.device_put(seed_opt.into(opt_state), shardings.opt_state)
-                start = seed_opt.step
-        state = TrainState(jax.device_put(jnp.asarray(start, jnp.int32), shardings.step), params, opt_state)
+                init = lambda k: model.init(cfg.model, k, cfg.param_dtype)
+                params = jax.jit(init, out_shardings=shardings.params)(jax.random.key(cfg.seed))
+            opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(params)
+            first = 0
+            if start.seed_opt is not None:  # a seed run continued: its moments, count and step
+                opt_state = jax.device_put(start.seed_opt.into(opt_state), shardings.opt_state)
+                first = start.seed_opt.step
+            step = jax.device_put(jnp.asarray(first, jnp.int32), shardings.step)
+            return TrainState(step, params, opt_state), LoaderState(), first
 
-    loader = TrainLoader(
-        train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, jax.process_index(), jax.process_count(), loader_state
-    )
-    base = None if base_lm is None else jax.device_put(base_lm.params, program.base_shardings)
-    eval_fn = make_eval_step(cfg, model_cfg, mesh)
-    batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
-    global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
-    tokens_per_step = cfg.batch_size * train_ds.seq_len
-    flops_per_step = flops_per_token(model_cfg, train_ds.seq_len, cfg.lora) * tokens_per_step
-    peak = peak_flops(mesh, cfg.compute_dtype)
-    noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
-    log = MetricsLog(out_dir, cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
-    result = TrainResult(out_dir, start, memory=used)
+    @property
+    def base_args(self) -> tuple[model.Params, ...]:
+        """The step's arguments after the batch: a LoRA run's frozen base."""
+        return () if self.base is None else (self.base,)
 
-    last_saved = start
-    # a LoRA run's checkpoints hold the adapter alone, with the settings and the base it was trained on
-    lora_desc = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": base_ref}
-
-    def full(params: model.Params) -> model.Params:
+    def full(self) -> model.Params:
         """The model the trained parameters are part of: themselves, or the base with them as its adapter."""
-        return params if base is None else {**base, "lora": params}
+        return self.state.params if self.base is None else {**self.base, "lora": self.state.params}
 
-    def language_model() -> api.LanguageModel:
-        if base_lm is None:
-            return api.LanguageModel(model_cfg, state.params, mesh, cfg.param_dtype, folder=out_dir)
+    def language_model(self) -> api.LanguageModel:
+        cfg = self.cfg
+        if self.base_lm is None:
+            return api.LanguageModel(cfg.model, self.state.params, self.mesh, cfg.param_dtype, folder=self.out_dir)
+        lm = self.base_lm
         return api.LanguageModel(
-            model_cfg, full(state.params), mesh, base_lm.dtype, folder=out_dir, quantized=base_lm.quantized
+            cfg.model, self.full(), self.mesh, lm.dtype, folder=self.out_dir, quantized=lm.quantized
         )
 
-    def save(step: int) -> None:
-        nonlocal last_saved
+    def describe(self) -> str:
+        cfg, what = self.cfg, f"{model.count_params(self.cfg.model):,} params"
+        if cfg.lora is None:
+            return what
+        trainable = adapter_size(cfg.model, cfg.lora)
+        targets = ", ".join(cfg.lora.targets)
+        return (
+            f"LoRA rank {cfg.lora.rank} on {targets}: {trainable:,} trainable of {what}; base {self.base_ref['dtype']}"
+        )
+
+    def save(self, step: int) -> None:
+        """A checkpoint; a LoRA run's holds the adapter alone, with its settings and the base it adapts."""
+        cfg = self.cfg
+        lora = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": self.base_ref}
+        loader = self.loader.state.to_dict()
         desc = checkpoint.description(
-            model_cfg, state.params, step=step, loader=loader.state.to_dict(), train_config=_jsonable(cfg), **lora_desc
+            cfg.model, self.state.params, step=step, loader=loader, train_config=_jsonable(cfg), **lora
         )
-        ckpts.save(step, state.params, state.opt_state, desc)
-        last_saved = step
+        self.ckpts.save(step, self.state.params, self.state.opt_state, desc)
+        self.last_saved = step
 
-    def validate(step: int) -> None:
-        values = {}
+    def validate(self) -> dict[str, float]:
+        """Mean loss per token of each validation set's first `val_batches` batches."""
+        cfg, mesh = self.cfg, self.mesh
         rows, weights_sharding = named_sharding(mesh, ("batch", "seq")), named_sharding(mesh, ("batch",))
-        for name, ds in val_sets.items():
+        values = {}
+        for name, ds in self.val_sets.items():
             total = count = 0.0
             for tokens, weights in eval_batches(
                 ds, cfg.micro_batch_size, cfg.val_batches, jax.process_index(), jax.process_count()
             ):
                 t = _global_batch(tokens, rows, (cfg.micro_batch_size, ds.seq_len + 1))
                 w = _global_batch(weights, weights_sharding, (cfg.micro_batch_size,))
-                s, c = eval_fn(full(state.params), t, w)
+                s, c = self.eval_fn(self.full(), t, w)
                 total, count = total + _scalar(s), count + _scalar(c)
             values[f"val/{name}"] = total / count
-        result.val_losses[step] = values
-        log.write(step, values)
-        say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        return values
 
-    def run_eval_tasks(step: int) -> None:
+    def evaluate_tasks(self) -> dict[str, float]:
         from meshlm.evaluate import evaluate_tasks
 
-        lm = language_model()
-        metrics = evaluate_tasks(lm, cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path)
-        values = {f"eval/{k}": v for k, v in metrics.items()}
-        log.write(step, values)
-        say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-
-    say = tqdm.write if main else lambda *_: None
-    n_params = model.count_params(model_cfg)
-    what = f"{n_params:,} params"
-    if cfg.lora is not None:
-        what = (
-            f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {adapter_size(model_cfg, cfg.lora):,} "
-            f"trainable of {what}; base {base_ref['dtype']}"
+        cfg = self.cfg
+        scores = evaluate_tasks(
+            self.language_model(), cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path
         )
-    show(f"meshlm train: {what} on {describe(mesh)}; {len(train_ds):,} train sequences")
-    bar = tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", disable=not (progress and main))
-    pending: tuple[int, dict[str, jax.Array]] | None = None
-    last_time = time.perf_counter()
+        return {f"eval/{k}": v for k, v in scores.items()}
 
-    def record(step: int, metrics: dict[str, jax.Array]) -> None:
-        nonlocal last_time
+    def show(self, line: str) -> None:
+        if self.main:
+            print(line)
+
+
+class StepLog:
+    """Each step's metrics with throughput, MFU and the noise scale: to the metrics log, the progress bar
+    and, every `log_every` steps, a line on the console (process 0)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, seq_len: int, run: Run, result: TrainResult, progress: bool):
+        from tqdm import tqdm
+
+        self.cfg, self.result = cfg, result
+        self.tokens_per_step = cfg.batch_size * seq_len
+        self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
+        self.peak = peak_flops(mesh, cfg.compute_dtype)
+        self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
+        self.log = MetricsLog(run.out_dir, cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
+        self.say = tqdm.write if run.main else lambda *_: None
+        self.bar = tqdm(
+            total=cfg.total_steps, initial=run.step, desc="train", unit="step", disable=not (progress and run.main)
+        )
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.last_time = time.perf_counter()
+
+    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = {k: _scalar(v) for k, v in metrics.items()}
         now = time.perf_counter()
-        dt, last_time = now - last_time, now
-        values["tokens_per_s"] = tokens_per_step / dt
-        values["mfu"] = flops_per_step / dt / peak
-        values |= noise.update(values.pop("micro_grad_sq"), values["grad_norm"])
-        result.losses[step] = values["loss"]
-        log.write(step, values)
-        bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
-        bar.update(1)
-        if step % cfg.log_every == 0:
-            say(
+        dt, self.last_time = now - self.last_time, now
+        values["tokens_per_s"] = self.tokens_per_step / dt
+        values["mfu"] = self.flops_per_step / dt / self.peak
+        values |= self.noise.update(values.pop("micro_grad_sq"), values["grad_norm"])
+        self.result.losses[step] = values["loss"]
+        self.log.write(step, values)
+        self.bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
+        self.bar.update(1)
+        if step % self.cfg.log_every == 0:
+            self.say(
                 f"step {step}: loss {values['loss']:.4f}, lr {values['lr']:.3e}, grad norm {values['grad_norm']:.3f}, "
                 f"{values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"
             )
 
-    step = start
-    with _stop_on_signals() as signals, jax.set_mesh(mesh):
-        while step < cfg.total_steps and not _any_process(bool(signals)):
-            batch = _global_batch(next(loader), batch_sharding, global_shape)
-            state, metrics = step_fn(state, batch) if base is None else step_fn(state, batch, base)
-            step += 1
-            if pending:
-                record(*pending)
-            pending = (step, metrics)
-            evaluate_now = bool(cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0)
-            validate_now = bool(cfg.val_every and step % cfg.val_every == 0)
-            if validate_now or evaluate_now or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                record(*pending)
-                pending = None
-                if validate_now and val_sets:
-                    validate(step)
-                if evaluate_now:
-                    run_eval_tasks(step)
-                if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                    save(step)
-                last_time = time.perf_counter()  # throughput counts training only
-        if pending:
-            record(*pending)
-        if step != last_saved:
-            save(step)
-        bar.close()
-        ckpts.wait()
-        log.close()
-    result.step = step
-    result.stopped_by_signal = step < cfg.total_steps
-    if result.stopped_by_signal:
-        why = f"signal {signals[0]}" if signals else "a signal to another process"
-        show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
-    result.lm = language_model()
-    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
-        print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
-    return result
+    def write(self, step: int, values: dict[str, float], into: dict[int, dict[str, float]] | None = None) -> None:
+        """Validation or evaluation results: logged and printed (and kept `into` the result)."""
+        if into is not None:
+            into[step] = values
+        self.log.write(step, values)
+        self.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()
 
 
 ADAPTER_KEY = 2**32 - 1  # folded into the seed's key for a new adapter: apart from the base's and dropout's keys

@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
 # ~/.cache/meshlm is never written.
 os.environ["MESHLM_CACHE"] = tempfile.mkdtemp(prefix="meshlm-cache-")
+# Many tests (and their subprocesses, which inherit this) compile the same tiny programs: XLA's persistent
+# cache, in a folder of the session's own, compiles each once.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshlm-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import pytest
 
@@ -22,6 +26,7 @@ from tests import oracle
 def _session_cache():
     yield
     shutil.rmtree(os.environ["MESHLM_CACHE"], ignore_errors=True)
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from meshlm import model
 from meshlm.config import RUN_CHECKPOINTS, CheckpointError, ModelConfig, dtype_of, read_json
 from meshlm.formats.slices import SliceSource
-from meshlm.sharding import plan
+from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import copy_files
 
 FORMAT_VERSION = 1
@@ -240,8 +240,7 @@ def restore_params(
     path = Path(resolve(path)).absolute()
     cfg = ModelConfig.from_dict(model_description(path)["model"])
     abstract = model.abstract_params(cfg, dtype)
-    shardings = plan(abstract, model.logical_axes(cfg), mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = with_shardings(abstract, plan(abstract, model.logical_axes(cfg), mesh))
     try:
         params = ocp.StandardCheckpointer().restore(path / "params", target)
     except Exception as e:  # orbax reports damage from deep inside tensorstore

@@ -92,20 +92,13 @@ def host_memory() -> int:
 
 def device_capacity(device: Any) -> int | None:
     """Bytes a program may use on `device`: the runtime's own limit where it reports one (GPUs, TPUs),
-    the compiler's for a TPU known only by its topology, a share of host memory for a CPU device
-    (simulated CPU devices share one host). None: unknown."""
+    a share of host memory for a CPU device (simulated CPU devices share one host). None: unknown. A TPU
+    known only by its topology has no runtime: `compiler_capacity` asks its compiler."""
     if device.platform == "cpu":
         local = sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu"))
         return host_memory() // max(local, 1)
-    try:
-        stats = device.memory_stats()
-    except Exception:  # a device of a topology description cannot run anything
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    if device.platform == "tpu":
-        return compiler_capacity(device)
-    return None
+    stats = device.memory_stats()
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
 def compiler_capacity(device: Any) -> int | None:

@@ -227,9 +227,11 @@ def init_adapter(cfg: ModelConfig, lora: LoraConfig, key: jax.Array, dtype: str 
     return _init_table(adapter_table(cfg, lora), key, dtype)
 
 
-def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
-    """ShapeDtypeStructs of the parameters, computed without allocating anything."""
-    return jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
+def abstract_params(cfg: ModelConfig, dtype: str = "float32", quantize: str | None = None) -> Params:
+    """ShapeDtypeStructs of the parameters as stored (with `quantize`, the projections quantized),
+    computed without allocating anything."""
+    abstract = jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
+    return abstract if quantize is None else jax.eval_shape(lambda p: _quantize(p, quantize), abstract)
 
 
 def quantize(params: Params, kind: str) -> Params:
@@ -237,6 +239,9 @@ def quantize(params: Params, kind: str) -> Params:
     Under `jax.jit` with `out_shardings` from `logical_axes(cfg, quantize=kind)`, each device quantizes its shard."""
     layers = _map_projections(params["layers"], lambda role, w: quant.quantize(w, kind, PROJECTION_PATHS[role][1]))
     return {**params, "layers": layers}
+
+
+_quantize = quantize  # for functions whose keyword `quantize` names the kind
 
 
 def dequantize(params: Params, dtype: str = "float32") -> Params:

@@ -27,7 +27,16 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from meshlm import footprint, generate, metrics, model, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, gib
-from meshlm.sharding import MESH_AXES, batch_ways, make_mesh, named_sharding, parse_mesh_spec, plan
+from meshlm.sharding import (
+    MESH_AXES,
+    batch_ways,
+    make_mesh,
+    named_sharding,
+    parse_mesh_spec,
+    plan,
+    shard_bytes,
+    with_shardings,
+)
 
 # GPUs by name: memory (decimal GB, as sold) and dense bf16 peak FLOP/s. Any "NAME-<N>gb" works too.
 GPUS = {
@@ -62,7 +71,7 @@ class Target:
     device_kind: str
     n_devices: int | None  # None: as many as the mesh asks for (GPUs)
     devices: list[Any] | None = None
-    capacity: int | None = None  # bytes per device (TPU: from its compiler, on first use)
+    capacity: int | None = None  # bytes per device (TPU: as its compiler states it)
     peak_flops: float = float("nan")  # per device, bf16
 
     @property
@@ -121,7 +130,8 @@ def target(spec: str) -> Target:
         peak = TPU_PEAK.get(kind_name, float("nan"))
         if kind_name == "TPU v4" and getattr(devices[0], "num_cores", 2) == 1:  # a v4 slice listed by core
             peak /= 2
-        return Target(spec, "tpu", kind_name, len(devices), list(devices), None, peak)
+        capacity = footprint.compiler_capacity(devices[0])  # once per target: every chip of a slice is alike
+        return Target(spec, "tpu", kind_name, len(devices), list(devices), capacity, peak)
     if kind == "gpu" and rest:
         name = rest.lower()
         m = re.fullmatch(r"[a-z0-9_.]+-(\d+(?:\.\d+)?)gb", name)
@@ -137,20 +147,8 @@ def target(spec: str) -> Target:
                       "or gpu:<name>-<N>gb (e.g. gpu:h100-80gb)")  # fmt: skip
 
 
-def capacity_of(tgt: Target, mesh: Mesh | AbstractMesh) -> int | None:
-    if tgt.capacity is not None or tgt.estimated:
-        return tgt.capacity
-    return footprint.device_capacity(mesh.devices.flat[0])
-
-
 # ---------------------------------------------------------------------------------------------------
 # Training
-
-
-def per_device(tree: Any) -> int:
-    """Bytes of one device's shards of a pytree of ShapeDtypeStructs with shardings (the largest shard
-    where shards differ in size)."""
-    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def within(total: int | None, capacity: int | None, refused: str = "") -> bool:
@@ -223,12 +221,12 @@ def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len:
     state, batch = program.inputs[:2]
     parts = dict(
         micro_batch=cfg.micro_batch_size,
-        params=per_device(state.params),
-        optimizer=per_device(state.opt_state) + per_device(state.step),
-        gradients=gradient_bytes(state.params),
-        base=per_device(program.inputs[2]) if cfg.lora is not None else 0,
-        batch=per_device(batch),
-        capacity=capacity_of(tgt, mesh),
+        params=shard_bytes(state.params),
+        optimizer=shard_bytes(state.opt_state) + shard_bytes(state.step),
+        gradients=2 * shard_bytes(state.params, itemsize=4),  # the micro-batch's and their sum, float32
+        base=shard_bytes(program.inputs[2]) if cfg.lora is not None else 0,
+        batch=shard_bytes(batch),
+        capacity=tgt.capacity,
     )
     if tgt.estimated:
         return TrainFit(total=estimate_train(cfg, mesh, seq_len, **parts), estimated=True, **parts), None
@@ -248,11 +246,6 @@ def estimate_train(cfg: TrainConfig, mesh: Any, seq_len: int, **parts: int) -> i
     arguments = parts["params"] + parts["optimizer"] + parts["base"] + parts["batch"]
     one_gradient = parts["gradients"] // 2
     return arguments + one_gradient + max(one_gradient, activation_bytes(cfg, dict(mesh.shape), seq_len))
-
-
-def gradient_bytes(trained: Any) -> int:
-    """The step's gradients per device: the micro-batch's and their running sum, both float32."""
-    return 2 * sum(math.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(trained))
 
 
 def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> int:
@@ -452,11 +445,8 @@ def fit_serve(
     """The server's resident state for `rows` rows of `context` tokens: its decode step (weights, rows and
     their KV cache) plus, on top, a one-row prefill of a whole context (its output and temporaries)."""
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
-    params = model.abstract_params(cfg, dtype)
-    if quantize:
-        params = jax.eval_shape(lambda p: model.quantize(p, quantize), params)
-    shardings = plan(params, model.logical_axes(cfg, quantize=quantize), mesh)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+    params = model.abstract_params(cfg, dtype, quantize)
+    params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh))
 
     def prefill_inputs(n: int) -> tuple[Any, ...]:
         batch = named_sharding(mesh, ("batch", None))
@@ -475,12 +465,11 @@ def fit_serve(
         row_state, _ = jax.eval_shape(
             lambda p, *a: generate._prefill(p, *a, cache_len=context, **static), params, *prefill_inputs(n_rows)
         )
-        weights = per_device(params)
-        capacity = capacity_of(tgt, mesh)
+        weights, capacity = shard_bytes(params), tgt.capacity
     rows_sharded = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_row_sharding(mesh, x)), row_state
     )
-    cache = per_device(rows_sharded)
+    cache = shard_bytes(rows_sharded)
     if tgt.estimated:
         one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
         return ServeFit(rows, weights, cache, weights + cache + one, capacity, estimated=True)

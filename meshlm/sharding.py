@@ -149,6 +149,20 @@ def plan(abstract: Any, logical: Any, mesh: Mesh) -> Any:
     return param_shardings(logical, mesh)
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `abstract` laid out as `shardings`: arguments to lower and compile a program
+    for, or a restore target, without allocating anything."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def shard_bytes(tree: Any, itemsize: int | None = None) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays), each element
+    `itemsize` bytes if given, else its dtype's."""
+    return sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * (itemsize or a.dtype.itemsize) for a in jax.tree.leaves(tree)
+    )
+
+
 def batch_ways(mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
     return math.prod(mesh.shape[a] for a in _mesh_axes(RULES["batch"]))

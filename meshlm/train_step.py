@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshlm import footprint, model
 from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
-from meshlm.sharding import batch_ways, named_sharding, plan
+from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
 
 class TrainState(NamedTuple):
@@ -55,11 +55,7 @@ def abstract_state(
     state: the target that restores a checkpoint onto this mesh."""
     abstract = trainable_abstract(model_cfg, lora, dtype)
     opt = jax.eval_shape(optimizer.init, abstract)
-
-    def attach(a: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    return jax.tree.map(attach, abstract, shardings.params), jax.tree.map(attach, opt, shardings.opt_state)
+    return with_shardings(abstract, shardings.params), with_shardings(opt, shardings.opt_state)
 
 
 def make_train_step(
@@ -167,11 +163,9 @@ def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: 
     base_shardings = None
     if cfg.lora is not None:
         dtype, quantize = base_storage(cfg)
-        base = model.abstract_params(model_cfg, dtype)
-        if quantize:
-            base = jax.eval_shape(lambda p: model.quantize(p, quantize), base)
+        base = model.abstract_params(model_cfg, dtype, quantize)
         base_shardings = plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh)
-        inputs += (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, base_shardings),)
+        inputs += (with_shardings(base, base_shardings),)
     fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
     return StepProgram(fn, inputs, optimizer, shardings, mesh)
 

@@ -62,7 +62,7 @@ def projection_quantizers(
     """Parameter name -> a jitted function that quantizes that placed projection weight to `kind` on the
     devices, its output laid out by `model.logical_axes(cfg, quantize=kind)`: one projection at a time."""
     model.check_quantize(cfg, kind)
-    quantized = jax.eval_shape(lambda p: model.quantize(p, kind), model.abstract_params(cfg, dtype))
+    quantized = model.abstract_params(cfg, dtype, kind)
     targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
     return {
         model.projection_name(role): jax.jit(

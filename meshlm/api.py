@@ -14,13 +14,15 @@ from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
+from meshlm.engine import Engine
 from meshlm.formats import adapters, hf, registry
 from meshlm.formats.slices import place, projection_quantizers
-from meshlm.generate import Completion, Generator, SamplingParams, generate, run
+from meshlm.generate import Completion, SamplingParams
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
+GENERATE_BATCH = 32  # rows `generate` decodes at once; more prompts wait for free rows
 
 
 def _target_logprobs(
@@ -115,10 +117,15 @@ class LanguageModel:
         """The one given to `load`, else the model folder's tokenizer.json, else GPT-2 BPE; read on first use."""
         return load_tokenizer(self._tokenizer, self.folder)
 
+    def engine(self, **options: Any) -> Engine:
+        """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
+        `prefix_caching` as in `meshlm.engine.Engine` (the server runs one)."""
+        return Engine(self.params, self.config, self.policy, self.mesh, **options)
+
     @functools.cached_property
-    def generator(self) -> Generator:
-        """Compiled prefill/decode functions (compiled on first use, once per shape bucket)."""
-        return Generator(self.params, self.config, self.policy, self.mesh)
+    def _engine(self) -> Engine:
+        """The engine `generate`, `generate_tokens` and `stream` share (its KV pool is allocated on first use)."""
+        return self.engine(max_batch=GENERATE_BATCH)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokens of a prompt; an empty prompt starts from <|endoftext|>, as GPT-2 models were trained."""
@@ -172,13 +179,13 @@ class LanguageModel:
     ) -> list[Completion]:
         """Token-level generation: one Completion (tokens, log-probabilities, finish reason, text) per prompt."""
         prompts, params = self._check_prompts(prompts, params)
-        return generate(self.generator, prompts, params, self._text_tokenizer(params), chunk)
+        return self._engine.generate(prompts, params, self._text_tokenizer(params), chunk)
 
     def stream(self, prompt: str, chunk: int = 4, **settings) -> Iterator[str]:
         """One prompt's continuation, piece by piece as it is generated (settings as in `sampling`).
         A device call per `chunk` tokens: small chunks stream smoothly, large ones decode faster."""
         params = self.sampling(**settings)
-        for (seq,) in run(self.generator, [self.encode_prompt(prompt)], [params], self.tokenizer, chunk):
+        for (seq,) in self._engine.run([self.encode_prompt(prompt)], [params], self.tokenizer, chunk):
             if piece := seq.take_text():
                 yield piece
 

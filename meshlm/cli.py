@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -200,6 +201,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         chunk=args.chunk,
         model_name=name,
         max_len=args.max_len,
+        kv_tokens=args.kv_tokens,
+        prefix_caching=not args.no_prefix_caching,
+        api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
+        request_timeout=args.request_timeout,
     )
 
 
@@ -389,6 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")
     p.add_argument(
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="tokens the paged KV cache holds, all rows together (default: what 80%% of the memory the weights "
+        "leave holds, at most max-batch full contexts)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default $MESHLM_API_KEY); /health is open"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds a request may run before it is stopped (408)"
     )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     _add_tokenizer(p)

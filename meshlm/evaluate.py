@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from meshlm import corpus
 from meshlm.api import SEQ_BUCKET, LanguageModel, load
 from meshlm.config import ConfigError, InputError
-from meshlm.generate import SamplingParams, generate
+from meshlm.generate import SamplingParams
 from meshlm.sharding import MESH_AXES, batch_ways
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 
@@ -220,7 +220,7 @@ class MeshLM(TemplateLM):
                     chunk = indices[start : start + self.batch_size]
                     prompts = [self._fit_prompt(requests[i].args[0], self.max_length - max_new) for i in chunk]
                     tokens = [self.tok_encode(p) or [self.eot_token_id] for p in prompts]
-                    outputs = generate(self.lm.generator, tokens, [sampling] * len(tokens), self.tokenizer)
+                    outputs = self.lm.generate_tokens(tokens, [sampling] * len(tokens))
                     for i, out in zip(chunk, outputs, strict=True):
                         results[i] = postprocess_generated_text(out.text or "", until, None)
                         self.cache_hook.add_partial("generate_until", requests[i].args, results[i])

@@ -1,17 +1,11 @@
-"""Batched text generation with a KV cache.
+"""Sampling and the host side of a generated row.
 
-Three layers, each used by the next:
 - sampling filters (pure functions over logits [B, V] with per-row settings): repetition penalty,
-  temperature, top-k, top-p, in that order, then greedy argmax or a seeded draw;
-- `Generator`: compiled prefill (the whole prompt in one call) and a decode loop that runs up to a
-  chunk of steps inside one `lax.while_loop`, over a batch of rows whose state (`Rows`) stays on the
-  devices; rows can be written into the slots of a running batch, which is how the server batches
-  requests that arrive at different times;
+  temperature, top-k, top-p, in that order, then greedy argmax or a seeded draw; `choose` applies
+  them inside the engine's compiled steps (`meshlm.engine`);
+- `SamplingParams`, what a row asks for, and `Settings`, the same on the devices;
 - host bookkeeping (`RowOutput`): collects a row's tokens, detokenises incrementally, applies stop
-  strings, and `generate` drives a fixed batch to the end.
-
-Shapes are bucketed (batch and prompt to powers of two, the cache to a power of two or the context),
-so new prompt lengths rarely compile anything new.
+  strings and holds back text that could still become one.
 """
 
 from __future__ import annotations
@@ -19,25 +13,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from meshlm import model
-from meshlm.config import InputError, ModelConfig
-from meshlm.sharding import batch_ways, constrain, from_host, named_sharding, to_host
+from meshlm.config import InputError
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_IDS = 8  # stop token ids per row
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's limit for completions)
-MIN_PROMPT_BUCKET = 16
-MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
 
 
 def check_chunk(chunk: int) -> int:
@@ -181,19 +169,8 @@ class Settings(NamedTuple):
     seed: jax.Array  # [B] uint32
 
 
-class Rows(NamedTuple):
-    """A batch of rows being generated; stays on the devices between steps."""
-
-    cache: model.KVCache
-    token: jax.Array  # [B] int32: the last token produced, the next input
-    seen: jax.Array  # [B, V] bool: tokens in the prompt or output (for the repetition penalty)
-    count: jax.Array  # [B] int32: tokens produced so far
-    done: jax.Array  # [B] bool
-    settings: Settings
-
-
 class Step(NamedTuple):
-    """What a row produced at each step of a chunk: [B, n] (top_* [B, n, TOP_LOGPROBS])."""
+    """What each row of a device call produced at each step: [B, n] (top_* [B, n, TOP_LOGPROBS])."""
 
     token: np.ndarray
     logprob: np.ndarray
@@ -201,11 +178,6 @@ class Step(NamedTuple):
     top_logprobs: np.ndarray
     emitted: np.ndarray  # bool: the row was still running at this step
     done: np.ndarray  # [B] bool: the row has finished (stop token or max_new_tokens)
-
-
-def any_sampling(params: Sequence[SamplingParams | None]) -> bool:
-    """Whether any row draws at random (temperature above 0), rather than all decoding greedily."""
-    return any(sp is not None and sp.temperature > 0 for sp in params)
 
 
 def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settings:
@@ -232,214 +204,29 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
     )
 
 
-def choose(logits: jax.Array, rows: Rows, n_vocab_used: int, sampling: bool = True) -> tuple[jax.Array, ...]:
-    """The next token of every row from logits [B, V], and its log-probability under the model.
-
-    `sampling` (static) says whether any row has a temperature above 0; without it every row is
-    greedy and no draw is compiled. (A `lax.cond` deciding that on the device cost more, on CPU,
-    than the whole greedy choice.)"""
+def choose(
+    logits: jax.Array, seen: jax.Array, count: jax.Array, s: Settings, n_vocab_used: int
+) -> tuple[jax.Array, ...]:
+    """The next token of every row from logits [B, V], its log-probability under the model, and the
+    top alternatives. `seen` [B, V] feeds the repetition penalty; `count` [B] (tokens produced so far)
+    picks each row's random key, so a seeded row draws the same tokens in any batch. The draw runs
+    only when some row samples (temperature above 0)."""
     V = logits.shape[-1]
-    s = rows.settings
     logits = jnp.where(jnp.arange(V) < n_vocab_used, logits, -jnp.inf)  # padded vocabulary rows
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
-    x = repetition_penalty(logits, rows.seen, s.penalty)
+    x = repetition_penalty(logits, seen, s.penalty)
     greedy = argmax(x)
 
     def draw(x: jax.Array) -> jax.Array:
         x = filter_logits(x, s.temperature, s.top_k, s.top_p)
-        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, rows.count)
+        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
         return sample(x, keys)
 
-    token = jnp.where(s.temperature > 0, draw(x), greedy) if sampling else greedy
+    sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda x: greedy, x)
+    token = jnp.where(s.temperature > 0, sampled, greedy)
     logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     return token, logprob, top_ids.astype(jnp.int32), top_logprobs
-
-
-def advance(rows: Rows, cache: model.KVCache, token: jax.Array) -> Rows:
-    """Record each running row's new token; finished rows keep their state."""
-    running = ~rows.done
-    count = rows.count + running
-    stopped = jnp.any(token[:, None] == rows.settings.stop_ids, axis=-1)
-    done = rows.done | stopped | (count >= rows.settings.max_new)
-    seen = rows.seen.at[jnp.arange(token.shape[0]), token].max(running)
-    return rows._replace(cache=cache, token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done)
-
-
-def _bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-@partial(jax.jit, static_argnames=("cfg", "policy", "cache_len", "sampling"))
-def _prefill(
-    params: model.Params,
-    tokens: jax.Array,
-    mask: jax.Array,
-    settings: Settings,
-    *,
-    cfg: ModelConfig,
-    policy: model.Policy,
-    cache_len: int,
-    sampling: bool,
-) -> tuple[Rows, tuple[jax.Array, ...]]:
-    """Fresh rows from right-padded prompts [B, P], with each row's first token chosen.
-
-    Right padding: a row's generated tokens take the slots right after its prompt (overwriting the
-    padding, which is never attended to), so a row needs only len(prompt) + max_new_tokens slots and
-    the prompt's bucket does not depend on how much will be generated."""
-    B = tokens.shape[0]
-    tokens = constrain(tokens, ("batch", "seq"))
-    lengths = mask.sum(-1, dtype=jnp.int32)
-    cache = model.init_cache(cfg, B, cache_len, policy.compute_dtype)
-    logits, cache = model.decode(params, tokens, cache, cfg, policy, mask=mask, at=jnp.maximum(lengths - 1, 0))
-    cache = cache._replace(index=lengths)
-    seen = jnp.zeros((B, cfg.vocab_size), bool).at[jnp.arange(B)[:, None], tokens].max(mask)
-    zeros = jnp.zeros((B,), jnp.int32)
-    rows = Rows(cache, zeros, seen, zeros, settings.max_new <= 0, settings)
-    out = choose(logits[:, 0], rows, cfg.n_vocab_used, sampling)
-    return advance(rows, cache, out[0]), (*(o[:, None] for o in out), ~rows.done[:, None])
-
-
-@partial(jax.jit, static_argnames=("cfg", "policy", "sampling"), donate_argnames="rows")
-def _decode(
-    params: model.Params,
-    rows: Rows,
-    n_steps: jax.Array,
-    *,
-    cfg: ModelConfig,
-    policy: model.Policy,
-    sampling: bool,
-) -> tuple[Rows, tuple[jax.Array, ...]]:
-    """Up to `n_steps` (<= MAX_CHUNK) decode steps in one `while_loop`, stopping early once every row is done."""
-    B = rows.token.shape[0]
-    bufs = (
-        jnp.full((B, MAX_CHUNK), -1, jnp.int32),
-        jnp.zeros((B, MAX_CHUNK), jnp.float32),
-        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.int32),
-        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.float32),
-        jnp.zeros((B, MAX_CHUNK), bool),
-    )
-
-    def cond(carry: tuple) -> jax.Array:
-        i, rows, _ = carry
-        return (i < n_steps) & ~jnp.all(rows.done)
-
-    def body(carry: tuple) -> tuple:
-        i, rows, bufs = carry
-        logits, cache = model.decode(params, rows.token[:, None], rows.cache, cfg, policy)
-        out = choose(logits[:, 0], rows, cfg.n_vocab_used, sampling)
-        bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, ~rows.done), strict=True))
-        return i + 1, advance(rows, cache, out[0]), bufs
-
-    _, rows, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), rows, bufs))
-    return rows, bufs
-
-
-@partial(jax.jit, donate_argnames="rows")
-def _insert(rows: Rows, new: Rows, slots: jax.Array) -> Rows:
-    """Write `new` rows into `rows` at `slots` (slots out of range, for padding rows, are dropped)."""
-
-    def put(dst: jax.Array, src: jax.Array) -> jax.Array:
-        if dst.ndim == 5:  # cache k/v: [L, B, H, S, K], batch on axis 1
-            return dst.at[:, slots].set(src, mode="drop")
-        return dst.at[slots].set(src, mode="drop")
-
-    return jax.tree.map(put, rows, new)
-
-
-class Generator:
-    """Prefill / decode / insert for one model on one mesh, and the shape buckets they compile for.
-
-    The compiled functions are shared by every model with the same config and policy."""
-
-    def __init__(self, params: model.Params, cfg: ModelConfig, policy: model.Policy, mesh: Mesh):
-        self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
-        self.batch_ways = batch_ways(mesh)
-
-    def batch_bucket(self, n: int) -> int:
-        """Rows are padded to a power of two that the mesh's batch axes divide."""
-        b = _bucket(n)
-        return -(-b // self.batch_ways) * self.batch_ways
-
-    def prompt_bucket(self, n: int, cache_len: int) -> int:
-        return min(_bucket(n, MIN_PROMPT_BUCKET), cache_len)
-
-    def cache_bucket(self, n: int) -> int:
-        return min(_bucket(n, 2 * MIN_PROMPT_BUCKET), self.cfg.max_seq_len)
-
-    def check_fits(self, prompt_len: int, max_new: int) -> None:
-        """A clear error for a request that cannot fit the model's context."""
-        ctx = self.cfg.max_seq_len
-        if prompt_len > ctx:
-            raise InputError(f"prompt has {prompt_len} tokens, more than the model's context of {ctx}")
-        if prompt_len + max_new > ctx:
-            raise InputError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new}) exceeds the model's context of {ctx}"
-            )
-
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], n_rows: int, cache_len: int
-    ) -> tuple[Rows, Step]:
-        """Run the prompts (right-padded to a common bucketed length) and choose each row's first token."""
-        for prompt, sp in zip(prompts, params, strict=True):
-            if not len(prompt):
-                raise InputError("a prompt must have at least one token")
-            self.check_fits(len(prompt), sp.max_new_tokens)
-            if len(prompt) + sp.max_new_tokens > cache_len:
-                raise InputError(f"{len(prompt)} prompt tokens + {sp.max_new_tokens} new exceed a cache of {cache_len}")
-        length = self.prompt_bucket(max(len(p) for p in prompts), cache_len)
-        tokens = np.zeros((n_rows, length), np.int32)
-        mask = np.zeros((n_rows, length), bool)
-        for i, prompt in enumerate(prompts):
-            tokens[i, : len(prompt)] = prompt
-            mask[i, : len(prompt)] = True
-        tokens, mask = self._from_host(tokens), self._from_host(mask)
-        settings = jax.tree.map(self._from_host, settings_for(params, n_rows))
-        static = dict(cfg=self.cfg, policy=self.policy, cache_len=cache_len, sampling=any_sampling(params))
-        with jax.set_mesh(self.mesh):
-            rows, out = _prefill(self.params, tokens, mask, settings, **static)
-        return rows, self._to_host(out, rows)
-
-    def decode(self, rows: Rows, n_steps: int, sampling: bool = True) -> tuple[Rows, Step]:
-        """Up to `n_steps` (at most MAX_CHUNK) more tokens for every running row, in one device call.
-        `sampling=False` promises that every row is greedy (`any_sampling` of the rows' settings)."""
-        n_steps = min(n_steps, MAX_CHUNK)
-        with jax.set_mesh(self.mesh):
-            rows, out = _decode(
-                self.params, rows, np.int32(n_steps), cfg=self.cfg, policy=self.policy, sampling=sampling
-            )
-        return rows, self._to_host(out, rows)
-
-    def insert(self, rows: Rows, new: Rows, slots: Sequence[int]) -> Rows:
-        """Rows of `new` into `slots` of a running batch (the rest of `new` is padding)."""
-        index = np.full(new.token.shape[0], rows.token.shape[0], np.int32)  # out of range: dropped
-        index[: len(slots)] = slots
-        with jax.set_mesh(self.mesh):
-            return _insert(rows, new, self._replicated(index))
-
-    def finish(self, rows: Rows, finished: np.ndarray) -> Rows:
-        """Mark rows done from the host (stop strings, cancelled requests) so they stop decoding."""
-        if to_host(rows.done)[finished].all():
-            return rows
-        with jax.set_mesh(self.mesh):
-            return rows._replace(done=rows.done | self._from_host(finished))
-
-    def empty(self, n_rows: int, cache_len: int) -> Rows:
-        """A batch of `n_rows` free slots (all done)."""
-        rows, _ = self.prefill([[0]], [SamplingParams(max_new_tokens=0)], n_rows, cache_len)
-        return rows
-
-    def _from_host(self, x: np.ndarray) -> jax.Array:
-        """A host array split over the batch axes (the same on every process when there are several)."""
-        return from_host(np.asarray(x), named_sharding(self.mesh, ("batch",) + (None,) * (np.ndim(x) - 1)))
-
-    def _replicated(self, x: np.ndarray) -> jax.Array:
-        return from_host(np.asarray(x), named_sharding(self.mesh, (None,) * np.ndim(x)))
-
-    @staticmethod
-    def _to_host(out: tuple[jax.Array, ...], rows: Rows) -> Step:
-        token, logprob, top_ids, top_logprobs, emitted = (to_host(x) for x in out)
-        return Step(token, logprob, top_ids, top_logprobs, emitted, to_host(rows.done))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -528,50 +315,3 @@ class RowOutput:
     def result(self) -> Completion:
         text = self.text if self.tokenizer is not None else None
         return Completion(self.tokens, self.logprobs, self.top_logprobs, self.finish_reason or "length", text)
-
-
-def run(
-    generator: Generator,
-    prompts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-    tokenizer: Tokenizer | None = None,
-    chunk: int = 64,
-) -> Iterator[list[RowOutput]]:
-    """Generate for a fixed batch of token prompts, yielding the rows' `RowOutput`s after every device call
-    (prefill, then up to `chunk` decode steps each) until all have finished; streaming reads them."""
-    check_chunk(chunk)
-    if len(prompts) != len(params):
-        raise InputError("one SamplingParams per prompt is needed")
-    if any(p.stop for p in params) and tokenizer is None:
-        raise InputError("stop strings need a tokenizer")
-    if not prompts:
-        return
-    seqs = [RowOutput(p, tokenizer) for p in params]
-    max_new = max(p.max_new_tokens for p in params)
-    longest = max(len(p) for p in prompts)
-    generator.check_fits(longest, max_new)
-    cache_len = generator.cache_bucket(longest + max_new)
-    rows, step = generator.prefill(prompts, params, generator.batch_bucket(len(prompts)), cache_len)
-    while True:
-        for i, seq in enumerate(seqs):
-            seq.add(step, i)
-        yield seqs
-        if all(s.finished for s in seqs):
-            return
-        finished = np.array([s.finished for s in seqs] + [True] * (rows.token.shape[0] - len(seqs)))
-        rows = generator.finish(rows, finished)  # a stop string ends a row early
-        rows, step = generator.decode(rows, chunk, any_sampling(params))
-
-
-def generate(
-    generator: Generator,
-    prompts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-    tokenizer: Tokenizer | None = None,
-    chunk: int = 64,
-) -> list[Completion]:
-    """Generate for a fixed batch of token prompts until every row finishes."""
-    seqs: list[RowOutput] = []
-    for seqs in run(generator, prompts, params, tokenizer, chunk):  # noqa: B007
-        pass
-    return [s.result() for s in seqs]

@@ -365,67 +365,58 @@ def attend(
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
 
 
-def attend_cached(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, bias: jax.Array | None, scale: float
-) -> jax.Array:
-    """`attend` over a cache layer: q [B, T, H, K], k/v [B, H, S, K] as stored, allowed [B, T, S].
-
-    Plain einsums on the stored layout: `attend` takes keys and values as [B, S, H, K], and giving it
-    the cache that way made XLA transpose every cached key and value of every layer at every step."""
-    scores = jnp.einsum("bthk,bhsk->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        scores = scores + bias
-    scores = jnp.where(allowed[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bhsk->bthk", probs, v)
-
-
 class KVCache(NamedTuple):
-    """Keys and values of every layer for incremental decoding, preallocated to `length` slots.
+    """Keys and values of every layer, in fixed-size pages of one pool that every row draws from.
 
-    Each row writes at its own `index`, so rows of different lengths (or rows that joined a running
-    batch later) share one cache; `valid` marks the slots that hold real tokens, so left padding and
-    unused slots are never attended to.
+    A row holds pages only for the tokens it has; its page table lists them in order, so its token at
+    position p lives in slot p % page_size of page table[p // page_size]. Rows that share a prompt
+    prefix can share its (full) pages. Page 0 is never handed to a row: padding tokens are written
+    there, and a table's unused entries point at it (what they read is masked out).
     """
 
-    k: jax.Array  # [L, B, H, S, K]: heads before slots, the layout the attention einsums read directly
-    v: jax.Array  # [L, B, H, S, K]
-    valid: jax.Array  # [B, S] bool
-    index: jax.Array  # [B] int32: the slot the row's next token is written to
+    k: jax.Array  # [L, pages, page_size, H, K]
+    v: jax.Array  # [L, pages, page_size, H, K]
 
-    def slots(self, length: int) -> jax.Array:
-        """[B, length] cache slots of the next `length` tokens of each row."""
-        return self.index[:, None] + jnp.arange(length, dtype=jnp.int32)
-
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-        """Store k/v [B, T, H, K] of `layer` at slots index..index+T-1 of each row.
-
-        A loop of per-row dynamic_update_slices, which XLA applies in place; a batched scatter made a
-        decode step twice as slow on CPU. The caller keeps index + T within the cache (a row past its
-        end, which only a finished row can be, is written at the last slots instead)."""
-
-        def put(buf: jax.Array, new: jax.Array) -> jax.Array:
-            def row(b: jax.Array, buf: jax.Array) -> jax.Array:
-                update = new[b].swapaxes(0, 1)[None, None].astype(buf.dtype)  # [T, H, K] -> [1, 1, H, T, K]
-                return jax.lax.dynamic_update_slice(buf, update, (layer, b, 0, self.index[b], 0))
-
-            return jax.lax.fori_loop(0, new.shape[0], row, buf)
-
-        return self._replace(k=put(self.k, k), v=put(self.v, v))
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
 
 
-CACHE_AXES = ("layers", "batch", "act_heads", "cache_seq", "head_dim")
+CACHE_AXES = ("layers", None, None, "act_heads", "head_dim")
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str = "float32") -> KVCache:
-    """An empty cache of `length` slots per row."""
-    shape = (cfg.n_layer, batch, cfg.n_head, length, cfg.d_head)
-    return KVCache(
-        k=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
-        v=constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES),
-        valid=jnp.zeros((batch, length), bool),
-        index=jnp.zeros((batch,), jnp.int32),
-    )
+def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
+    """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each."""
+    shape = (cfg.n_layer, pages, page_size, cfg.n_head, cfg.d_head)
+    return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
+
+
+class CacheView(NamedTuple):
+    """The pool as one call of `decode` sees it: rows' page tables [B, n] and where each new token of
+    [B, T] is written (a flat slot, page * page_size + offset; padding goes to page 0)."""
+
+    cache: KVCache
+    table: jax.Array  # [B, n] int32
+    slots: jax.Array  # [B, T] int32
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
+        """Store this layer's new keys and values [B, T, H, K] at the rows' slots."""
+        pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            return pool.at[layer, pages, offsets].set(new.astype(pool.dtype))
+
+        return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
+
+    def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
+
+        def gather(pool: jax.Array) -> jax.Array:
+            pages = pool[layer][self.table]  # [B, n, page_size, H, K]
+            B, n, size, H, K = pages.shape
+            return constrain(pages.reshape(B, n * size, H, K).astype(dtype), ("batch", "cache_seq", "act_heads", None))
+
+        return gather(self.cache.k), gather(self.cache.v)
 
 
 class Context(NamedTuple):
@@ -476,8 +467,8 @@ def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
 
 
 def attention(
-    h: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: KVCache | None = None
-) -> tuple[jax.Array, KVCache | None]:
+    h: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: CacheView | None = None
+) -> tuple[jax.Array, CacheView | None]:
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
     a cache, this layer's new keys/values are stored first and the queries attend over every cached slot."""
     p = layer.params["attn"]
@@ -487,15 +478,10 @@ def attention(
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     allowed = ctx.allowed if ctx.allowed_local is None else jnp.where(layer.local, ctx.allowed_local, ctx.allowed)
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
-    if cache is None:
-        out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
-    else:
+    if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
-        k, v = (constrain(c[layer.index].astype(h.dtype), CACHE_AXES[1:]) for c in (cache.k, cache.v))
-        if q.shape[1] == 1:  # a decode step: read the cache as stored
-            out = attend_cached(q, k, v, allowed, ctx.bias, scale)
-        else:  # a prompt: worth one transpose for `attend`'s fused kernel where there is one
-            out = attend(q, k.swapaxes(1, 2), v.swapaxes(1, 2), allowed, ctx.bias, scale, policy.attention)
+        k, v = cache.read(layer.index, h.dtype)
+    out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
     out = linear(out, p["out"], "out", layer, ctx)
     if "out_bias" in p:
         out = out + p["out_bias"].astype(h.dtype)
@@ -510,8 +496,8 @@ def mlp(h: jax.Array, layer: Layer, cfg: ModelConfig, ctx: Context) -> jax.Array
 
 
 def block(
-    x: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: KVCache | None = None
-) -> tuple[jax.Array, KVCache | None]:
+    x: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: CacheView | None = None
+) -> tuple[jax.Array, CacheView | None]:
     """One block in the configured residual form (see the module docstring)."""
     p = layer.params
     h = norm(x, p["ln"], cfg)
@@ -548,9 +534,9 @@ def _run(
     pos: Positions,
     cfg: ModelConfig,
     policy: Policy,
-    cache: KVCache | None,
+    cache: CacheView | None,
     dropout_key: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+) -> tuple[jax.Array, CacheView | None]:
     """Embedding and the blocks (scanned over the stacked layers) up to the final norm: hidden states
     [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers."""
     dt = dtype_of(policy.compute_dtype)
@@ -566,7 +552,7 @@ def _run(
         x = x + jnp.take(params["pos_embed"]["w"], jnp.clip(pos.query, 0, cfg.max_seq_len - 1), axis=0).astype(dt)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
-    def step(carry: tuple[jax.Array, KVCache | None], layer: Layer):
+    def step(carry: tuple[jax.Array, CacheView | None], layer: Layer):
         x, cache = carry
         return block(x, layer, cfg, policy, ctx, cache), None
 
@@ -632,33 +618,36 @@ def decode(
     params: Params,
     tokens: jax.Array,
     cache: KVCache,
+    table: jax.Array,
+    length: jax.Array,
     cfg: ModelConfig,
     policy: Policy = DEFAULT_POLICY,
     *,
     mask: jax.Array | None = None,
     at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run tokens [B, T] after what `cache` holds: logits [B, T, vocab_size] (or [B, 1, vocab_size] at
-    position `at[b]` of each row, e.g. a prompt's last real token) and the cache advanced by T.
+    """Run tokens [B, T] after the `length[b]` tokens each row already holds in the pages of its
+    `table` [B, n]: logits [B, T, vocab_size] (or [B, 1, vocab_size] at index `at[b]` of each row,
+    e.g. a prompt's last real token) and the pool with the new keys and values written.
 
     The same blocks as `forward`; a prompt is one call (prefill), each new token another. `mask` [B, T]
-    marks real tokens; padding takes a slot but is never attended to and does not advance positions,
-    so a row's position is the number of real tokens before it (`cumsum(mask) - 1` for a fresh,
-    left-padded prompt).
+    marks real tokens, which come first in a row (right padding): padding is written to page 0 and
+    its outputs mean nothing. The caller gives each row pages for positions up to length + T.
     """
     B, T = tokens.shape
-    S = cache.valid.shape[1]
+    size = cache.page_size
+    S = table.shape[1] * size
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
-    positions = cache.valid.sum(-1, dtype=jnp.int32)[:, None] + jnp.cumsum(mask, -1, dtype=jnp.int32) - 1
-    slots = cache.slots(T)
-    valid = cache.valid.at[jnp.arange(B)[:, None], slots].set(mask, mode="drop")
-    allowed = valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
-    key_positions = jnp.cumsum(valid, -1, dtype=jnp.int32) - 1
-    cache = cache._replace(valid=valid)
-    x, cache = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, cache)
+    positions = length[:, None] + jnp.arange(T, dtype=jnp.int32)
+    page = jnp.take_along_axis(table, jnp.minimum(positions // size, table.shape[1] - 1), axis=1)
+    slots = jnp.where(mask, page * size + positions % size, 0)
+    key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    allowed = key_positions[:, None, :] <= positions[:, :, None]
+    view = CacheView(cache, table, slots)
+    x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-    return unembed(params, x, cfg), cache._replace(index=cache.index + T)
+    return unembed(params, x, cfg), view.cache
 
 
 LOSS_CHUNK = 512  # positions whose logits exist at once in the loss, for sequences it divides

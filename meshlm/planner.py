@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from meshlm import footprint, generate, metrics, model, train_step
+from meshlm import engine, footprint, metrics, model, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, gib
+from meshlm.pages import pages_for
 from meshlm.sharding import (
     MESH_AXES,
     batch_ways,
     make_mesh,
-    named_sharding,
     parse_mesh_spec,
     plan,
     shard_bytes,
@@ -442,55 +442,33 @@ class ServePlan:
 def fit_serve(
     cfg: ModelConfig, tgt: Target, mesh: Any, rows: int, context: int, dtype: str, quantize: str | None
 ) -> ServeFit:
-    """The server's resident state for `rows` rows of `context` tokens: its decode step (weights, rows and
-    their KV cache) plus, on top, a one-row prefill of a whole context (its output and temporaries)."""
+    """The server's resident state for `rows` rows of `context` tokens: the engine's decode step (weights,
+    slots and a KV pool that holds every row's whole context) plus, on top, a prefill of one whole
+    context (its output and temporaries)."""
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
     params = model.abstract_params(cfg, dtype, quantize)
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh))
-
-    def prefill_inputs(n: int) -> tuple[Any, ...]:
-        batch = named_sharding(mesh, ("batch", None))
-        tokens = jax.ShapeDtypeStruct((n, context), jnp.int32, sharding=batch)
-        mask = jax.ShapeDtypeStruct((n, context), jnp.bool_, sharding=batch)
-        settings = generate.settings_for([generate.SamplingParams()] * n, n)
-        settings = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_row_sharding(mesh, x)), settings
-        )
-        return tokens, mask, settings
-
-    static = dict(cfg=cfg, policy=policy, sampling=True)
-    with jax.set_mesh(mesh):
-        ways = batch_ways(mesh)
-        n_rows = -(-rows // ways) * ways
-        row_state, _ = jax.eval_shape(
-            lambda p, *a: generate._prefill(p, *a, cache_len=context, **static), params, *prefill_inputs(n_rows)
-        )
-        weights, capacity = shard_bytes(params), tgt.capacity
-    rows_sharded = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_row_sharding(mesh, x)), row_state
-    )
-    cache = shard_bytes(rows_sharded)
+    ways = batch_ways(mesh)
+    n_rows = -(-rows // ways) * ways
+    width = pages_for(context, engine.PAGE_SIZE)
+    cache, slots = engine.abstract_state(cfg, policy, mesh, n_rows * width + 1, engine.PAGE_SIZE, n_rows)
+    weights, capacity = shard_bytes(params), tgt.capacity
+    state = shard_bytes((cache, slots))
     if tgt.estimated:
         one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
-        return ServeFit(rows, weights, cache, weights + cache + one, capacity, estimated=True)
-    n_steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=named_sharding(mesh, ()))
+        return ServeFit(rows, weights, state, weights + state + one, capacity, estimated=True)
+    state_args = (params, cache, slots)
+    decode_args = engine.decode_args(mesh, n_rows, width)
+    prefill_args = engine.prefill_args(cfg, mesh, ways, context, width)
     try:
         with jax.set_mesh(mesh):
-            decode = footprint.compile_for(generate._decode.lower(params, rows_sharded, n_steps, **static))
-            prefill = footprint.compile_for(
-                generate._prefill.lower(params, *prefill_inputs(ways), cache_len=context, **static)
-            )
+            decode = footprint.compile_for(engine._decode.lower(*state_args, *decode_args, cfg=cfg, policy=policy))
+            prefill = footprint.compile_for(engine._prefill.lower(*state_args, *prefill_args, cfg=cfg, policy=policy))
     except OutOfMemory as e:
-        return ServeFit(rows, weights, cache, e.needed, e.capacity or capacity, refused=str(e))
+        return ServeFit(rows, weights, state, e.needed, e.capacity or capacity, refused=str(e))
     decoding, prefilling = Footprint.of(decode), Footprint.of(prefill)
     total = decoding.total + prefilling.total - prefilling.arguments  # a prefill runs beside the rows
-    return ServeFit(rows, weights, cache, total, capacity)
-
-
-def _row_sharding(mesh: Any, x: Any) -> Any:
-    if x.ndim == 5:  # cache k/v [L, B, H, S, K]
-        return named_sharding(mesh, model.CACHE_AXES)
-    return named_sharding(mesh, ("batch",) + (None,) * (x.ndim - 1))
+    return ServeFit(rows, weights, state, total, capacity)
 
 
 def plan_serve(

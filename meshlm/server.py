@@ -1,9 +1,10 @@
-"""HTTP serving: OpenAI-compatible `/v1/completions` (plus `/v1/models`, `/health`) and the seed's `/complete`.
+"""HTTP serving: OpenAI-compatible `/v1/completions` (plus `/v1/models`, `/health`, Prometheus `/metrics`)
+and the seed's `/complete`.
 
-One background thread (`Engine`) owns the batch on the devices. Requests become rows in a bounded
-queue; between decode chunks the engine prefills queued rows into free slots of the running batch,
-and rows leave as soon as they finish, so requests that arrive together decode together without
-waiting for each other. The HTTP side (FastAPI on uvicorn) only validates, enqueues and relays.
+One background thread (`Scheduler`) owns the generation engine (`meshlm.engine`): requests become rows
+in a bounded queue, join the running batch between decode chunks and leave as soon as they finish.
+The HTTP side (FastAPI on uvicorn) only validates, enqueues and relays; it never compiles anything,
+since the engine compiled every shape it can use before the server started listening.
 """
 
 from __future__ import annotations
@@ -15,20 +16,24 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
 from meshlm.config import InputError
-from meshlm.generate import RowOutput, SamplingParams, any_sampling, check_chunk
+from meshlm.engine import Engine, Request
+from meshlm.generate import RowOutput, SamplingParams, check_chunk
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
@@ -43,51 +48,22 @@ UNSUPPORTED = {
 
 
 class QueueFull(Exception):
-    """The engine's queue is full; the client should retry later."""
+    """The queue is full; the client should retry later."""
 
 
-@dataclass(eq=False)
-class Row:
-    """One completion being generated, shared by the engine thread and the request handler."""
+class Scheduler:
+    """The engine's thread: takes submitted rows into the engine and steps it while there is work.
 
-    prompt: list[int]
-    seq: RowOutput
-    loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue  # shared by the rows of one request: receives `index` on every change
-    index: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards `seq` between the two threads
-    cancelled: bool = False
-    error: str | None = None
+    The HTTP side never touches the engine: it submits here (bounded by `max_queue` waiting rows) and
+    sets `cancelled` on rows it no longer wants; the engine frees their slots and pages at its next step."""
 
-    def notify(self) -> None:
-        """Wake the handler (from the engine thread)."""
-        self.loop.call_soon_threadsafe(self.updates.put_nowait, self.index)
-
-
-class Engine:
-    """The decode loop: a fixed batch of `max_batch` slots on the devices that rows join and leave."""
-
-    def __init__(
-        self, lm: LanguageModel, max_batch: int = 8, max_queue: int = 64, chunk: int = 4, max_len: int | None = None
-    ):
-        for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
-        self.chunk = check_chunk(chunk)
-        self.lm = lm
-        self.gen = lm.generator
-        self.max_batch = self.gen.batch_bucket(max_batch) if max_batch % self.gen.batch_ways else max_batch
-        self.max_queue = max_queue
-        if max_len is not None and not 0 < max_len <= lm.config.max_seq_len:
-            raise InputError(f"max_len must be in [1, {lm.config.max_seq_len}] (the model's context), got {max_len}")
-        self.cache_len = max_len or lm.config.max_seq_len  # every decode step reads all of it: smaller is faster
-        self.pending: deque[Row] = deque()
-        self.slots: list[Row | None] = [None] * self.max_batch
+    def __init__(self, engine: Engine, chunk: int = 4, max_queue: int = 64):
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise InputError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        self.engine, self.chunk, self.max_queue = engine, check_chunk(chunk), max_queue
+        self.incoming: deque[Request] = deque()
         self.wake = threading.Condition()
         self.stopped = False
-        self.tokens_generated = 0
-        self.decode_calls = 0  # device calls of the decode loop: what batching saves
-        self.rows = self.gen.empty(self.max_batch, self.cache_len)
         self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
 
     def start(self) -> None:
@@ -99,105 +75,31 @@ class Engine:
             self.wake.notify()
         self.thread.join(timeout=10)
 
-    def warm_up(self) -> None:
-        """Compile the decode loop and a one-row prefill before the first request needs them."""
-        loop = asyncio.new_event_loop()
-        row = Row([self.lm.tokenizer.eot_id], RowOutput(SamplingParams(max_new_tokens=2)), loop, asyncio.Queue())
-        self._admit([row])
-        self._decode()
-        self.slots = [None] * self.max_batch
-        loop.close()
-
     @property
-    def active(self) -> int:
-        return sum(r is not None for r in self.slots)
+    def queued(self) -> int:
+        return len(self.incoming) + len(self.engine.queue)
 
-    def submit(self, rows: list[Row]) -> None:
+    def submit(self, rows: list[Request]) -> None:
         with self.wake:
-            if len(self.pending) + len(rows) > self.max_queue:
+            if self.queued + len(rows) > self.max_queue:
                 raise QueueFull
-            self.pending.extend(rows)
+            self.incoming.extend(rows)
             self.wake.notify()
-
-    # the engine thread --------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self.wake:
-                while not self.stopped and not self.pending and not self.active:
+                while not self.stopped and not self.incoming and not self.engine.has_work():
                     self.wake.wait()
                 if self.stopped:
                     return
-                batch = self._take_pending()
+                self.engine.submit(list(self.incoming))  # checked by the handler already
+                self.incoming.clear()
             try:
-                if batch:
-                    self._admit(batch)
-                if self.active:
-                    self._decode()
+                self.engine.step(self.chunk)
             except Exception as e:  # a device failure fails the rows in flight, never the server
                 traceback.print_exc()
-                message = f"generation failed: {type(e).__name__}: {e}"
-                for row in batch:
-                    self._fail(row, message)
-                self._fail_all(message)
-
-    def _take_pending(self) -> list[Row]:
-        """Queued rows for the free slots."""
-        batch: list[Row] = []
-        while self.pending and len(batch) < self.max_batch - self.active:
-            row = self.pending.popleft()
-            if not row.cancelled:
-                batch.append(row)
-        return batch
-
-    def _prefill_rows(self, n: int) -> int:
-        """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""
-        rows = 1
-        while rows < n:
-            rows *= 4
-        return min(self.gen.batch_bucket(rows), self.max_batch)
-
-    def _admit(self, batch: list[Row]) -> None:
-        free = [i for i, r in enumerate(self.slots) if r is None][: len(batch)]
-        prompts, params = [r.prompt for r in batch], [r.seq.sampling for r in batch]
-        new, step = self.gen.prefill(prompts, params, self._prefill_rows(len(batch)), self.cache_len)
-        self.rows = self.gen.insert(self.rows, new, free)
-        for i, (slot, row) in enumerate(zip(free, batch, strict=True)):
-            self.slots[slot] = row
-            self._deliver(slot, row, step, i)
-
-    def _decode(self) -> None:
-        finished = np.array([r is None or r.seq.finished or r.cancelled for r in self.slots])
-        self.rows = self.gen.finish(self.rows, finished)
-        sampling = any_sampling([r.seq.sampling for r in self.slots if r is not None])
-        self.rows, step = self.gen.decode(self.rows, self.chunk, sampling)
-        self.decode_calls += 1
-        for slot, row in enumerate(self.slots):
-            if row is not None:
-                self._deliver(slot, row, step, slot)
-
-    def _deliver(self, slot: int, row: Row, step: Any, index: int) -> None:
-        if row.cancelled:
-            self.slots[slot] = None
-            return
-        with row.lock:
-            before = len(row.seq.tokens)
-            row.seq.add(step, index)
-            self.tokens_generated += len(row.seq.tokens) - before
-        if row.seq.finished:
-            self.slots[slot] = None
-        row.notify()
-
-    def _fail(self, row: Row, error: str) -> None:
-        row.error = error
-        row.notify()
-
-    def _fail_all(self, error: str) -> None:
-        for slot, row in enumerate(self.slots):
-            if row is not None:
-                self._fail(row, error)
-                self.slots[slot] = None
-        self.rows = self.gen.empty(self.max_batch, self.cache_len)
+                self.engine.fail_all(f"generation failed: {type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,19 +151,64 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 # The app
 
 
-def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
+class Group:
+    """The rows of one HTTP request and the queue that wakes its handler (with a row's index) on every change."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.updates: asyncio.Queue[int] = asyncio.Queue()
+        self.rows: list[Request] = []
+
+    def add(self, prompt: list[int], output: RowOutput) -> Request:
+        index = len(self.rows)
+        notify = partial(self.loop.call_soon_threadsafe, self.updates.put_nowait, index)
+        row = Request(prompt, output, notify=notify)
+        self.rows.append(row)
+        return row
+
+    def cancel(self) -> None:
+        """Stop every row still running (client gone, timeout, or done): the engine frees them at its next step."""
+        for row in self.rows:
+            if not row.output.finished:
+                row.cancelled = True
+
+
+def create_app(
+    lm: LanguageModel,
+    scheduler: Scheduler,
+    model_name: str,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+) -> FastAPI:
+    """The HTTP API over a running scheduler. With `api_key`, every route but /health needs
+    `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408)."""
+    if request_timeout is not None and not request_timeout > 0:
+        raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
     app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
+    engine = scheduler.engine
     tok = lm.tokenizer
-    ctx = engine.cache_len
+    ctx = engine.max_len
     created = int(time.time())
+    metrics = Metrics(engine, scheduler)
+    open_paths = {"/health"}
+
+    @app.middleware("http")
+    async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awaitable[Any]]) -> Any:
+        if api_key is not None and request.url.path not in open_paths:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = error_body("a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error")
+                body["error"]["code"] = "invalid_api_key"
+                return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+    async def on_api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def on_invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc)
@@ -269,24 +216,36 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
         return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def on_http(request: Request, e: HTTPException) -> JSONResponse:
+    async def on_http(request: HTTPRequest, e: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def on_crash(request: Request, e: Exception) -> JSONResponse:
+    async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
         traceback.print_exc()
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        s = engine.stats
         return {
             "status": "ok",
-            "active": engine.active,
-            "queued": len(engine.pending),
+            "active": len(engine.running),
+            "queued": scheduler.queued,
             "max_batch": engine.max_batch,
-            "tokens_generated": engine.tokens_generated,
-            "decode_calls": engine.decode_calls,
+            "kv_tokens": engine.pool.capacity * engine.page_size,
+            "kv_tokens_used": engine.pool.used * engine.page_size,
+            "prefix_cache_hit_rate": round(engine.pool.hit_rate, 4),
+            "tokens_generated": s.tokens_generated,
+            "decode_calls": s.decode_calls,
+            "prefill_calls": s.prefill_calls,
+            "compiled_shapes": s.compiled_shapes,
+            "compile_seconds": round(s.compile_seconds, 2),
+            "compiles_since_warm_up": s.compiles_since_warm_up,
         }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -302,7 +261,7 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
             raise APIError(400, f"prompt: token ids must lie in [0, {lm.config.n_vocab_used})", param="prompt")
         return prompt
 
-    def make_rows(prompts: list[list[int]], body: CompletionRequest) -> list[Row]:
+    def make_group(prompts: list[list[int]], body: CompletionRequest) -> Group:
         max_tokens = body.max_tokens if body.max_tokens is not None else ctx - max(map(len, prompts))
         for p in prompts:
             if len(p) + max_tokens > ctx:
@@ -322,51 +281,75 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
                 stop=tuple(s for s in stop if s),
                 stop_token_ids=(tok.eot_id,),
             )
+            for p in prompts:
+                engine.check(len(p), max_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+        group = Group()
         seed = secrets.randbits(31) if body.seed is None else body.seed
-        rows = []
         for p in prompts:
             for j in range(body.n):
-                sampling = base.replace(seed=seed + j)
-                rows.append(Row(p, RowOutput(sampling, tok), loop, updates, index=len(rows)))
-        return rows
+                group.add(p, RowOutput(base.replace(seed=seed + j), tok))
+        return group
 
-    def submit(rows: list[Row]) -> None:
-        if len(rows) > engine.max_queue:
+    def submit(group: Group) -> None:
+        if len(group.rows) > scheduler.max_queue:
             raise APIError(
-                400, f"request asks for {len(rows)} completions; this server takes at most {engine.max_queue}"
+                400, f"request asks for {len(group.rows)} completions; this server takes at most {scheduler.max_queue}"
             )
         try:
-            engine.submit(rows)
+            scheduler.submit(group.rows)
         except QueueFull:
             raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
 
-    async def wait(rows: list[Row]) -> None:
-        """Until every row of a request has finished."""
-        while not all(r.seq.finished or r.error for r in rows):
-            await rows[0].updates.get()
-        for row in rows:
+    async def next_update(group: Group, deadline: float | None) -> int:
+        """The index of the next row that changed; 408 once the request's time is up."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(group.updates.get(), timeout)
+        except TimeoutError:
+            raise APIError(408, f"the request ran past the server's timeout of {request_timeout:g} s",
+                           kind="timeout") from None  # fmt: skip
+
+    def deadline() -> float | None:
+        return None if request_timeout is None else time.monotonic() + request_timeout
+
+    async def wait(group: Group, request: HTTPRequest) -> None:
+        """Until every row of a request has finished; a client that goes away cancels its rows at once."""
+        until = deadline()
+        watcher = asyncio.create_task(_disconnected(request))
+        try:
+            while not all(r.output.finished or r.error for r in group.rows):
+                update = asyncio.create_task(next_update(group, until))
+                await asyncio.wait({update, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    update.cancel()
+                    return
+                update.result()
+        finally:
+            watcher.cancel()
+            group.cancel()
+            metrics.observe(group)
+        for row in group.rows:
             if row.error:
                 raise APIError(500, row.error, kind="server_error")
 
-    def logprobs_of(row: Row, start: int, n_top: int, offset: int) -> dict[str, Any]:
+    def logprobs_of(row: Request, start: int, n_top: int, offset: int) -> dict[str, Any]:
         """OpenAI's legacy logprobs object for the row's tokens from `start` on."""
-        seq = row.seq
-        tokens = seq.tokens[start:]
+        out = row.output
+        tokens = out.tokens[start:]
         texts = [tok.decode([t]) for t in tokens]
         offsets = list(np.cumsum([0, *map(len, texts)])[:-1] + offset)
-        tops = [{tok.decode([i]): lp for i, lp in alts[:n_top]} for alts in seq.top_logprobs[start:]]
+        tops = [{tok.decode([i]): lp for i, lp in alts[:n_top]} for alts in out.top_logprobs[start:]]
         return {
             "tokens": texts,
-            "token_logprobs": seq.logprobs[start:],
+            "token_logprobs": out.logprobs[start:],
             "top_logprobs": tops if n_top else None,
             "text_offset": [int(o) for o in offsets],
         }
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
         for name, value in (body.model_extra or {}).items():
             if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
@@ -379,33 +362,28 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
         if not raw:
             raise APIError(400, "prompt: must not be an empty list", param="prompt")
         prompts = [encode(p) for p in raw]
-        rows = make_rows(prompts, body)
+        group = make_group(prompts, body)
         prefixes = [
             (p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)
         ]
-        submit(rows)
+        submit(group)
         cid = f"cmpl-{secrets.token_hex(12)}"
         now = int(time.time())
 
         if body.stream:
             return StreamingResponse(
-                stream_rows(rows, prefixes, body, cid, now),
+                stream_rows(group, prefixes, body, cid, now),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        try:
-            await wait(rows)
-        finally:
-            for row in rows:
-                row.cancelled = not row.seq.finished
+        await wait(group, request)
         choices = []
-        for i, (row, prefix) in enumerate(zip(rows, prefixes, strict=True)):
+        for i, (row, prefix) in enumerate(zip(group.rows, prefixes, strict=True)):
             lp = logprobs_of(row, 0, body.logprobs, len(prefix)) if body.logprobs is not None else None
-            choices.append(
-                {"text": prefix + row.seq.text, "index": i, "logprobs": lp, "finish_reason": row.seq.finish_reason}
-            )
+            out = row.output
+            choices.append({"text": prefix + out.text, "index": i, "logprobs": lp, "finish_reason": out.finish_reason})
         n_prompt = sum(len(p) for p in prompts) * body.n
-        n_out = sum(len(r.seq.tokens) for r in rows)
+        n_out = sum(len(r.output.tokens) for r in group.rows)
         return {
             "id": cid,
             "object": "text_completion",
@@ -416,24 +394,31 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
         }
 
     async def stream_rows(
-        rows: list[Row], prefixes: list[str], body: CompletionRequest, cid: str, now: int
+        group: Group, prefixes: list[str], body: CompletionRequest, cid: str, now: int
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per piece of new text, a last chunk per row with its finish_reason."""
+        """Server-sent events: a chunk per piece of new text, a last chunk per row with its finish_reason.
+        A client that goes away closes this generator, which cancels the rows."""
 
         def event(index: int, text: str, lp: dict | None, reason: str | None) -> str:
             choice = {"text": text, "index": index, "logprobs": lp, "finish_reason": reason}
             chunk = {"id": cid, "object": "text_completion", "created": now, "model": model_name, "choices": [choice]}
             return f"data: {json.dumps(chunk)}\n\n"
 
+        rows = group.rows
         sent_tokens = [0] * len(rows)
         offsets = [len(p) for p in prefixes]
+        until = deadline()
         try:
             for i, prefix in enumerate(prefixes):
                 if prefix:
                     yield event(i, prefix, None, None)
             open_rows = set(range(len(rows)))
             while open_rows:
-                i = await rows[0].updates.get()
+                try:
+                    i = await next_update(group, until)
+                except APIError as e:
+                    yield f"data: {json.dumps(error_body(e.message, e.kind))}\n\n"
+                    break
                 if i not in open_rows:
                     continue
                 row = rows[i]
@@ -442,40 +427,104 @@ def create_app(lm: LanguageModel, engine: Engine, model_name: str) -> FastAPI:
                     open_rows.discard(i)
                     continue
                 with row.lock:
-                    text = row.seq.take_text()
-                    done = row.seq.finished
+                    text = row.output.take_text()
+                    done = row.output.finished
                     lp = None
                     if body.logprobs is not None:
                         lp = logprobs_of(row, sent_tokens[i], body.logprobs, offsets[i])
-                        sent_tokens[i] = len(row.seq.tokens)
+                        sent_tokens[i] = len(row.output.tokens)
                 offsets[i] += len(text)
                 if text or done:
-                    yield event(i, text, lp, row.seq.finish_reason if done else None)
+                    yield event(i, text, lp, row.output.finish_reason if done else None)
                 if done:
                     open_rows.discard(i)
             yield "data: [DONE]\n\n"
-        finally:  # the client went away or everything finished: stop any row still running
-            for row in rows:
-                if not row.seq.finished:
-                    row.cancelled = True
+        finally:
+            group.cancel()
+            metrics.observe(group)
 
     @app.post("/complete")
-    async def complete(body: LegacyRequest) -> dict[str, str]:
+    async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
         prompt = encode(body.context)
         if len(prompt) >= ctx:
             raise APIError(400, f"context has {len(prompt)} tokens; this model's context is {ctx}", param="context")
-        request = CompletionRequest(
-            prompt=[prompt], max_tokens=min(body.gen_len, ctx - len(prompt)), temperature=body.temp, top_p=body.top_p
-        )
-        (row,) = make_rows([prompt], request)
-        submit([row])
         try:
-            await wait([row])
-        finally:
-            row.cancelled = not row.seq.finished
-        return {"completion": row.seq.text}
+            completion = CompletionRequest(
+                prompt=[prompt],
+                max_tokens=min(body.gen_len, ctx - len(prompt)),
+                temperature=body.temp,
+                top_p=body.top_p,
+            )
+        except ValidationError as e:
+            raise APIError(400, e.errors()[0]["msg"]) from None
+        group = make_group([prompt], completion)
+        submit(group)
+        await wait(group, request)
+        return {"completion": group.rows[0].output.text}
 
     return app
+
+
+async def _disconnected(request: HTTPRequest, every: float = 0.25) -> None:
+    """Returns once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
+
+
+class Metrics:
+    """Prometheus metrics: the engine's state read at scrape time, and the latencies of finished requests."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler):
+        self.registry = CollectorRegistry()
+        self.engine, self.scheduler = engine, scheduler
+        self.ttft = Histogram(
+            "meshlm_time_to_first_token_seconds", "From submission to the first token", registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )  # fmt: skip
+        self.latency = Histogram(
+            "meshlm_request_seconds", "From submission to the last token", registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )  # fmt: skip
+        self.registry.register(self)
+
+    def observe(self, group: Group) -> None:
+        now = time.perf_counter()
+        for row in group.rows:
+            if row.first_token is not None and not row.cancelled:
+                self.ttft.observe(row.first_token - row.submitted)
+                self.latency.observe(now - row.submitted)
+
+    def collect(self) -> Iterator[Any]:
+        e, s = self.engine, self.engine.stats
+        gauges = {
+            "meshlm_queue_depth": ("Rows waiting for a slot", self.scheduler.queued),
+            "meshlm_running_rows": ("Rows being generated", len(e.running)),
+            "meshlm_kv_pages_used": ("KV cache pages held by rows", e.pool.used),
+            "meshlm_kv_pages_total": ("KV cache pages", e.pool.capacity),
+            "meshlm_tokens_per_second": (
+                "Generated tokens per second over the last few seconds",
+                s.tokens_per_second(),
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "meshlm_generated_tokens": ("Tokens generated", s.tokens_generated),
+            "meshlm_prompt_tokens": ("Prompt tokens taken in", s.prompt_tokens),
+            "meshlm_prefix_cache_lookup_tokens": ("Prompt tokens looked up in the prefix cache", e.pool.lookups),
+            "meshlm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", e.pool.hits),
+            "meshlm_decode_calls": ("Decode chunks run", s.decode_calls),
+            "meshlm_prefill_calls": ("Prefills run", s.prefill_calls),
+            "meshlm_compiles_since_warm_up": (
+                "XLA compilations since the engine was warmed up",
+                s.compiles_since_warm_up,
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 def serve(
@@ -487,17 +536,28 @@ def serve(
     chunk: int = 4,
     model_name: str = "meshlm",
     max_len: int | None = None,
+    kv_tokens: int | None = None,
+    prefix_caching: bool = True,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
 ) -> None:
-    """Compile, then serve until interrupted."""
+    """Compile every shape the engine can use, then serve until interrupted."""
     import uvicorn
 
-    engine = Engine(lm, max_batch=max_batch, max_queue=max_queue, chunk=chunk, max_len=max_len)
-    print(f"meshlm serve: compiling for a batch of {engine.max_batch} x {engine.cache_len} tokens ...", flush=True)
-    engine.warm_up()
-    engine.start()
-    app = create_app(lm, engine, model_name)
+    engine = lm.engine(max_batch=max_batch, max_len=max_len, kv_tokens=kv_tokens, prefix_caching=prefix_caching)
+    scheduler = Scheduler(engine, chunk=chunk, max_queue=max_queue)
+    app = create_app(lm, scheduler, model_name, api_key=api_key, request_timeout=request_timeout)
+    print(
+        f"meshlm serve: {engine.max_batch} rows, {engine.pool.capacity * engine.page_size} KV tokens "
+        f"({engine.kv_bytes_per_token() * engine.page_size * engine.pool.n_pages / 2**30:.2f} GiB per device), "
+        f"context {engine.max_len}; compiling ...",
+        flush=True,
+    )
+    shapes, seconds = engine.warm_up()
+    print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s", flush=True)
+    scheduler.start()
     print(f"meshlm serve: {lm} as {model_name!r} on http://{host}:{port}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
-        engine.stop()
+        scheduler.stop()

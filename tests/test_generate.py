@@ -76,30 +76,33 @@ def test_greedy_on_a_multi_device_mesh_matches_one_device(lm, hf_tiny, prompts):
     ]
 
 
-def test_cached_decoding_logits_equal_the_full_forward_at_every_step(lm):
+def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm):
+    """Two rows whose pages lie scattered over the pool in no order, the second reusing the first's
+    opening page (a cached prefix, so its prefill starts after it): every prompt position's and every
+    decode step's logits equal the full forward's (fp32)."""
     cfg, params = lm.config, lm.params
     rng = np.random.default_rng(0)
-    lengths, prompt_len, total = (6, 3), 6, 18
-    seqs = [rng.integers(0, cfg.vocab_size, total - (prompt_len - n)) for n in lengths]
-    # the reference: each row unpadded (right padding is harmless under a causal mask)
-    full = np.zeros((2, total), np.int32)
-    for i, s in enumerate(seqs):
-        full[i, : len(s)] = s
-    expected = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg))(params, full))
+    size, total, prompt_len = 4, 22, 7
+    opening = rng.integers(0, cfg.vocab_size, size)
+    seqs = [np.concatenate([opening, rng.integers(0, cfg.vocab_size, total - size)]) for _ in range(2)]
+    expected = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg))(params, np.stack(seqs)))
 
+    cache = model.init_cache(cfg, 16, size)
+    table = np.array([[5, 2, 11, 7, 3, 13], [5, 9, 14, 1, 12, 4]], np.int32)  # page 5 shared
+    start = np.array([0, size], np.int32)  # row 1's opening page is already written (by row 0)
     prompt = np.zeros((2, prompt_len), np.int32)
     mask = np.zeros((2, prompt_len), bool)
-    for i, n in enumerate(lengths):
-        prompt[i, prompt_len - n :], mask[i, prompt_len - n :] = seqs[i][:n], True
-    decode = jax.jit(lambda p, t, c, m: model.decode(p, t, c, cfg, mask=m))
-    logits, cache = decode(params, prompt, model.init_cache(cfg, 2, 32), mask)
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(logits[i, prompt_len - n :], expected[i, :n], atol=1e-4, rtol=0)
-    for step in range(total - prompt_len - 1):
-        new = np.array([[s[n + step]] for s, n in zip(seqs, lengths, strict=True)], np.int32)
-        logits, cache = decode(params, new, cache, np.ones((2, 1), bool))
-        for i, n in enumerate(lengths):
-            np.testing.assert_allclose(logits[i, 0], expected[i, n + step], atol=1e-4, rtol=0)
+    prompt[0], mask[0] = seqs[0][:prompt_len], True
+    n1 = prompt_len - size
+    prompt[1, :n1], mask[1, :n1] = seqs[1][size:prompt_len], True  # right padding after it
+    decode = jax.jit(lambda p, t, c, tb, n, m: model.decode(p, t, c, tb, n, cfg, mask=m))
+    logits, cache = decode(params, prompt, cache, table, start, mask)
+    np.testing.assert_allclose(logits[0], expected[0, :prompt_len], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[1, :n1], expected[1, size:prompt_len], atol=1e-5, rtol=0)
+    for pos in range(prompt_len, total):
+        new = np.array([[s[pos]] for s in seqs], np.int32)
+        logits, cache = decode(params, new, cache, table, np.full(2, pos, np.int32), np.ones((2, 1), bool))
+        np.testing.assert_allclose(logits[:, 0], expected[:, pos], atol=1e-5, rtol=0)
 
 
 def test_sampling_is_reproducible_by_seed_whatever_the_batch(lm, prompts):
@@ -193,8 +196,8 @@ def test_padded_vocabulary_rows_are_never_produced(lm):
     settings = gen.settings_for(
         [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(top_k=3, seed=2)], 3
     )
-    rows = gen.Rows(None, jnp.zeros(3, jnp.int32), jnp.zeros((3, V), bool), jnp.zeros(3, jnp.int32), None, settings)
-    token, logprob, top_ids, _ = gen.choose(jnp.asarray(logits), rows, used)
+    seen, count = jnp.zeros((3, V), bool), jnp.zeros(3, jnp.int32)
+    token, logprob, top_ids, _ = gen.choose(jnp.asarray(logits), seen, count, settings, used)
     assert (np.asarray(token) < used).all() and (np.asarray(top_ids) < used).all()
     np.testing.assert_allclose(logprob, -np.log(used), rtol=1e-5)
 
@@ -250,15 +253,17 @@ def test_sample_command_streams_and_reads_prompts_from_stdin(
 
 
 def test_a_chunk_or_batch_that_cannot_make_progress_is_refused(text_lm):
-    from meshlm.server import Engine
+    from meshlm.server import Scheduler
 
     params = text_lm.sampling(max_new_tokens=4, temperature=0)
     for call in (
         lambda: text_lm.generate_tokens([[1, 2, 3]], params, chunk=0),
         lambda: next(text_lm.stream(TEXTS[0], chunk=0, max_new_tokens=4)),
-        lambda: Engine(text_lm, chunk=0),
-        lambda: Engine(text_lm, max_batch=0),
-        lambda: Engine(text_lm, max_queue=-1),
+        lambda: text_lm.engine(max_batch=0),
+        lambda: text_lm.engine(kv_tokens=0),
+        lambda: text_lm.engine(page_size=0),
+        lambda: Scheduler(text_lm.engine(max_batch=1, kv_tokens=64), chunk=0),
+        lambda: Scheduler(text_lm.engine(max_batch=1, kv_tokens=64), max_queue=-1),
     ):
         with pytest.raises(ValueError, match=r"must be an integer >= 1"):
             call()

@@ -9,13 +9,20 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 import meshlm
 
-MAX_BATCH, MAX_QUEUE = 16, 24
+MAX_BATCH, MAX_QUEUE, MAX_LEN = 8, 24, 128
 PROMPT = "Hello world, this is"
+API_KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post(url: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(url, headers={**AUTH, **(headers or {})}, **kwargs)
 
 
 def free_port() -> int:
@@ -29,7 +36,8 @@ def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MESHLM_TOKENIZER": gpt2_bpe_file}
     cmd = [sys.executable, "-m", "meshlm", "serve", str(hf_tiny_gpt2_vocab.path), "--port", str(port)]
-    cmd += ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--model-name", "tiny"]
+    cmd += ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-len", str(MAX_LEN)]
+    cmd += ["--model-name", "tiny", "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -55,13 +63,61 @@ def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def reference(hf_tiny_gpt2_vocab, gpt2_bpe_file):
     """The same checkpoint in this process, through `LanguageModel.generate`."""
     return meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file)
+
+
+def test_a_cold_burst_of_assorted_requests_compiles_nothing(server, reference):
+    """The first requests a fresh server sees (prompts of 1 to 120 tokens, several rows, greedy and
+    sampled together) run on shapes compiled before /health answered; greedy rows equal `generate`."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for n in (1, 3, 17, 40, 70, 120):
+        prompt = rng.integers(1, 50000, n).tolist()
+        cases.append(dict(prompt=prompt, max_tokens=int(min(MAX_LEN - n, rng.integers(1, 30))), temperature=0))
+        cases.append(dict(prompt=prompt, max_tokens=4, temperature=0.9, top_k=20, n=2))
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=body) for body in cases))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * len(cases), [r.text for r in responses]
+    health = httpx.get(f"{server}/health").json()
+    assert health["compiled_shapes"] > 0 and health["compiles_since_warm_up"] == 0, health
+    assert health["kv_tokens_used"] == 0  # every row gave its pages back
+    for body, r in zip(cases, responses, strict=True):
+        if body["temperature"] == 0:
+            params = reference.sampling(max_new_tokens=body["max_tokens"], temperature=0)
+            (want,) = reference.generate_tokens([body["prompt"]], params)
+            assert r.json()["choices"][0]["text"] == want.text
+
+
+def test_the_api_key_guards_everything_but_health(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{server}/metrics", headers=headers).status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_prometheus_metrics(server):
+    post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
+    for name in ("meshlm_queue_depth", "meshlm_running_rows", "meshlm_kv_pages_used", "meshlm_tokens_per_second"):
+        assert name in values, name
+    assert values["meshlm_generated_tokens_total"] >= 3
+    assert values["meshlm_time_to_first_token_seconds_count"] >= 1
+    assert values["meshlm_prefix_cache_hit_tokens_total"] <= values["meshlm_prefix_cache_lookup_tokens_total"]
+    assert values["meshlm_compiles_since_warm_up_total"] == 0
 
 
 def test_openai_client_completions(client, reference):
@@ -94,11 +150,11 @@ def test_openai_client_streaming_matches_non_streaming(client):
 
 
 def test_legacy_complete_endpoint(server, client):
-    r = httpx.post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 0.0, "gen_len": 12}, timeout=60)
+    r = post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 0.0, "gen_len": 12}, timeout=60)
     assert r.status_code == 200
     want = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     assert r.json() == {"completion": want}
-    sampled = httpx.post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 1.0}, timeout=60)
+    sampled = post(f"{server}/complete", json={"context": PROMPT, "top_p": 0.9, "temp": 1.0}, timeout=60)
     assert sampled.status_code == 200 and isinstance(sampled.json()["completion"], str)
 
 
@@ -114,7 +170,7 @@ def test_sixteen_concurrent_requests_are_batched(server, client):
     sequential = decode_calls() - before
 
     async def together() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0) as aclient:
             results = await asyncio.gather(*(aclient.completions.create(**body(i)) for i in range(16)))
         return [r.choices[0].text for r in results]
 
@@ -142,16 +198,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
         ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
     ]
     for payload, word in cases:
-        r = httpx.post(url, json=payload, timeout=30)
+        r = post(url, json=payload, timeout=30)
         assert r.status_code == 400, (payload, r.text)
         error = r.json()["error"]
         assert word in error["message"] and error["type"] == "invalid_request_error", (payload, error)
-    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    r = post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "error" in r.json()
-    assert httpx.post(f"{server}/complete", json={"top_p": 0.9}, timeout=30).status_code == 400
-    r = httpx.post(f"{server}/complete", json={"context": PROMPT, "temp": 2.5}, timeout=30)
+    assert post(f"{server}/complete", json={"top_p": 0.9}, timeout=30).status_code == 400
+    r = post(f"{server}/complete", json={"context": PROMPT, "temp": 2.5}, timeout=30)
     assert r.status_code == 400 and "temp" in r.json()["error"]["message"], r.text
-    assert httpx.get(f"{server}/v1/nothing", timeout=30).status_code == 404
+    assert httpx.get(f"{server}/v1/nothing", headers=AUTH, timeout=30).status_code == 404
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-5)
     ok = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
@@ -160,19 +216,19 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
 
 def test_a_cancelled_stream_stops_its_row(server):
     before = httpx.get(f"{server}/health").json()["tokens_generated"]
-    payload = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=payload, timeout=30) as r:
+    payload = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=payload, headers=AUTH, timeout=30) as r:
         next(r.iter_lines())
     deadline = time.monotonic() + 10
     while (health := httpx.get(f"{server}/health").json())["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert health["active"] == 0
-    assert health["tokens_generated"] - before < 150  # the row stopped well before its 200 tokens
+    assert health["active"] == 0 and health["kv_tokens_used"] == 0  # its slot and pages are back
+    assert health["tokens_generated"] - before < 75  # the row stopped well before its 100 tokens
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             payload = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0}
             requests = MAX_BATCH + MAX_QUEUE + 8  # more than the slots and the queue hold
             return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=payload) for _ in range(requests)))

@@ -1,0 +1,635 @@
+"""The generation engine behind `lm.generate`, `meshlm sample`, `meshlm serve` and lm-eval's `generate_until`.
+
+Continuous batching over a paged KV cache:
+- requests wait in a queue and join the running batch between decode chunks, when a slot and the
+  KV pages for their whole budget (prompt + max_new_tokens) are free; they leave as soon as they
+  finish, are cancelled or fail, and give their pages back at once;
+- a row holds pages only for the tokens it has (`meshlm.pages`), so memory follows live tokens;
+  rows whose prompts share full pages of a prefix share those pages (prefix caching);
+- a decode chunk runs only the running rows (bucketed to a power of two) over as many pages as the
+  longest of them holds (bucketed too), so its cost follows the live rows and their lengths;
+- every shape the engine can use is known in advance: `warm_up` compiles all of them, so nothing
+  compiles while requests are served.
+
+The engine is synchronous: `step` admits what fits and runs one prefill and one decode chunk. `run`
+drives it for a fixed set of prompts; the HTTP server calls `step` from its own thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from meshlm import model
+from meshlm.config import InputError, ModelConfig, dtype_of
+from meshlm.footprint import device_capacity
+from meshlm.generate import (
+    TOP_LOGPROBS,
+    Completion,
+    RowOutput,
+    SamplingParams,
+    Settings,
+    Step,
+    check_chunk,
+    choose,
+    settings_for,
+)
+from meshlm.pages import PAD_PAGE, PagePool, pages_for
+from meshlm.sharding import batch_ways, from_host, named_sharding, shard_bytes, to_host
+from meshlm.tokenizer import Tokenizer
+
+PAGE_SIZE = 16  # tokens per KV page
+MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
+MIN_PROMPT_BUCKET = 16
+MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
+PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
+KV_MEMORY_FRACTION = 0.8  # of the memory the weights leave, for the default KV pool
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device state and the compiled steps
+
+
+class Rows(NamedTuple):
+    """Every slot's generation state, on the devices between calls ([max_batch] each)."""
+
+    token: jax.Array  # int32: the last token produced, the next input
+    seen: jax.Array  # [B, V] bool: tokens in the prompt or output (for the repetition penalty)
+    count: jax.Array  # int32: tokens produced so far
+    done: jax.Array  # bool
+    length: jax.Array  # int32: tokens in the KV cache
+    settings: Settings
+
+
+def _advance(rows: Rows, token: jax.Array) -> Rows:
+    """Record each running row's new token; finished rows keep their state."""
+    running = ~rows.done
+    count = rows.count + running
+    stopped = jnp.any(token[:, None] == rows.settings.stop_ids, axis=-1)
+    done = rows.done | stopped | (count >= rows.settings.max_new)
+    seen = rows.seen.at[jnp.arange(token.shape[0]), token].max(running)
+    return rows._replace(token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done)
+
+
+def _choose(logits: jax.Array, rows: Rows, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used)
+
+
+def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
+    """`new` rows into `rows` at `slots`; slots out of range (padding) are dropped."""
+    return jax.tree.map(lambda dst, src: dst.at[slots].set(src, mode="drop"), rows, new)
+
+
+@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+def _prefill(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    tokens: jax.Array,
+    mask: jax.Array,
+    table: jax.Array,
+    start: jax.Array,
+    seen: jax.Array,
+    settings: Settings,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
+    """Write new rows' prompts [B, T] (right-padded, after the `start` tokens a cached prefix gave
+    them) into the cache, choose each row's first token and put the rows into `slots`."""
+    n_new = mask.sum(-1, dtype=jnp.int32)
+    at = jnp.maximum(n_new - 1, 0)
+    logits, cache = model.decode(params, tokens, cache, table, start, cfg, policy, mask=mask, at=at)
+    zeros = jnp.zeros_like(start)
+    new = Rows(zeros, seen, zeros, settings.max_new <= 0, start + n_new, settings)
+    out = _choose(logits[:, 0], new, cfg)
+    emitted = ~new.done
+    new = _advance(new, out[0])
+    return cache, _scatter(rows, slots, new), (*(o[:, None] for o in out), emitted[:, None], new.done)
+
+
+@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+def _decode(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    table: jax.Array,
+    n_steps: jax.Array,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
+    """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
+    `while_loop` that stops early once every row is done."""
+    padding = slots >= rows.token.shape[0]
+    active = jax.tree.map(lambda x: x.at[slots].get(mode="clip"), rows)
+    active = active._replace(done=active.done | padding)
+    B = slots.shape[0]
+    bufs = (
+        jnp.full((B, MAX_CHUNK), -1, jnp.int32),
+        jnp.zeros((B, MAX_CHUNK), jnp.float32),
+        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.float32),
+        jnp.zeros((B, MAX_CHUNK), bool),
+    )
+
+    def cond(carry: tuple) -> jax.Array:
+        i, active, _, _ = carry
+        return (i < n_steps) & ~jnp.all(active.done)
+
+    def body(carry: tuple) -> tuple:
+        i, active, cache, bufs = carry
+        logits, cache = model.decode(params, active.token[:, None], cache, table, active.length, cfg, policy)
+        out = _choose(logits[:, 0], active, cfg)
+        running = ~active.done
+        bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, running), strict=True))
+        active = _advance(active, out[0])._replace(length=active.length + running)
+        return i + 1, active, cache, bufs
+
+    _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
+    return cache, _scatter(rows, slots, active), (*bufs, active.done)
+
+
+def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1)))
+
+
+def abstract_state(
+    cfg: ModelConfig, policy: model.Policy, mesh: Mesh, pages: int, page_size: int, max_batch: int
+) -> tuple[model.KVCache, Rows]:
+    """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
+    with jax.set_mesh(mesh):
+        cache = jax.eval_shape(partial(model.init_cache, cfg, pages, page_size, policy.compute_dtype))
+    cache = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, model.CACHE_AXES)), cache
+    )
+    B, spec = max_batch, partial(_batch_spec, mesh)
+    settings = jax.tree.map(lambda x: spec(x.shape, x.dtype), settings_for([], B))
+    int32 = spec((B,), np.int32)
+    return cache, Rows(int32, spec((B, cfg.vocab_size), bool), int32, spec((B,), bool), int32, settings)
+
+
+def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
+    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
+    settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
+    spec = partial(_batch_spec, mesh)
+    return (
+        spec((rows,), np.int32),  # slots
+        spec((rows, length), np.int32),  # tokens
+        spec((rows, length), bool),  # mask
+        spec((rows, table_width), np.int32),  # table
+        spec((rows,), np.int32),  # start
+        spec((rows, cfg.vocab_size), bool),  # seen
+        settings,
+    )
+
+
+def decode_args(mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
+    """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
+    return _batch_spec(mesh, (rows,), np.int32), _batch_spec(mesh, (rows, table_width), np.int32), np.int32(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+
+
+@dataclass(eq=False)
+class Request:
+    """One row to generate: its prompt, its output as it arrives, and the engine's bookkeeping.
+
+    `notify` (if given) is called from the engine's thread after every change; `lock` guards `output`
+    between that thread and a reader."""
+
+    prompt: list[int]
+    output: RowOutput
+    notify: Callable[[], None] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    error: str | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None  # perf_counter time of the first token
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens in the cache
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished or self.cancelled or self.error is not None
+
+    @property
+    def budget(self) -> int:
+        """Tokens this row may ever hold in the cache."""
+        return len(self.prompt) + self.output.sampling.max_new_tokens
+
+
+def _count_compiles(stats: weakref.ref) -> None:
+    """Count every XLA compilation in this process from now on into `stats` (while it lives)."""
+
+    def listen(event: str, seconds: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and (s := stats()) is not None:
+            s.compiles_since_warm_up += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _powers(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """lo, lo * factor, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= factor
+    return [*out, hi]
+
+
+@dataclass
+class Stats:
+    """Counters for /health and /metrics."""
+
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    compile_seconds: float = 0.0
+    compiled_shapes: int = 0
+    compiles_since_warm_up: int = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens generated by then)
+
+    def record(self, tokens: int) -> None:
+        self.tokens_generated += tokens
+        self.recent.append((time.perf_counter(), self.tokens_generated))
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generation speed over the last `window` seconds of work."""
+        now = time.perf_counter()
+        points = [(t, n) for t, n in self.recent if now - t <= window]
+        if len(points) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = points[0], points[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class Engine:
+    """Continuous batching of `max_batch` rows over a KV pool of `kv_tokens` tokens, for one model on one mesh.
+
+    `max_len` bounds a row's prompt plus output (the model's context by default). `kv_tokens` defaults to
+    what fits in `KV_MEMORY_FRACTION` of the memory the weights leave, at most `max_batch` full rows."""
+
+    def __init__(
+        self,
+        params: model.Params,
+        cfg: ModelConfig,
+        policy: model.Policy,
+        mesh: Mesh,
+        *,
+        max_batch: int = 8,
+        max_len: int | None = None,
+        kv_tokens: int | None = None,
+        page_size: int = PAGE_SIZE,
+        prefix_caching: bool = True,
+    ):
+        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_len is not None and not 0 < max_len <= cfg.max_seq_len:
+            raise InputError(f"max_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_len}")
+        self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
+        self.batch_ways = batch_ways(mesh)
+        self.max_batch = self._batch_bucket(max_batch)
+        self.max_len = max_len or cfg.max_seq_len
+        self.page_size = page_size
+        self.max_pages = pages_for(self.max_len, page_size)  # of one row
+        kv_tokens = self._default_kv_tokens() if kv_tokens is None else kv_tokens
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+            raise InputError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
+        self.kv_tokens = max(kv_tokens, page_size)
+        self.pool = PagePool(pages_for(self.kv_tokens, page_size) + 1, page_size, prefix_caching)
+        self.queue: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * self.max_batch
+        self.stats = Stats()
+        self._reset_device()
+
+    # sizes ----------------------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes on each device."""
+        shape = (self.cfg.n_layer, 1, 1, self.cfg.n_head, self.cfg.d_head)
+        sharding = named_sharding(self.mesh, model.CACHE_AXES)
+        return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(self.policy.compute_dtype), sharding=sharding))
+
+    def _default_kv_tokens(self) -> int:
+        weights = sum(shard_bytes(x) for x in jax.tree.leaves(self.params))
+        spare = device_capacity(self.mesh.devices.flat[0]) - weights
+        fits = int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token()
+        return max(self.page_size, min(fits, self.max_batch * self.max_len))
+
+    def _batch_bucket(self, n: int) -> int:
+        """Rows are padded to a power of two that the mesh's batch axes divide."""
+        b = _bucket(n)
+        return -(-b // self.batch_ways) * self.batch_ways
+
+    def _decode_batches(self) -> list[int]:
+        return sorted({self._batch_bucket(n) for n in _powers(1, self.max_batch)})
+
+    def _page_buckets(self) -> list[int]:
+        """Table widths of a decode: powers of two from MIN_DECODE_TOKENS' worth of pages."""
+        return _powers(min(pages_for(MIN_DECODE_TOKENS, self.page_size), self.max_pages), self.max_pages)
+
+    def _page_bucket(self, n: int) -> int:
+        return next(b for b in self._page_buckets() if b >= n)
+
+    def _prompt_buckets(self) -> list[int]:
+        """Prompt lengths of a prefill: powers of four from MIN_PROMPT_BUCKET."""
+        return _powers(min(MIN_PROMPT_BUCKET, self.max_len), self.max_len, factor=4)
+
+    def _prompt_bucket(self, n: int) -> int:
+        return next(b for b in self._prompt_buckets() if b >= n)
+
+    def _prefill_rows(self, n: int) -> int:
+        """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""
+        rows = 1
+        while rows < n:
+            rows *= 4
+        return min(self._batch_bucket(rows), self.max_batch)
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, prompt bucket) pairs a prefill can take."""
+        rows = sorted({self._prefill_rows(n) for n in range(1, self.max_batch + 1)})
+        return [(b, t) for t in self._prompt_buckets() for b in rows if b == rows[0] or b * t <= PREFILL_TOKENS]
+
+    # device state ---------------------------------------------------------------------------------
+
+    def _reset_device(self) -> None:
+        """A fresh pool and empty slots (at start, and after a failed device call, which may have
+        consumed the donated buffers)."""
+        with jax.set_mesh(self.mesh):
+            self.cache = jax.jit(
+                partial(model.init_cache, self.cfg, self.pool.n_pages, self.page_size, self.policy.compute_dtype)
+            )()
+        B = self.max_batch
+        zeros = np.zeros(B, np.int32)
+        settings = settings_for([], B)._replace(max_new=zeros)
+        host = Rows(zeros, np.zeros((B, self.cfg.vocab_size), bool), zeros, np.ones(B, bool), zeros, settings)
+        self.rows = jax.tree.map(self._from_host, host)
+
+    def _from_host(self, x: np.ndarray) -> jax.Array:
+        """A host array split over the batch axes (the same on every process when there are several)."""
+        return from_host(np.asarray(x), self._batch_sharding(np.ndim(x)))
+
+    def _batch_sharding(self, ndim: int) -> jax.sharding.NamedSharding:
+        return named_sharding(self.mesh, ("batch",) + (None,) * (ndim - 1))
+
+    def _call(self, fn: Any, *args: Any, **static: Any) -> Step:
+        """Run a compiled step on the pool and the slots, which it updates in place."""
+        with jax.set_mesh(self.mesh):
+            self.cache, self.rows, out = fn(
+                self.params, self.cache, self.rows, *args, cfg=self.cfg, policy=self.policy, **static
+            )
+        return Step(*(to_host(x) for x in out))
+
+    # compiling ------------------------------------------------------------------------------------
+
+    def warm_up(self) -> tuple[int, float]:
+        """Compile every prefill and decode shape the engine can use, on as many threads as there are
+        CPU cores (XLA compiles outside Python's lock); (shapes, seconds)."""
+        began = time.perf_counter()
+        state = (self.params, self.cache, self.rows)
+        static = dict(cfg=self.cfg, policy=self.policy)
+        with jax.set_mesh(self.mesh):
+            lowered = [
+                _prefill.lower(*state, *prefill_args(self.cfg, self.mesh, b, t, self.max_pages), **static)
+                for b, t in self._prefill_shapes()
+            ] + [
+                _decode.lower(*state, *decode_args(self.mesh, b, n), **static)
+                for b in self._decode_batches()
+                for n in self._page_buckets()
+            ]
+
+        def compile(lowered: Any) -> None:
+            with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
+                lowered.compile()
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(compile, lowered))
+        seconds = time.perf_counter() - began
+        self.stats.compiled_shapes, self.stats.compile_seconds = len(lowered), seconds
+        _count_compiles(weakref.ref(self.stats))
+        return len(lowered), seconds
+
+    # requests -------------------------------------------------------------------------------------
+
+    def check(self, prompt_len: int, max_new: int) -> None:
+        """A clear error for a request that can never run."""
+        if prompt_len < 1:
+            raise InputError("a prompt must have at least one token")
+        if prompt_len > self.max_len:
+            raise InputError(f"prompt has {prompt_len} tokens, more than the context of {self.max_len}")
+        if prompt_len + max_new > self.max_len:
+            raise InputError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new}) exceeds the context of {self.max_len}"
+            )
+        if pages_for(prompt_len + max_new, self.page_size) > self.pool.capacity:
+            raise InputError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new}) needs more KV cache than the "
+                f"engine's {self.pool.capacity * self.page_size} tokens (kv_tokens)"
+            )
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            self.check(len(r.prompt), r.output.sampling.max_new_tokens)
+        self.queue.extend(requests)
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.slots)
+
+    def step(self, chunk: int = 4) -> None:
+        """Drop cancelled rows, admit what fits (one prefill), then decode up to `chunk` tokens of every running row."""
+        check_chunk(chunk)
+        self._drop_finished()
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+            self._drop_finished()
+        if any(r is not None for r in self.slots):
+            self._decode(min(chunk, MAX_CHUNK))
+            self._drop_finished()
+
+    def fail_all(self, error: str) -> None:
+        """Fail every queued and running row and start from an empty cache (after a device failure)."""
+        for r in [*self.queue, *self.running]:
+            r.error = error
+            self._notify(r)
+        self.queue.clear()
+        for r in self.running:
+            self._release(r)
+        self._reset_device()
+
+    def _drop_finished(self) -> None:
+        for r in self.running:
+            if r.finished:
+                self._release(r)
+        self.queue = deque(r for r in self.queue if not r.cancelled)
+
+    def _release(self, r: Request) -> None:
+        self.pool.release(r.pages)
+        r.pages = []
+        self.slots[r.slot] = None
+
+    def _reserved(self) -> int:
+        """Pages the running rows may still need for their budgets."""
+        return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
+
+    def _admit(self) -> list[Request]:
+        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix."""
+        free_slots = [i for i, r in enumerate(self.slots) if r is None]
+        admitted: list[Request] = []
+        longest = 0
+        reserved = self._reserved()
+        while self.queue and len(admitted) < len(free_slots):
+            r = self.queue[0]
+            shared = self.pool.match(r.prompt)
+            need = pages_for(r.budget, self.page_size) - len(shared)
+            new_tokens = len(r.prompt) - len(shared) * self.page_size
+            t = self._prompt_bucket(max(longest, new_tokens))
+            rows = self._prefill_rows(len(admitted) + 1)
+            fits_pool = self.pool.available - reserved >= need
+            fits_call = not admitted or rows * t <= PREFILL_TOKENS
+            if not (fits_pool and fits_call):
+                self.pool.release(shared)
+                break
+            self.queue.popleft()
+            r.slot, r.pages, r.length = free_slots[len(admitted)], shared, len(shared) * self.page_size
+            self.slots[r.slot] = r
+            reserved += need
+            longest = max(longest, new_tokens)
+            admitted.append(r)
+        return admitted
+
+    def _grow(self, r: Request, tokens: int) -> None:
+        """Give `r` pages for its first `tokens` tokens."""
+        missing = pages_for(min(tokens, r.budget), self.page_size) - len(r.pages)
+        if missing > 0:
+            r.pages += self.pool.allocate(missing)
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        n = self._prefill_rows(len(admitted))
+        new = [r.prompt[r.length :] for r in admitted]
+        t = self._prompt_bucket(max(map(len, new)))
+        tokens = np.zeros((n, t), np.int32)
+        mask = np.zeros((n, t), bool)
+        table = np.full((n, self.max_pages), PAD_PAGE, np.int32)
+        start = np.zeros(n, np.int32)
+        seen = np.zeros((n, self.cfg.vocab_size), bool)
+        slots = np.full(n, self.max_batch, np.int32)  # padding rows: out of range, dropped
+        for i, (r, prompt) in enumerate(zip(admitted, new, strict=True)):
+            self._grow(r, len(r.prompt))
+            tokens[i, : len(prompt)], mask[i, : len(prompt)] = prompt, True
+            table[i, : len(r.pages)] = r.pages
+            start[i], slots[i] = r.length, r.slot
+            seen[i, r.prompt] = True
+        settings = settings_for([r.output.sampling for r in admitted], n)
+        arrays = (slots, tokens, mask, table, start, seen)
+        step = self._call(_prefill, *map(self._from_host, arrays), jax.tree.map(self._from_host, settings))
+        self.stats.prefill_calls += 1
+        now = time.perf_counter()
+        for i, r in enumerate(admitted):
+            r.length = len(r.prompt)
+            self.pool.publish(r.prompt, r.pages)
+            self.stats.prompt_tokens += len(r.prompt)
+            r.first_token = now
+            self._deliver(r, step, i)
+
+    def _decode(self, chunk: int) -> None:
+        running = self.running
+        for r in running:
+            self._grow(r, r.length + chunk)
+        n = self._batch_bucket(len(running))
+        width = self._page_bucket(max(len(r.pages) for r in running))
+        table = np.full((n, width), PAD_PAGE, np.int32)
+        slots = np.full(n, self.max_batch, np.int32)
+        for i, r in enumerate(running):
+            table[i, : len(r.pages)] = r.pages
+            slots[i] = r.slot
+        step = self._call(_decode, *map(self._from_host, (slots, table)), np.int32(chunk))
+        self.stats.decode_calls += 1
+        for i, r in enumerate(running):
+            r.length += int(step.emitted[i].sum())
+            self._deliver(r, step, i)
+
+    def _deliver(self, r: Request, step: Step, i: int) -> None:
+        with r.lock:
+            before = len(r.output.tokens)
+            r.output.add(step, i)
+            self.stats.record(len(r.output.tokens) - before)
+        self._notify(r)
+
+    @staticmethod
+    def _notify(r: Request) -> None:
+        if r.notify is not None:
+            r.notify()
+
+    # a fixed set of prompts -----------------------------------------------------------------------
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        tokenizer: Tokenizer | None = None,
+        chunk: int = 64,
+    ) -> Iterator[list[RowOutput]]:
+        """Generate for token prompts, yielding their `RowOutput`s after every engine step until all have
+        finished; streaming reads them. Rows beyond `max_batch` or the pool wait for earlier ones."""
+        check_chunk(chunk)
+        if len(prompts) != len(params):
+            raise InputError("one SamplingParams per prompt is needed")
+        if any(p.stop for p in params) and tokenizer is None:
+            raise InputError("stop strings need a tokenizer")
+        requests = [Request(list(p), RowOutput(sp, tokenizer)) for p, sp in zip(prompts, params, strict=True)]
+        self.submit(requests)
+        try:
+            while not all(r.finished for r in requests):
+                try:
+                    self.step(chunk)
+                except Exception:
+                    self.fail_all("generation failed")
+                    raise
+                yield [r.output for r in requests]
+        finally:  # the caller stopped early: free what is still held
+            for r in requests:
+                r.cancelled = not r.output.finished
+            self._drop_finished()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        tokenizer: Tokenizer | None = None,
+        chunk: int = 64,
+    ) -> list[Completion]:
+        """Generate for token prompts until every row finishes."""
+        outputs = [RowOutput(sp, tokenizer) for sp in params]
+        for outputs in self.run(prompts, params, tokenizer, chunk):  # noqa: B007
+            pass
+        return [o.result() for o in outputs]

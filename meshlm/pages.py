@@ -1,0 +1,111 @@
+"""Host bookkeeping of the paged KV cache: which pages are free, who holds which, and the prefix cache.
+
+A page holds `page_size` consecutive tokens of one row (see `model.KVCache`). Pages are
+reference-counted: a full page of prompt tokens is published under the hash of the whole prefix
+that ends with it, so a later row whose prompt starts the same way takes the same page instead of
+recomputing it. A published page that no row holds stays cached (idle) until a new page is needed
+and nothing is free; then the least recently used idle page is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+PAD_PAGE = 0  # written by padding, never given to a row
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class PagePool:
+    """Pages 1..n_pages-1 of the cache (page 0 is padding's), and the prefix cache over them."""
+
+    def __init__(self, n_pages: int, page_size: int, prefix_caching: bool = True):
+        self.n_pages, self.page_size, self.prefix_caching = n_pages, page_size, prefix_caching
+        self.free = list(range(n_pages - 1, PAD_PAGE, -1))  # popped from the end: low pages first
+        self.refs = [0] * n_pages
+        self.by_prefix: dict[tuple, int] = {}  # prefix key -> page
+        self.prefix_of: dict[int, tuple] = {}  # page -> prefix key
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no row holds, oldest first
+        self.lookups = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of which found cached
+
+    @property
+    def capacity(self) -> int:
+        """Pages a row can ever be given."""
+        return self.n_pages - 1
+
+    @property
+    def available(self) -> int:
+        """Pages that can be handed out now: free ones and idle cached ones (evicted on demand)."""
+        return len(self.free) + len(self.idle)
+
+    @property
+    def used(self) -> int:
+        """Pages held by rows."""
+        return self.capacity - self.available
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.available:
+            raise RuntimeError(f"{n} KV pages asked for, {self.available} available")  # the engine reserves first
+        pages = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.pop()
+            else:
+                page, _ = self.idle.popitem(last=False)
+                del self.by_prefix[self.prefix_of.pop(page)]
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.prefix_of:
+                    self.idle[page] = None
+                else:
+                    self.free.append(page)
+
+    def _keys(self, tokens: Sequence[int], n_pages: int) -> list[tuple]:
+        """The prefix key of each of the first `n_pages` full pages: the previous key and the page's tokens."""
+        keys, key = [], ()
+        for i in range(n_pages):
+            key = (hash(key), tuple(tokens[i * self.page_size : (i + 1) * self.page_size]))
+            keys.append(key)
+        return keys
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Take the cached pages that hold the longest full-page prefix of `tokens`, leaving at least one
+        token to run (its logits choose the first new token)."""
+        if not self.prefix_caching:
+            return []
+        pages = []
+        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size):
+            page = self.by_prefix.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            if self.refs[page] == 0:
+                del self.idle[page]
+            self.refs[page] += 1
+        self.lookups += len(tokens)
+        self.hits += len(pages) * self.page_size
+        return pages
+
+    def publish(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+        """Offer the full pages of a prompt that has just been written to later rows."""
+        if not self.prefix_caching:
+            return
+        for key, page in zip(self._keys(tokens, len(tokens) // self.page_size), pages, strict=False):
+            if key not in self.by_prefix and page not in self.prefix_of:
+                self.by_prefix[key] = page
+                self.prefix_of[page] = key
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0

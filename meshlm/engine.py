@@ -520,6 +520,7 @@ class Engine:
                 self.pool.release(shared)
                 break
             self.queue.popleft()
+            self.pool.record(len(r.prompt), len(shared))
             r.slot, r.pages, r.length = free_slots[len(admitted)], shared, len(shared) * self.page_size
             self.slots[r.slot] = r
             reserved += need

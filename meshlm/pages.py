@@ -93,9 +93,12 @@ class PagePool:
             if self.refs[page] == 0:
                 del self.idle[page]
             self.refs[page] += 1
-        self.lookups += len(tokens)
-        self.hits += len(pages) * self.page_size
         return pages
+
+    def record(self, prompt_tokens: int, pages_found: int) -> None:
+        """Count an admitted prompt's lookup (for the hit rate)."""
+        self.lookups += prompt_tokens
+        self.hits += pages_found * self.page_size
 
     def publish(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Offer the full pages of a prompt that has just been written to later rows."""

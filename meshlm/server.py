@@ -234,6 +234,8 @@ def create_app(
             "max_batch": engine.max_batch,
             "kv_tokens": engine.pool.capacity * engine.page_size,
             "kv_tokens_used": engine.pool.used * engine.page_size,
+            "kv_live_tokens": sum(r.length for r in engine.running),
+            "kv_bytes_per_token": engine.kv_bytes_per_token(),
             "prefix_cache_hit_rate": round(engine.pool.hit_rate, 4),
             "tokens_generated": s.tokens_generated,
             "decode_calls": s.decode_calls,

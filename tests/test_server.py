@@ -239,3 +239,25 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     busy = next(r for r in responses if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
+    from fastapi.testclient import TestClient
+
+    from meshlm.server import Scheduler, create_app
+
+    scheduler = Scheduler(reference.engine(max_batch=1, max_len=64, kv_tokens=64), chunk=1)
+    scheduler.start()
+    try:
+        app = create_app(reference, scheduler, "tiny", request_timeout=0.05)
+        with TestClient(app) as http:
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 50, "temperature": 0})
+            assert r.status_code == 408 and r.json()["error"]["type"] == "timeout", r.text
+            deadline = time.monotonic() + 60
+            while http.get("/health").json()["kv_tokens_used"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert http.get("/health").json()["kv_tokens_used"] == 0
+    finally:
+        scheduler.stop()
+    with pytest.raises(ValueError, match="request_timeout"):
+        create_app(reference, scheduler, "tiny", request_timeout=0)

@@ -1,0 +1,126 @@
+"""The generation engine: continuous batching over the paged KV cache against transformers' greedy
+generate (rows joining mid-flight, with and without prefix caching), the page pool's bookkeeping, and
+pages coming back after cancellation and failures."""
+
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm import engine as engine_module
+from meshlm.pages import PagePool, pages_for
+from tests.test_generate import greedy, hf_greedy
+
+PAGE = 4  # small pages, so short prompts span several and share some
+
+
+@pytest.fixture(scope="module")
+def lm(hf_tiny):
+    return meshlm.load(hf_tiny.path)
+
+
+@pytest.fixture(scope="module")
+def shared_prompts():
+    """Six prompts: four open with the same 13 tokens (three full pages), two are unrelated."""
+    rng = np.random.default_rng(5)
+    opening = rng.integers(1, 512, 13).tolist()
+    tails = [rng.integers(1, 512, n).tolist() for n in (1, 6, 9, 2)]
+    return [opening + t for t in tails] + [rng.integers(1, 512, n).tolist() for n in (5, 21)]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared_prompts, prefix_caching):
+    """Two slots for six prompts of different lengths and budgets: rows wait, join as others leave, and
+    (with prefix caching) reuse the opening pages another row wrote; each row equals transformers."""
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=160, prefix_caching=prefix_caching)
+    budgets = [12, 5, 20, 9, 16, 7]
+    got = engine.generate(shared_prompts, [greedy(n) for n in budgets], chunk=3)
+    for prompt, n, completion in zip(shared_prompts, budgets, got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+    if prefix_caching:
+        # the first two rows are prefilled together; the two that join later each find the opening pages
+        assert engine.pool.hits == 2 * 3 * PAGE
+    else:
+        assert engine.pool.hits == 0
+    assert engine.pool.used == 0 and not engine.has_work()
+
+
+def test_a_row_holds_pages_only_for_its_tokens(lm):
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    prompts = [[7] * n for n in (3, 10, 17)]
+    budgets = sum(pages_for(len(p) + 30, PAGE) for p in prompts)
+    for step, _ in enumerate(engine.run(prompts, [greedy(30)] * 3, chunk=2)):
+        assert engine.pool.used == sum(len(r.pages) for r in engine.running)
+        for r in engine.running:  # pages for the tokens it has (its last chunk's included), not its budget
+            assert len(r.pages) == pages_for(r.length, PAGE)
+        if step == 0:
+            assert engine.pool.used == sum(pages_for(n + 2, PAGE) for n in (3, 10, 17)) < budgets / 2
+    assert engine.pool.used == 0
+
+
+def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypatch):
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=128)
+    stream = engine.run([[1, 2, 3, 4, 5]], [greedy(40)], chunk=2)
+    next(stream), next(stream)
+    assert engine.pool.used > 0
+    stream.close()  # the consumer stopped reading
+    assert engine.pool.used == 0 and not engine.has_work()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine_module, "_decode", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate([[1, 2, 3]] * 3, [greedy(10)] * 3)
+    assert engine.pool.used == 0 and not engine.has_work()
+    monkeypatch.undo()
+    (after,) = engine.generate([[1, 2, 3]], [greedy(10)])  # the engine still works, from a fresh pool
+    assert after.tokens == lm.generate_tokens([[1, 2, 3]], greedy(10))[0].tokens
+
+
+def test_requests_that_can_never_run_are_refused_in_one_line(lm):
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=32, max_len=64)
+    for prompt, new, words in [
+        ([1] * 70, 1, "more than the context of 64"),
+        ([1] * 40, 30, "exceeds the context of 64"),
+        ([1] * 20, 20, "needs more KV cache"),
+        ([], 4, "at least one token"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            engine.generate([prompt], [greedy(new)])
+    with pytest.raises(ValueError, match="max_len"):
+        lm.engine(max_len=10_000)
+
+
+def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
+    pool = PagePool(n_pages=5, page_size=2)  # pages 1..4
+    assert pool.capacity == 4 and pool.available == 4
+    a = [1, 2, 3, 4, 5]
+    pages = pool.allocate(3)
+    pool.publish(a, pages)  # two full pages published, the third (token 5) is partial
+    assert pool.match([1, 2, 3, 4, 9]) == pages[:2]  # shared: now held twice
+    assert pool.match([1, 2, 3, 4]) == pages[:1]  # at least one token is left to run
+    assert pool.match([1, 2, 8]) == pages[:1] and pool.match([2, 2, 3]) == []
+    pool.release(pages)  # the writer leaves; the sharers still hold the first two
+    pool.release(pages[:2])
+    pool.release(pages[:1])
+    pool.release(pages[:1])
+    assert pool.used == 0 and list(pool.idle) == [pages[1], pages[0]]  # cached, idle, oldest first
+    pool.match([1, 2, 3, 4, 0])  # touches both again
+    pool.release(pages[:2])
+    fresh = pool.allocate(3)  # two free pages, then the least recently used idle page is evicted
+    assert pages[0] in fresh and pool.match([1, 2, 3, 4, 0]) == []
+    with pytest.raises(RuntimeError):
+        pool.allocate(2)
+    assert 0 not in fresh + pool.free  # page 0 belongs to padding
+
+
+def test_every_shape_is_compiled_by_warm_up(lm):
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=96, max_len=48)
+    shapes, _ = engine.warm_up()
+    assert shapes == len(engine._prefill_shapes()) + len(engine._decode_batches()) * len(engine._page_buckets())
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 512, n).tolist() for n in (1, 15, 16, 17, 40)]
+    params = [greedy(int(m)) for m in (8, 30, 4, 20, 8)]
+    params[1] = params[1].replace(temperature=0.7, seed=3)
+    engine.generate(prompts, params, chunk=5)
+    assert engine.stats.compiles_since_warm_up == 0

@@ -1,10 +1,11 @@
 """Serving benchmark: meshlm's engine against the engine before it and transformers' continuous batching.
 
     python benchmarks/serve.py [CHECKPOINT] [--requests 64 --rates 2 8 --time-limit 120 --max-batch 32
-                                --max-len 1280 --old-ref engine-v0 --skip old,transformers,prefix]
+                                --max-len 1280 --old-ref engine-v0 --skip old,transformers,prefix,speculative]
 
-Without CHECKPOINT a random GPT-J (d_model 256, 4 layers, vocab 50400, context 2048) is written to a
-temporary folder. Everything runs on loopback, in one run, on the same model and the same requests:
+Without CHECKPOINT a random GPT-J (`--d-model` 256, `--layers` 4, heads of 64, vocab 50400, context
+2048) is written to a temporary folder. Everything runs on loopback, in one run, on the same model
+and the same requests:
 
 1. **Mixed workload.** `--requests` requests whose prompt and output lengths are drawn from long-tailed
    (log-normal) distributions (seeded), sent with Poisson arrivals at each `--rates` (requests/s),
@@ -21,6 +22,9 @@ temporary folder. Everything runs on loopback, in one run, on the same model and
    caching and with `--no-prefix-caching`.
 5. **transformers.** The mixed workload's prompts all at once through `generate_batch` (transformers'
    continuous batching, CPU) and through meshlm's engine in this process: tokens/s, best of two.
+6. **Speculative decoding.** One row (batch 1), greedy, 256 new tokens after a 64-token prompt, with
+   prompt lookup (`ngram=3`, 4 tokens per step) and without, in this process: decode tokens/s (best of
+   three, compiling excluded) and the acceptance rate.
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_random_model(folder: str) -> None:
+def write_random_model(folder: str, d_model: int, layers: int) -> None:
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM
 
     torch.manual_seed(0)
-    config = GPTJConfig(n_embd=256, n_layer=4, n_head=4, rotary_dim=64, vocab_size=50400, n_positions=2048)
+    heads = d_model // 64
+    config = GPTJConfig(n_embd=d_model, n_layer=layers, n_head=heads, rotary_dim=32, vocab_size=50400,
+                        n_positions=2048)  # fmt: skip
     GPTJForCausalLM(config).eval().save_pretrained(folder)
 
 
@@ -213,6 +219,29 @@ def offline(checkpoint: str, requests: list[tuple[list[int], int]]) -> dict[str,
     return {"transformers": best_hf, "meshlm": best}
 
 
+def speculative(checkpoint: str) -> dict[str, float]:
+    """Batch-1 greedy decode speed with and without prompt-lookup speculation, and its acceptance rate."""
+    import meshlm
+    from meshlm.generate import SamplingParams
+
+    lm = meshlm.load(checkpoint)
+    prompt = np.random.default_rng(4).integers(1, 50000, 64).tolist()
+    params = [SamplingParams(max_new_tokens=256, temperature=0, stop_token_ids=())]
+    out: dict[str, float] = {}
+    for name, options in (("plain", {}), ("ngram", {"ngram": 3, "speculate": 4})):
+        engine = lm.engine(max_batch=1, max_len=512, **options)
+        engine.warm_up()
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            (done,) = engine.generate([prompt], params, chunk=16)
+            best = max(best, len(done.tokens) / (time.perf_counter() - t0))
+        out[name] = best
+        if options:
+            out["acceptance"] = engine.stats.accepted / max(engine.stats.proposed, 1)
+    return out
+
+
 def worktree(ref: str, folder: str) -> Path:
     path = Path(folder) / "old"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True,
@@ -224,12 +253,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", nargs="?", default=None)
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=256, help="the random model's width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=4, help="the random model's depth")
     ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0], help="Poisson arrival rates, requests/s")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of arrivals per rate at most")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=1280)
     ap.add_argument("--old-ref", default="engine-v0", help="git ref of the engine to compare with")
-    ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix")
+    ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix, speculative")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     load = os.getloadavg()
@@ -238,7 +269,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = args.checkpoint or folder
         if args.checkpoint is None:
-            write_random_model(folder)
+            write_random_model(folder, args.d_model, args.layers)
         requests = workload(args.requests, args.max_len)
         sizes = ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len)]
         engines = {"new": REPO} if "old" in skip else {"new": REPO, "old": worktree(args.old_ref, folder)}
@@ -268,13 +299,15 @@ def main() -> None:
                     finally:
                         server.close()
             off = offline(checkpoint, requests) if "transformers" not in skip else {}
+            spec = speculative(checkpoint) if "speculative" not in skip else {}
         finally:
             if "old" in engines:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(engines["old"])])
 
     load = os.getloadavg()
     print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"random GPT-J d_model 256, 4 layers; server --max-batch {args.max_batch} --max-len {args.max_len}, loopback")
+    print(f"random GPT-J d_model {args.d_model}, {args.layers} layers; "
+          f"server --max-batch {args.max_batch} --max-len {args.max_len}, loopback")  # fmt: skip
     print("server start (compiling included): " + ", ".join(f"{k} {v:.0f} s" for k, v in started.items()))
     n_out = [n for _, n in requests]
     n_in = [len(p) for p, _ in requests]
@@ -306,6 +339,10 @@ def main() -> None:
     if off:
         print(f"offline, whole workload at once: meshlm {off['meshlm']:.1f} tokens/s, transformers generate_batch "
               f"{off['transformers']:.1f} tokens/s: {off['meshlm'] / off['transformers']:.2f}x")  # fmt: skip
+    if spec:
+        print(f"speculative decoding, batch 1, greedy: {spec['ngram']:.1f} tokens/s with prompt lookup, "
+              f"{spec['plain']:.1f} without: {spec['ngram'] / spec['plain']:.2f}x at {spec['acceptance']:.0%} "
+              "of proposals kept")  # fmt: skip
 
 
 if __name__ == "__main__":

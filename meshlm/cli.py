@@ -203,6 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_len=args.max_len,
         kv_tokens=args.kv_tokens,
         prefix_caching=not args.no_prefix_caching,
+        ngram=args.ngram,
+        speculate=args.speculate,
         api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
         request_timeout=args.request_timeout,
     )
@@ -403,6 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
         "leave holds, at most max-batch full contexts)",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
+    p.add_argument(
+        "--ngram",
+        type=int,
+        default=0,
+        help="speculative decoding by prompt lookup: propose what followed the last N tokens' latest earlier "
+        "occurrence (0: off)",
+    )
+    p.add_argument("--speculate", type=int, default=4, help="with --ngram: tokens proposed per step (default 4)")
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default $MESHLM_API_KEY); /health is open"
     )

@@ -52,6 +52,7 @@ from meshlm.sharding import batch_ways, from_host, named_sharding, shard_bytes, 
 from meshlm.tokenizer import Tokenizer
 
 PAGE_SIZE = 16  # tokens per KV page
+SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
 MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
 MIN_PROMPT_BUCKET = 16
 MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
@@ -84,8 +85,17 @@ def _advance(rows: Rows, token: jax.Array) -> Rows:
     return rows._replace(token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done)
 
 
-def _choose(logits: jax.Array, rows: Rows, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used)
+def _choose(
+    logits: jax.Array, rows: Rows, cfg: ModelConfig, proposal: jax.Array | None = None
+) -> tuple[jax.Array, ...]:
+    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal)
+
+
+def _active(rows: Rows, slots: jax.Array) -> Rows:
+    """The rows in `slots`; padding (slots out of range) comes back done."""
+    padding = slots >= rows.token.shape[0]
+    active = jax.tree.map(lambda x: x.at[slots].get(mode="clip"), rows)
+    return active._replace(done=active.done | padding)
 
 
 def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
@@ -136,9 +146,7 @@ def _decode(
 ) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
     """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
     `while_loop` that stops early once every row is done."""
-    padding = slots >= rows.token.shape[0]
-    active = jax.tree.map(lambda x: x.at[slots].get(mode="clip"), rows)
-    active = active._replace(done=active.done | padding)
+    active = _active(rows, slots)
     B = slots.shape[0]
     bufs = (
         jnp.full((B, MAX_CHUNK), -1, jnp.int32),
@@ -163,6 +171,43 @@ def _decode(
 
     _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
     return cache, _scatter(rows, slots, active), (*bufs, active.done)
+
+
+@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+def _speculate(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    table: jax.Array,
+    proposals: jax.Array,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
+    """One speculative step of the rows in `slots`: their last token and up to k proposed tokens
+    [B, k] (-1 past a row's proposals) run in one forward pass; position j's logits then choose the
+    row's next token, keeping proposal j when the target agrees (`choose`), and the row goes on to
+    position j + 1 only while it keeps them. Each row emits 1 to k + 1 tokens."""
+    active = _active(rows, slots)
+    B, k = proposals.shape
+    tokens = jnp.concatenate([active.token[:, None], jnp.maximum(proposals, 0)], axis=1)
+    mask = jnp.concatenate([jnp.ones((B, 1), bool), proposals >= 0], axis=1)
+    logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask)
+    offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)  # nothing after the last
+
+    def position(carry: tuple[Rows, jax.Array], j: jax.Array) -> tuple[tuple[Rows, jax.Array], tuple]:
+        active, going = carry  # going: every proposal so far was kept
+        out = _choose(logits[:, j], active, cfg, jnp.where(going, offered[:, j], -1))
+        running = going & ~active.done
+        advanced = _advance(active._replace(done=~running), out[0])
+        active = advanced._replace(done=jnp.where(running, advanced.done, active.done))
+        active = active._replace(length=active.length + running)  # the token at position j is now in the cache
+        return (active, running & (out[0] == offered[:, j])), (*out, running)
+
+    (active, _), outs = jax.lax.scan(position, (active, jnp.ones(B, bool)), jnp.arange(k + 1))
+    outs = tuple(jnp.moveaxis(o, 0, 1) for o in outs)  # [k + 1, B, ...] -> [B, k + 1, ...]
+    return cache, _scatter(rows, slots, active), (*outs, active.done)
 
 
 def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -199,6 +244,12 @@ def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_wid
     )
 
 
+def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> tuple[Any, ...]:
+    """Shapes of `_speculate`'s per-call arguments: slots, page tables and k proposals per row."""
+    spec = partial(_batch_spec, mesh)
+    return spec((rows,), np.int32), spec((rows, table_width), np.int32), spec((rows, k), np.int32)
+
+
 def decode_args(mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
     """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
     return _batch_spec(mesh, (rows,), np.int32), _batch_spec(mesh, (rows, table_width), np.int32), np.int32(1)
@@ -226,6 +277,8 @@ class Request:
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the cache
+    proposed: int = 0  # speculated tokens offered
+    accepted: int = 0  # of which kept
 
     @property
     def finished(self) -> bool:
@@ -235,6 +288,22 @@ class Request:
     def budget(self) -> int:
         """Tokens this row may ever hold in the cache."""
         return len(self.prompt) + self.output.sampling.max_new_tokens
+
+
+def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
+    """Prompt-lookup speculation: the up to k tokens that followed the latest earlier occurrence of the
+    history's last `ngram` tokens (or of a shorter suffix, down to one token); none if nothing matches."""
+    if k <= 0:
+        return []
+    tokens = np.asarray(history)
+    for size in range(min(ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-size:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], size)  # starts before the tail's own
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + size
+            return tokens[start : start + k].tolist()
+    return []
 
 
 def _count_compiles(stats: weakref.ref) -> None:
@@ -270,6 +339,8 @@ class Stats:
     decode_calls: int = 0
     compile_seconds: float = 0.0
     compiled_shapes: int = 0
+    proposed: int = 0  # speculated tokens offered, all rows
+    accepted: int = 0  # of which kept
     compiles_since_warm_up: int = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens generated by then)
 
@@ -305,10 +376,14 @@ class Engine:
         kv_tokens: int | None = None,
         page_size: int = PAGE_SIZE,
         prefix_caching: bool = True,
+        ngram: int = 0,
+        speculate: int = SPECULATE_TOKENS,
     ):
-        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
+                                   ("speculate", speculate, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.ngram, self.speculate = ngram, speculate if ngram else 0
         if max_len is not None and not 0 < max_len <= cfg.max_seq_len:
             raise InputError(f"max_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_len}")
         self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
@@ -418,7 +493,9 @@ class Engine:
                 _prefill.lower(*state, *prefill_args(self.cfg, self.mesh, b, t, self.max_pages), **static)
                 for b, t in self._prefill_shapes()
             ] + [
-                _decode.lower(*state, *decode_args(self.mesh, b, n), **static)
+                _speculate.lower(*state, *speculate_args(self.mesh, b, n, self.speculate), **static)
+                if self.speculate
+                else _decode.lower(*state, *decode_args(self.mesh, b, n), **static)
                 for b in self._decode_batches()
                 for n in self._page_buckets()
             ]
@@ -473,7 +550,10 @@ class Engine:
             self._prefill(admitted)
             self._drop_finished()
         if any(r is not None for r in self.slots):
-            self._decode(min(chunk, MAX_CHUNK))
+            if self.speculate:
+                self._speculate()
+            else:
+                self._decode(min(chunk, MAX_CHUNK))
             self._drop_finished()
 
     def fail_all(self, error: str) -> None:
@@ -566,18 +646,44 @@ class Engine:
         running = self.running
         for r in running:
             self._grow(r, r.length + chunk)
-        n = self._batch_bucket(len(running))
+        table, slots = self._tables(running, self._batch_bucket(len(running)))
+        step = self._call(_decode, *map(self._from_host, (slots, table)), np.int32(chunk))
+        self.stats.decode_calls += 1
+        for i, r in enumerate(running):
+            r.length += int(step.emitted[i].sum())
+            self._deliver(r, step, i)
+
+    def _speculate(self) -> None:
+        """One speculative step: each row's proposals from its own history (prompt lookup), verified together."""
+        running = self.running
+        n, k = self._batch_bucket(len(running)), self.speculate
+        proposals = np.full((n, k), -1, np.int32)
+        for i, r in enumerate(running):
+            # positions written: length .. length + proposals, kept inside the row's budget
+            guess = lookup(r.prompt + r.output.tokens, self.ngram, min(k, r.budget - r.length - 2))
+            proposals[i, : len(guess)] = guess
+            self._grow(r, r.length + len(guess) + 1)
+        table, slots = self._tables(running, n)
+        step = self._call(_speculate, *map(self._from_host, (slots, table, proposals)))
+        self.stats.decode_calls += 1
+        kept_all = step.emitted[:, :k] & (step.token[:, :k] == proposals)
+        for i, r in enumerate(running):
+            emitted = int(step.emitted[i].sum())
+            offered, kept = int((proposals[i] >= 0).sum()), int(kept_all[i].sum())
+            r.proposed, r.accepted = r.proposed + offered, r.accepted + kept
+            self.stats.proposed, self.stats.accepted = self.stats.proposed + offered, self.stats.accepted + kept
+            r.length += emitted
+            self._deliver(r, step, i)
+
+    def _tables(self, running: list[Request], n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Page tables [n, bucketed width] and slots [n] of the running rows, padded to n rows."""
         width = self._page_bucket(max(len(r.pages) for r in running))
         table = np.full((n, width), PAD_PAGE, np.int32)
         slots = np.full(n, self.max_batch, np.int32)
         for i, r in enumerate(running):
             table[i, : len(r.pages)] = r.pages
             slots[i] = r.slot
-        step = self._call(_decode, *map(self._from_host, (slots, table)), np.int32(chunk))
-        self.stats.decode_calls += 1
-        for i, r in enumerate(running):
-            r.length += int(step.emitted[i].sum())
-            self._deliver(r, step, i)
+        return table, slots
 
     def _deliver(self, r: Request, step: Step, i: int) -> None:
         with r.lock:

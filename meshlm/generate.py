@@ -205,12 +205,23 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
 
 
 def choose(
-    logits: jax.Array, seen: jax.Array, count: jax.Array, s: Settings, n_vocab_used: int
+    logits: jax.Array,
+    seen: jax.Array,
+    count: jax.Array,
+    s: Settings,
+    n_vocab_used: int,
+    proposal: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The next token of every row from logits [B, V], its log-probability under the model, and the
     top alternatives. `seen` [B, V] feeds the repetition penalty; `count` [B] (tokens produced so far)
     picks each row's random key, so a seeded row draws the same tokens in any batch. The draw runs
-    only when some row samples (temperature above 0)."""
+    only when some row samples (temperature above 0).
+
+    With `proposal` [B] (a speculated token per row, -1 for none) a row keeps its proposal when the
+    target agrees: a greedy row when the proposal is its argmax; a sampling row with probability p(d)
+    under the filtered distribution p, else it draws from p without d. That is Leviathan et al.'s
+    rule for a draft that proposes d with certainty (prompt lookup), so the token still follows p. A
+    row kept its proposal exactly when the token returned equals it."""
     V = logits.shape[-1]
     logits = jnp.where(jnp.arange(V) < n_vocab_used, logits, -jnp.inf)  # padded vocabulary rows
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -221,7 +232,14 @@ def choose(
     def draw(x: jax.Array) -> jax.Array:
         x = filter_logits(x, s.temperature, s.top_k, s.top_p)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
-        return sample(x, keys)
+        if proposal is None:
+            return sample(x, keys)
+        offered = proposal >= 0
+        p_offered = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), jnp.maximum(proposal, 0)[:, None], axis=-1)[:, 0]
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+        without = jnp.where(offered[:, None] & (jnp.arange(V) == proposal[:, None]), -jnp.inf, x)
+        drawn = sample(without, jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys))
+        return jnp.where(offered & (u < p_offered), proposal, drawn)
 
     sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda x: greedy, x)
     token = jnp.where(s.temperature > 0, sampled, greedy)

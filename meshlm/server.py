@@ -237,6 +237,7 @@ def create_app(
             "kv_live_tokens": sum(r.length for r in engine.running),
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
             "prefix_cache_hit_rate": round(engine.pool.hit_rate, 4),
+            "speculative_acceptance_rate": round(s.accepted / s.proposed, 4) if s.proposed else None,
             "tokens_generated": s.tokens_generated,
             "decode_calls": s.decode_calls,
             "prefill_calls": s.prefill_calls,
@@ -386,14 +387,16 @@ def create_app(
             choices.append({"text": prefix + out.text, "index": i, "logprobs": lp, "finish_reason": out.finish_reason})
         n_prompt = sum(len(p) for p in prompts) * body.n
         n_out = sum(len(r.output.tokens) for r in group.rows)
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": now,
-            "model": model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-        }
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        if engine.speculate:  # OpenAI's names for predicted tokens kept and thrown away
+            accepted = sum(r.accepted for r in group.rows)
+            rejected = sum(r.proposed - r.accepted for r in group.rows)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": rejected,
+            }
+        return {"id": cid, "object": "text_completion", "created": now, "model": model_name, "choices": choices,
+                "usage": usage}  # fmt: skip
 
     async def stream_rows(
         group: Group, prefixes: list[str], body: CompletionRequest, cid: str, now: int
@@ -540,13 +543,22 @@ def serve(
     max_len: int | None = None,
     kv_tokens: int | None = None,
     prefix_caching: bool = True,
+    ngram: int = 0,
+    speculate: int = 4,
     api_key: str | None = None,
     request_timeout: float | None = None,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted."""
     import uvicorn
 
-    engine = lm.engine(max_batch=max_batch, max_len=max_len, kv_tokens=kv_tokens, prefix_caching=prefix_caching)
+    engine = lm.engine(
+        max_batch=max_batch,
+        max_len=max_len,
+        kv_tokens=kv_tokens,
+        prefix_caching=prefix_caching,
+        ngram=ngram,
+        speculate=speculate,
+    )
     scheduler = Scheduler(engine, chunk=chunk, max_queue=max_queue)
     app = create_app(lm, scheduler, model_name, api_key=api_key, request_timeout=request_timeout)
     print(

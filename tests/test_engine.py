@@ -124,3 +124,23 @@ def test_every_shape_is_compiled_by_warm_up(lm):
     params[1] = params[1].replace(temperature=0.7, seed=3)
     engine.generate(prompts, params, chunk=5)
     assert engine.stats.compiles_since_warm_up == 0
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    assert engine_module.lookup([1, 2, 3, 4, 1, 2, 9, 1, 2], ngram=2, k=3) == [9, 1, 2]
+    assert engine_module.lookup([5, 6, 7, 6], ngram=3, k=2) == [7, 6]  # down to a one-token match
+    assert engine_module.lookup([5, 6, 7], ngram=2, k=2) == []
+    assert engine_module.lookup([1, 1], ngram=2, k=0) == []
+
+
+def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, shared_prompts):
+    """Prompt lookup proposes 4 tokens per step; greedy rows keep the ones the model agrees with, so
+    the output equals transformers' greedy generate while steps emit several tokens."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=512, ngram=3, speculate=4)
+    repetitive = [p * 3 for p in shared_prompts[:3]]  # lookup finds continuations in the prompt itself
+    budgets = [30, 12, 25]
+    got = engine.generate(repetitive, [greedy(n) for n in budgets])
+    for prompt, n, completion in zip(repetitive, budgets, got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+    assert 0 < engine.stats.accepted <= engine.stats.proposed
+    assert engine.pool.used == 0

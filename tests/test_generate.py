@@ -301,3 +301,39 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
     if support.sum() > 1:
         chi2, p_value = stats.chisquare(counts[support], n * expected[support])
         assert p_value > 1e-3, (counts, n * expected, chi2)
+
+
+@pytest.mark.parametrize("offered", [0, 3, 7])  # the likeliest token, a middling one, the least likely
+def test_a_speculated_token_leaves_the_distribution_unchanged(offered):
+    """Chi-square over 20,000 seeded rows that each get the same proposal: keeping it with probability
+    p(d) and otherwise drawing from p without d gives tokens distributed as p (Leviathan et al.). The
+    counts also reject the nearby wrong rule that redraws from p itself after a rejection."""
+    from scipy import stats
+
+    logits = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0], np.float32)
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    n = 20_000
+    settings = gen.settings_for([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n)
+    token, *_ = gen.choose(
+        jnp.broadcast_to(jnp.asarray(logits), (n, 8)),
+        jnp.zeros((n, 8), bool),
+        jnp.zeros(n, jnp.int32),
+        jax.tree.map(jnp.asarray, settings),
+        8,
+        proposal=jnp.full(n, offered, jnp.int32),
+    )
+    counts = np.bincount(np.asarray(token), minlength=8)
+    _, p_value = stats.chisquare(counts, n * p)
+    assert p_value > 1e-3, (counts, n * p)
+    redraw = p[offered] * np.eye(8)[offered] + (1 - p[offered]) * p  # accept, else draw from p again
+    _, p_wrong = stats.chisquare(counts, n * redraw)
+    assert p_wrong < 1e-6, (counts, n * redraw)
+
+
+def test_greedy_rows_keep_a_proposal_only_when_it_is_their_argmax():
+    logits = jnp.broadcast_to(jnp.asarray([0.0, 3.0, 1.0, -1.0, -2.0, -3.0]), (3, 6))
+    settings = jax.tree.map(jnp.asarray, gen.settings_for([SamplingParams(temperature=0.0)] * 3, 3))
+    token, *_ = gen.choose(logits, jnp.zeros((3, 6), bool), jnp.zeros(3, jnp.int32), settings, 6,
+                           proposal=jnp.asarray([1, 2, -1]))  # fmt: skip
+    assert np.asarray(token).tolist() == [1, 1, 1]

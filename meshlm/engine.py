@@ -412,7 +412,8 @@ class Engine:
 
     def _default_kv_tokens(self) -> int:
         weights = sum(shard_bytes(x) for x in jax.tree.leaves(self.params))
-        spare = device_capacity(self.mesh.devices.flat[0]) - weights
+        local = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        spare = device_capacity(local) - weights
         fits = int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token()
         return max(self.page_size, min(fits, self.max_batch * self.max_len))
 
@@ -483,22 +484,23 @@ class Engine:
     # compiling ------------------------------------------------------------------------------------
 
     def warm_up(self) -> tuple[int, float]:
-        """Compile every prefill and decode shape the engine can use, on as many threads as there are
-        CPU cores (XLA compiles outside Python's lock); (shapes, seconds)."""
+        """Compile every prefill and decode shape the engine can use (on as many threads as there are CPU
+        cores: XLA compiles outside Python's lock), then run each once on padding rows, which write only
+        to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
-        state = (self.params, self.cache, self.rows)
+        programs = [
+            (_prefill, prefill_args(self.cfg, self.mesh, b, t, self.max_pages)) for b, t in self._prefill_shapes()
+        ]
+        for b in self._decode_batches():
+            for n in self._page_buckets():
+                if self.speculate:
+                    programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
+                else:
+                    programs.append((_decode, decode_args(self.mesh, b, n)))
         static = dict(cfg=self.cfg, policy=self.policy)
+        state = (self.params, self.cache, self.rows)
         with jax.set_mesh(self.mesh):
-            lowered = [
-                _prefill.lower(*state, *prefill_args(self.cfg, self.mesh, b, t, self.max_pages), **static)
-                for b, t in self._prefill_shapes()
-            ] + [
-                _speculate.lower(*state, *speculate_args(self.mesh, b, n, self.speculate), **static)
-                if self.speculate
-                else _decode.lower(*state, *decode_args(self.mesh, b, n), **static)
-                for b in self._decode_batches()
-                for n in self._page_buckets()
-            ]
+            lowered = [fn.lower(*state, *args, **static) for fn, args in programs]
 
         def compile(lowered: Any) -> None:
             with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
@@ -506,10 +508,18 @@ class Engine:
 
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(compile, lowered))
+        for fn, args in programs:
+            self._call(fn, *self._padding(args))
         seconds = time.perf_counter() - began
-        self.stats.compiled_shapes, self.stats.compile_seconds = len(lowered), seconds
+        self.stats.compiled_shapes, self.stats.compile_seconds = len(programs), seconds
         _count_compiles(weakref.ref(self.stats))
-        return len(lowered), seconds
+        return len(programs), seconds
+
+    def _padding(self, args: tuple[Any, ...]) -> list[Any]:
+        """Arguments of the given shapes for padding rows only: slots out of range, pages all page 0."""
+        slots, *rest = args
+        zeros = lambda x: self._from_host(np.zeros(x.shape, x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else x
+        return [self._from_host(np.full(slots.shape, self.max_batch, np.int32)), *jax.tree.map(zeros, rest)]
 
     # requests -------------------------------------------------------------------------------------
 

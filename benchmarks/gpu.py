@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import config, metrics, model, optim, train_step
+from meshlm.engine import PAGE_SIZE as PAGE
 from meshlm.sharding import make_mesh
 
 
@@ -233,15 +234,22 @@ def bench_generate(
     params = jax.jit(lambda k: model.init(cfg, k, "bfloat16"))(jax.random.key(0))
     weight_bytes = tree_bytes(params)
 
+    def pages(rows: int, tokens: int) -> tuple[model.KVCache, jax.Array]:
+        """A pool with `tokens` slots for each row, and tables giving each row its own consecutive pages."""
+        per_row = -(-tokens // PAGE)
+        table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
+        return model.init_cache(cfg, rows * per_row + 1, PAGE, "bfloat16"), table
+
     @jax.jit
-    def prefill(params: model.Params, tokens: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+    def prefill(params: model.Params, tokens: jax.Array, cache: model.KVCache, table: jax.Array) -> tuple:
         at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1)
-        return model.decode(params, tokens, cache, cfg, policy, at=at)
+        start = jnp.zeros((tokens.shape[0],), jnp.int32)
+        return model.decode(params, tokens, cache, table, start, cfg, policy, at=at)
 
     T = shapes.prompt_len
     prompt = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.n_vocab_used)
-    empty = model.init_cache(cfg, 1, T, "bfloat16")
-    seconds = timed(lambda: prefill(params, prompt, empty), shapes.repeats)
+    empty, table = pages(1, T)
+    seconds = timed(lambda: prefill(params, prompt, empty, table), shapes.repeats)
     prefill_flops = metrics.flops_per_token(cfg, T) / 3 * T / seconds  # the forward third of the training count
     result: dict[str, Any] = {
         "params": model.count_params(cfg),
@@ -256,37 +264,35 @@ def bench_generate(
         "decode": {},
     }
 
-    def loop(params: model.Params, cache: model.KVCache, token: jax.Array) -> tuple[jax.Array, model.KVCache]:
+    def loop(
+        params: model.Params, cache: model.KVCache, table: jax.Array, token: jax.Array, length: jax.Array
+    ) -> tuple[jax.Array, model.KVCache, jax.Array]:
         """`decode_steps` greedy tokens on the device: no host round-trip between steps."""
 
-        def body(_: int, carry: tuple[model.KVCache, jax.Array]) -> tuple[model.KVCache, jax.Array]:
-            cache, token = carry
-            logits, cache = model.decode(params, token[:, None], cache, cfg, policy)
-            return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32)
+        def body(_: int, carry: tuple) -> tuple:
+            cache, token, length = carry
+            logits, cache = model.decode(params, token[:, None], cache, table, length, cfg, policy)
+            return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32), length + 1
 
-        cache, token = jax.lax.fori_loop(0, shapes.decode_steps, body, (cache, token))
-        return token, cache
+        cache, token, length = jax.lax.fori_loop(0, shapes.decode_steps, body, (cache, token, length))
+        return token, cache, length
 
     loop = jax.jit(loop, donate_argnums=1)
-    # Decode attends over every slot of the cache, so its cost depends on the slots, not their contents:
-    # mark `decode_context` slots filled instead of prefilling them.
+    # Decode attends over every slot of a row's pages, so its cost depends on the slots, not their
+    # contents: start each row at `decode_context` tokens instead of prefilling them.
     slots = shapes.decode_context + 2 * shapes.decode_steps
     for batch in shapes.decode_batches:
         if time.monotonic() > deadline:
             result["decode"][batch] = {"status": "skipped: time budget"}
             continue
         try:
-            cache = model.init_cache(cfg, batch, slots, "bfloat16")
-            filled = jnp.arange(slots) < shapes.decode_context
-            cache = cache._replace(
-                valid=jnp.broadcast_to(filled, (batch, slots)),
-                index=jnp.full((batch,), shapes.decode_context, jnp.int32),
-            )
+            cache, table = pages(batch, slots)
+            length = jnp.full((batch,), shapes.decode_context, jnp.int32)
             token = jnp.zeros((batch,), jnp.int32)
-            token, cache = loop(params, cache, token)  # compiles; fills the first decode_steps slots
+            token, cache, length = loop(params, cache, table, token, length)  # compiles
             jax.block_until_ready(token)
             start = time.perf_counter()
-            token, cache = loop(params, cache, token)
+            token, cache, length = loop(params, cache, table, token, length)
             jax.block_until_ready(token)
             step_s = (time.perf_counter() - start) / shapes.decode_steps
             cache_bytes = tree_bytes((cache.k, cache.v))

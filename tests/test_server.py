@@ -15,7 +15,7 @@ import pytest
 
 import meshlm
 
-MAX_BATCH, MAX_QUEUE, MAX_LEN = 8, 24, 128
+MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 24, 128
 PROMPT = "Hello world, this is"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -179,7 +179,7 @@ def test_sixteen_concurrent_requests_are_batched(server, client):
     batched = decode_calls() - before
     assert concurrent == one_by_one  # a row gives the same text alone or batched with others
     # device calls, not wall time (which a loaded machine moves): the 16 rows share decode calls
-    assert batched < sequential / 4, (batched, sequential)
+    assert batched < sequential / 2, (batched, sequential)  # four slots: ideally a quarter
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):

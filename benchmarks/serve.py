@@ -1,7 +1,7 @@
 """Serving benchmark: meshlm's engine against the engine before it and transformers' continuous batching.
 
     python benchmarks/serve.py [CHECKPOINT] [--requests 64 --rates 2 8 --time-limit 120 --max-batch 32
-                                --max-len 1280 --old-ref engine-v0 --skip old,transformers,prefix,speculative]
+                                --max-len 1280 --old-ref 900bac2 --skip old,transformers,prefix,speculative]
 
 Without CHECKPOINT a random GPT-J (`--d-model` 256, `--layers` 4, heads of 64, vocab 50400, context
 2048) is written to a temporary folder. Everything runs on loopback, in one run, on the same model
@@ -9,7 +9,7 @@ and the same requests:
 
 1. **Mixed workload.** `--requests` requests whose prompt and output lengths are drawn from long-tailed
    (log-normal) distributions (seeded), sent with Poisson arrivals at each `--rates` (requests/s),
-   streamed, to `meshlm serve` from this tree and from `--old-ref` (a git tag or commit, checked out
+   streamed, to `meshlm serve` from this tree and from `--old-ref` (a git ref, default 900bac2, checked out
    into a temporary worktree: the engine with a dense `max_batch x max_len` cache). Throughput (generated
    tokens/s over the whole run), time to first token and latency (p50/p99), and new/old ratios.
 2. **Cold burst.** The first thing each fresh server sees: 8 concurrent requests of assorted lengths;
@@ -259,7 +259,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of arrivals per rate at most")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=1280)
-    ap.add_argument("--old-ref", default="engine-v0", help="git ref of the engine to compare with")
+    ap.add_argument(
+        "--old-ref",
+        default="900bac2",
+        help="git ref of the engine to compare with (default: the last commit before the paged engine)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix, speculative")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))

@@ -210,8 +210,13 @@ def _speculate(
     return cache, _scatter(rows, slots, active), (*outs, active.done)
 
 
+def _batch_sharding(mesh: Mesh, ndim: int) -> jax.sharding.NamedSharding:
+    """Rows split over the mesh's batch axes, the other dimensions whole."""
+    return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
+
+
 def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1)))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_batch_sharding(mesh, len(shape)))
 
 
 def abstract_state(
@@ -468,10 +473,7 @@ class Engine:
 
     def _from_host(self, x: np.ndarray) -> jax.Array:
         """A host array split over the batch axes (the same on every process when there are several)."""
-        return from_host(np.asarray(x), self._batch_sharding(np.ndim(x)))
-
-    def _batch_sharding(self, ndim: int) -> jax.sharding.NamedSharding:
-        return named_sharding(self.mesh, ("batch",) + (None,) * (ndim - 1))
+        return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
 
     def _call(self, fn: Any, *args: Any, **static: Any) -> Step:
         """Run a compiled step on the pool and the slots, which it updates in place."""
@@ -549,7 +551,7 @@ class Engine:
         return [r for r in self.slots if r is not None]
 
     def has_work(self) -> bool:
-        return bool(self.queue) or any(r is not None for r in self.slots)
+        return bool(self.queue) or bool(self.running)
 
     def step(self, chunk: int = 4) -> None:
         """Drop cancelled rows, admit what fits (one prefill), then decode up to `chunk` tokens of every running row."""
@@ -559,7 +561,7 @@ class Engine:
         if admitted:
             self._prefill(admitted)
             self._drop_finished()
-        if any(r is not None for r in self.slots):
+        if self.running:
             if self.speculate:
                 self._speculate()
             else:

@@ -640,7 +640,7 @@ def decode(
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     positions = length[:, None] + jnp.arange(T, dtype=jnp.int32)
     page = jnp.take_along_axis(table, jnp.minimum(positions // size, table.shape[1] - 1), axis=1)
-    slots = jnp.where(mask, page * size + positions % size, 0)
+    slots = jnp.where(mask & (positions < S), page * size + positions % size, 0)  # past the table: page 0
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
     view = CacheView(cache, table, slots)

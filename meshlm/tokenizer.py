@@ -262,7 +262,7 @@ def fetch_from_pypi(dest: Path = CACHE_FILE) -> Path:
     if digest != R50K_SHA256:
         raise ConfigError(f"gpt2.tiktoken from {WHISPER_SDIST} has sha256 {digest}, expected {R50K_SHA256}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dest = dest.with_suffix(".tmp")
+    tmp_dest = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # processes fetching at once never share it
     tmp_dest.write_bytes(data)
     tmp_dest.replace(dest)
     return dest

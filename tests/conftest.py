@@ -9,24 +9,26 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
-# ~/.cache/meshlm is never written.
-os.environ["MESHLM_CACHE"] = tempfile.mkdtemp(prefix="meshlm-cache-")
-# Many tests (and their subprocesses, which inherit this) compile the same tiny programs: XLA's persistent
-# cache, in a folder of the session's own, compiles each once.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshlm-xla-cache-")
+# The session's own folders, made once by the main pytest process; xdist's workers inherit them:
+# - the GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
+#   ~/.cache/meshlm is never written;
+# - many tests (and their subprocesses) compile the same tiny programs: XLA's persistent cache compiles each once.
+IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+SESSION_FOLDERS = {"MESHLM_CACHE": "meshlm-cache-", "JAX_COMPILATION_CACHE_DIR": "meshlm-xla-cache-"}
+if not IS_WORKER:
+    for var, prefix in SESSION_FOLDERS.items():
+        os.environ[var] = tempfile.mkdtemp(prefix=prefix)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-import pytest
+import pytest  # noqa: E402 (after the environment above)
 
-from tests import oracle
+from tests import oracle  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _session_cache():
-    yield
-    shutil.rmtree(os.environ["MESHLM_CACHE"], ignore_errors=True)
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+def pytest_unconfigure(config):
+    if not IS_WORKER:
+        for var in SESSION_FOLDERS:
+            shutil.rmtree(os.environ[var], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
-from meshlm.engine import Engine
+from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters, hf, registry
 from meshlm.formats.slices import place, projection_quantizers
 from meshlm.generate import Completion, SamplingParams
@@ -117,9 +117,16 @@ class LanguageModel:
         """The one given to `load`, else the model folder's tokenizer.json, else GPT-2 BPE; read on first use."""
         return load_tokenizer(self._tokenizer, self.folder)
 
-    def engine(self, **options: Any) -> Engine:
+    def engine(self, draft: LanguageModel | None = None, **options: Any) -> Engine:
         """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
-        `prefix_caching` as in `meshlm.engine.Engine` (the server runs one)."""
+        `prefix_caching`, `ngram`, `speculate` as in `meshlm.engine.Engine` (the server runs one).
+
+        `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
+        `speculate` tokens per step for speculative decoding."""
+        if draft is not None:
+            if draft.mesh != self.mesh:
+                raise InputError(f"the draft model is on mesh {describe(draft.mesh)}, not {describe(self.mesh)}")
+            options["draft"] = Draft(draft.params, draft.config, draft.policy)
         return Engine(self.params, self.config, self.policy, self.mesh, **options)
 
     @functools.cached_property

@@ -191,6 +191,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     lm = _load(args)
     _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
+    draft = None
+    if args.draft:
+        from meshlm import api
+
+        draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
     name = args.model_name or Path(args.checkpoint).resolve().name
     server.serve(
         lm,
@@ -204,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         kv_tokens=args.kv_tokens,
         prefix_caching=not args.no_prefix_caching,
         ngram=args.ngram,
+        draft=draft,
         speculate=args.speculate,
         api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
         request_timeout=args.request_timeout,
@@ -412,7 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding by prompt lookup: propose what followed the last N tokens' latest earlier "
         "occurrence (0: off)",
     )
-    p.add_argument("--speculate", type=int, default=4, help="with --ngram: tokens proposed per step (default 4)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL",
+        help="speculative decoding with a smaller model that shares the tokenizer (a checkpoint or Hugging Face "
+        "folder), on the same mesh",
+    )
+    p.add_argument(
+        "--speculate", type=int, default=4, help="with --ngram or --draft: tokens proposed per step (default 4)"
+    )
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default $MESHLM_API_KEY); /health is open"
     )

@@ -43,8 +43,12 @@ from meshlm.generate import (
     SamplingParams,
     Settings,
     Step,
+    argmax,
     check_chunk,
     choose,
+    draw,
+    filter_logits,
+    repetition_penalty,
     settings_for,
 )
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
@@ -62,6 +66,15 @@ KV_MEMORY_FRACTION = 0.8  # of the memory the weights leave, for the default KV 
 
 # ---------------------------------------------------------------------------------------------------
 # Device state and the compiled steps
+
+
+class Draft(NamedTuple):
+    """A smaller model with the target's tokenizer that proposes tokens for speculative decoding. It keeps
+    its own KV pool, paged exactly like the target's: a row's pages hold both models' keys and values."""
+
+    params: model.Params
+    cfg: ModelConfig
+    policy: model.Policy
 
 
 class Rows(NamedTuple):
@@ -86,9 +99,13 @@ def _advance(rows: Rows, token: jax.Array) -> Rows:
 
 
 def _choose(
-    logits: jax.Array, rows: Rows, cfg: ModelConfig, proposal: jax.Array | None = None
+    logits: jax.Array,
+    rows: Rows,
+    cfg: ModelConfig,
+    proposal: jax.Array | None = None,
+    draft_probs: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
-    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal)
+    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs)
 
 
 def _active(rows: Rows, slots: jax.Array) -> Rows:
@@ -103,7 +120,15 @@ def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
     return jax.tree.map(lambda dst, src: dst.at[slots].set(src, mode="drop"), rows, new)
 
 
-@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+# Every compiled step takes the target's weights, its KV pool and the slots, then its own arguments; with
+# a draft model also the draft's weights and pool (`draft` names its static config and policy). It
+# returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
+STATIC = ("cfg", "policy", "draft")
+DONATED = ("cache", "rows", "draft_cache")
+Out = tuple[model.KVCache, model.KVCache | None, Rows, tuple[jax.Array, ...]]
+
+
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _prefill(
     params: model.Params,
     cache: model.KVCache,
@@ -115,24 +140,29 @@ def _prefill(
     start: jax.Array,
     seen: jax.Array,
     settings: Settings,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
-) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
     """Write new rows' prompts [B, T] (right-padded, after the `start` tokens a cached prefix gave
-    them) into the cache, choose each row's first token and put the rows into `slots`."""
+    them) into the cache (and the draft's), choose each row's first token and put the rows into `slots`."""
     n_new = mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
     logits, cache = model.decode(params, tokens, cache, table, start, cfg, policy, mask=mask, at=at)
+    if draft is not None:
+        _, draft_cache = model.decode(draft_params, tokens, draft_cache, table, start, *draft, mask=mask, at=at)
     zeros = jnp.zeros_like(start)
     new = Rows(zeros, seen, zeros, settings.max_new <= 0, start + n_new, settings)
     out = _choose(logits[:, 0], new, cfg)
     emitted = ~new.done
     new = _advance(new, out[0])
-    return cache, _scatter(rows, slots, new), (*(o[:, None] for o in out), emitted[:, None], new.done)
+    return cache, draft_cache, _scatter(rows, slots, new), (*(o[:, None] for o in out), emitted[:, None], new.done)
 
 
-@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _decode(
     params: model.Params,
     cache: model.KVCache,
@@ -140,12 +170,15 @@ def _decode(
     slots: jax.Array,
     table: jax.Array,
     n_steps: jax.Array,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
-) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
     """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
-    `while_loop` that stops early once every row is done."""
+    `while_loop` that stops early once every row is done. (An engine with a draft model speculates instead.)"""
     active = _active(rows, slots)
     B = slots.shape[0]
     bufs = (
@@ -170,10 +203,10 @@ def _decode(
         return i + 1, active, cache, bufs
 
     _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
-    return cache, _scatter(rows, slots, active), (*bufs, active.done)
+    return cache, draft_cache, _scatter(rows, slots, active), (*bufs, active.done)
 
 
-@partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache", "rows"))
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _speculate(
     params: model.Params,
     cache: model.KVCache,
@@ -181,24 +214,34 @@ def _speculate(
     slots: jax.Array,
     table: jax.Array,
     proposals: jax.Array,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
-) -> tuple[model.KVCache, Rows, tuple[jax.Array, ...]]:
-    """One speculative step of the rows in `slots`: their last token and up to k proposed tokens
-    [B, k] (-1 past a row's proposals) run in one forward pass; position j's logits then choose the
-    row's next token, keeping proposal j when the target agrees (`choose`), and the row goes on to
-    position j + 1 only while it keeps them. Each row emits 1 to k + 1 tokens."""
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
+    """One speculative step of the rows in `slots`: their last token and k proposed tokens run in one
+    forward pass; position j's logits then choose the row's next token, keeping proposal j when the
+    target agrees (`choose`), and the row goes on to position j + 1 only while it keeps them. Each row
+    emits 1 to k + 1 tokens.
+
+    `proposals` [B, k] are prompt lookup's (-1 past a row's own); with a draft model they are -1 and
+    only their shape counts: the draft proposes k tokens per row itself, from its distribution q."""
     active = _active(rows, slots)
     B, k = proposals.shape
+    q = None
+    if draft is not None:
+        proposals, q, draft_cache = _propose(draft_params, draft_cache, active, table, k, draft, cfg.vocab_size)
+        q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # nothing is proposed after the last
     tokens = jnp.concatenate([active.token[:, None], jnp.maximum(proposals, 0)], axis=1)
     mask = jnp.concatenate([jnp.ones((B, 1), bool), proposals >= 0], axis=1)
     logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask)
-    offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)  # nothing after the last
+    offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)
 
     def position(carry: tuple[Rows, jax.Array], j: jax.Array) -> tuple[tuple[Rows, jax.Array], tuple]:
         active, going = carry  # going: every proposal so far was kept
-        out = _choose(logits[:, j], active, cfg, jnp.where(going, offered[:, j], -1))
+        out = _choose(logits[:, j], active, cfg, jnp.where(going, offered[:, j], -1), None if q is None else q[:, j])
         running = going & ~active.done
         advanced = _advance(active._replace(done=~running), out[0])
         active = advanced._replace(done=jnp.where(running, advanced.done, active.done))
@@ -207,7 +250,48 @@ def _speculate(
 
     (active, _), outs = jax.lax.scan(position, (active, jnp.ones(B, bool)), jnp.arange(k + 1))
     outs = tuple(jnp.moveaxis(o, 0, 1) for o in outs)  # [k + 1, B, ...] -> [B, k + 1, ...]
-    return cache, _scatter(rows, slots, active), (*outs, active.done)
+    return cache, draft_cache, _scatter(rows, slots, active), (*outs, active.done, offered)
+
+
+def _propose(
+    params: model.Params,
+    cache: model.KVCache,
+    active: Rows,
+    table: jax.Array,
+    k: int,
+    draft: tuple[ModelConfig, model.Policy],
+    vocab_size: int,
+) -> tuple[jax.Array, jax.Array, model.KVCache]:
+    """k tokens per row from the draft model, one step at a time after each row's last token: proposals
+    [B, k], the draft's filtered distributions q [B, k, vocab_size] they were drawn from (a greedy row
+    proposes the draft's argmax), and the draft's pool holding every proposal's keys and values, so the
+    draft's next step can start from any of them."""
+    cfg, policy = draft
+    s = active.settings
+
+    def step(token: jax.Array, i: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+        logits, cache = model.decode(params, token[:, None], cache, table, active.length + i, cfg, policy)
+        return logits[:, 0], cache
+
+    def propose(carry: tuple[jax.Array, model.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+        token, cache = carry
+        logits, cache = step(token, i, cache)
+        V = logits.shape[-1]
+        logits = jnp.where(jnp.arange(V) < cfg.n_vocab_used, logits, -jnp.inf)
+        logits = jnp.pad(logits, ((0, 0), (0, max(0, vocab_size - V))), constant_values=-jnp.inf)[:, :vocab_size]
+        x = repetition_penalty(logits, active.seen, s.penalty)
+        q = jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
+        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), n), 3))(
+            s.seed, active.count + i
+        )  # apart from the keys `choose` uses at the same count
+        greedy = argmax(x)
+        sampled = jax.lax.cond(jnp.any(s.temperature > 0), lambda: draw(q, keys), lambda: greedy)
+        token = jnp.where(s.temperature > 0, sampled, greedy)
+        return (token, cache), (token, q)
+
+    (last, cache), (proposals, q) = jax.lax.scan(propose, (active.token, cache), jnp.arange(k))
+    _, cache = step(last, jnp.int32(k), cache)  # the last proposal's keys and values (its logits are unused)
+    return proposals.T, jnp.moveaxis(q, 0, 1), cache
 
 
 def _batch_sharding(mesh: Mesh, ndim: int) -> jax.sharding.NamedSharding:
@@ -293,6 +377,19 @@ class Request:
     def budget(self) -> int:
         """Tokens this row may ever hold in the cache."""
         return len(self.prompt) + self.output.sampling.max_new_tokens
+
+
+def _check_draft(draft: Draft, cfg: ModelConfig, max_len: int, ngram: int) -> None:
+    """A draft model must be able to propose every token the target can emit, at every position."""
+    if ngram:
+        raise InputError("speculate with a draft model or with prompt lookup (ngram), not both")
+    if draft.cfg.n_vocab_used != cfg.n_vocab_used:
+        raise InputError(
+            f"the draft model's vocabulary ({draft.cfg.n_vocab_used} tokens) is not the target's "
+            f"({cfg.n_vocab_used}): a draft must share the target's tokenizer"
+        )
+    if draft.cfg.max_seq_len < max_len:
+        raise InputError(f"the draft model's context ({draft.cfg.max_seq_len}) is shorter than max_len ({max_len})")
 
 
 def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
@@ -383,14 +480,18 @@ class Engine:
         prefix_caching: bool = True,
         ngram: int = 0,
         speculate: int = SPECULATE_TOKENS,
+        draft: Draft | None = None,
     ):
         for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
                                    ("speculate", speculate, 1)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InputError(f"{name} must be an integer >= {least}, got {value!r}")
-        self.ngram, self.speculate = ngram, speculate if ngram else 0
         if max_len is not None and not 0 < max_len <= cfg.max_seq_len:
             raise InputError(f"max_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_len}")
+        if draft is not None:
+            _check_draft(draft, cfg, max_len or cfg.max_seq_len, ngram)
+        self.ngram, self.draft = ngram, draft
+        self.speculate = speculate if ngram or draft else 0
         self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
         self.batch_ways = batch_ways(mesh)
         self.max_batch = self._batch_bucket(max_batch)
@@ -410,13 +511,18 @@ class Engine:
     # sizes ----------------------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token takes on each device."""
-        shape = (self.cfg.n_layer, 1, 1, self.cfg.n_head, self.cfg.d_head)
+        """Bytes of keys and values one token takes on each device (the draft model's included)."""
         sharding = named_sharding(self.mesh, model.CACHE_AXES)
-        return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(self.policy.compute_dtype), sharding=sharding))
+
+        def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
+            shape = (cfg.n_layer, 1, 1, cfg.n_head, cfg.d_head)
+            return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(policy.compute_dtype), sharding=sharding))
+
+        draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)
+        return per_token(self.cfg, self.policy) + draft
 
     def _default_kv_tokens(self) -> int:
-        weights = sum(shard_bytes(x) for x in jax.tree.leaves(self.params))
+        weights = sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.draft and self.draft.params)))
         local = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         spare = device_capacity(local) - weights
         fits = int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token()
@@ -461,10 +567,15 @@ class Engine:
     def _reset_device(self) -> None:
         """A fresh pool and empty slots (at start, and after a failed device call, which may have
         consumed the donated buffers)."""
-        with jax.set_mesh(self.mesh):
-            self.cache = jax.jit(
-                partial(model.init_cache, self.cfg, self.pool.n_pages, self.page_size, self.policy.compute_dtype)
-            )()
+
+        def pool(cfg: ModelConfig, policy: model.Policy) -> model.KVCache:
+            with jax.set_mesh(self.mesh):
+                return jax.jit(
+                    partial(model.init_cache, cfg, self.pool.n_pages, self.page_size, policy.compute_dtype)
+                )()
+
+        self.cache = pool(self.cfg, self.policy)
+        self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)
         B = self.max_batch
         zeros = np.zeros(B, np.int32)
         settings = settings_for([], B)._replace(max_new=zeros)
@@ -475,12 +586,18 @@ class Engine:
         """A host array split over the batch axes (the same on every process when there are several)."""
         return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
 
-    def _call(self, fn: Any, *args: Any, **static: Any) -> Step:
-        """Run a compiled step on the pool and the slots, which it updates in place."""
+    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What every compiled step takes besides its own arguments (see STATIC)."""
+        draft = {}
+        if self.draft is not None:
+            draft = dict(draft_params=self.draft.params, draft_cache=self.draft_cache, draft=self.draft[1:])
+        return (self.params, self.cache, self.rows), dict(cfg=self.cfg, policy=self.policy, **draft)
+
+    def _call(self, fn: Any, *args: Any) -> Step:
+        """Run a compiled step on the pools and the slots, which it updates in place."""
+        state, options = self._state()
         with jax.set_mesh(self.mesh):
-            self.cache, self.rows, out = fn(
-                self.params, self.cache, self.rows, *args, cfg=self.cfg, policy=self.policy, **static
-            )
+            self.cache, self.draft_cache, self.rows, out = fn(*state, *args, **options)
         return Step(*(to_host(x) for x in out))
 
     # compiling ------------------------------------------------------------------------------------
@@ -499,10 +616,9 @@ class Engine:
                     programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
                 else:
                     programs.append((_decode, decode_args(self.mesh, b, n)))
-        static = dict(cfg=self.cfg, policy=self.policy)
-        state = (self.params, self.cache, self.rows)
+        state, options = self._state()
         with jax.set_mesh(self.mesh):
-            lowered = [fn.lower(*state, *args, **static) for fn, args in programs]
+            lowered = [fn.lower(*state, *args, **options) for fn, args in programs]
 
         def compile(lowered: Any) -> None:
             with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
@@ -666,22 +782,26 @@ class Engine:
             self._deliver(r, step, i)
 
     def _speculate(self) -> None:
-        """One speculative step: each row's proposals from its own history (prompt lookup), verified together."""
+        """One speculative step: k proposals per row, from the draft model or from the row's own history
+        (prompt lookup), verified together."""
         running = self.running
         n, k = self._batch_bucket(len(running)), self.speculate
         proposals = np.full((n, k), -1, np.int32)
         for i, r in enumerate(running):
             # positions written: length .. length + proposals, kept inside the row's budget
-            guess = lookup(r.prompt + r.output.tokens, self.ngram, min(k, r.budget - r.length - 2))
-            proposals[i, : len(guess)] = guess
-            self._grow(r, r.length + len(guess) + 1)
+            room = min(k, r.budget - r.length - 2)
+            if self.draft is None:
+                guess = lookup(r.prompt + r.output.tokens, self.ngram, room)
+                proposals[i, : len(guess)] = guess
+            self._grow(r, r.length + 1 + (k if self.draft else len(guess)))
         table, slots = self._tables(running, n)
         step = self._call(_speculate, *map(self._from_host, (slots, table, proposals)))
         self.stats.decode_calls += 1
-        kept_all = step.emitted[:, :k] & (step.token[:, :k] == proposals)
+        offered_all = step.proposed[:, :k] >= 0
+        kept_all = step.emitted[:, :k] & (step.token[:, :k] == step.proposed[:, :k])
         for i, r in enumerate(running):
             emitted = int(step.emitted[i].sum())
-            offered, kept = int((proposals[i] >= 0).sum()), int(kept_all[i].sum())
+            offered, kept = int(offered_all[i].sum()), int(kept_all[i].sum())
             r.proposed, r.accepted = r.proposed + offered, r.accepted + kept
             self.stats.proposed, self.stats.accepted = self.stats.proposed + offered, self.stats.accepted + kept
             r.length += emitted

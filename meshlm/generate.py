@@ -145,10 +145,15 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, keys: jax.Array) -> jax.Array:
-    """One draw per row from softmax(logits), by inverting the CDF with a single uniform number per row
-    (a Gumbel draw needs a random number per vocabulary entry, ten times slower on CPU)."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
+    """One draw per row from softmax(logits)."""
+    return draw(jax.nn.softmax(logits, axis=-1), keys)
+
+
+def draw(weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """One draw per row in proportion to `weights` [B, V] (>= 0, not all 0), by inverting the CDF with a
+    single uniform number per row (a Gumbel draw needs a random number per vocabulary entry, ten times
+    slower on CPU)."""
+    cdf = jnp.cumsum(weights, axis=-1)
     u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
     return argmax(cdf > u[:, None])
 
@@ -178,6 +183,7 @@ class Step(NamedTuple):
     top_logprobs: np.ndarray
     emitted: np.ndarray  # bool: the row was still running at this step
     done: np.ndarray  # [B] bool: the row has finished (stop token or max_new_tokens)
+    proposed: np.ndarray | None = None  # speculative steps: the token proposed at each step (-1: none)
 
 
 def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settings:
@@ -211,6 +217,7 @@ def choose(
     s: Settings,
     n_vocab_used: int,
     proposal: jax.Array | None = None,
+    draft_probs: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The next token of every row from logits [B, V], its log-probability under the model, and the
     top alternatives. `seen` [B, V] feeds the repetition penalty; `count` [B] (tokens produced so far)
@@ -218,10 +225,12 @@ def choose(
     only when some row samples (temperature above 0).
 
     With `proposal` [B] (a speculated token per row, -1 for none) a row keeps its proposal when the
-    target agrees: a greedy row when the proposal is its argmax; a sampling row with probability p(d)
-    under the filtered distribution p, else it draws from p without d. That is Leviathan et al.'s
-    rule for a draft that proposes d with certainty (prompt lookup), so the token still follows p. A
-    row kept its proposal exactly when the token returned equals it."""
+    target agrees: a greedy row when the proposal is its argmax; a sampling row with probability
+    min(1, p(d) / q(d)) under the filtered target distribution p and the draft's q, else it draws from
+    max(p - q, 0), renormalised (Leviathan et al. 2023), so the token follows p whatever q is.
+    `draft_probs` [B, V] is q; without it q is certainty on d (prompt lookup), so d is kept with
+    probability p(d) and a rejection draws from p without d. A row kept its proposal exactly when the
+    token returned equals it."""
     V = logits.shape[-1]
     logits = jnp.where(jnp.arange(V) < n_vocab_used, logits, -jnp.inf)  # padded vocabulary rows
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -229,20 +238,23 @@ def choose(
     x = repetition_penalty(logits, seen, s.penalty)
     greedy = argmax(x)
 
-    def draw(x: jax.Array) -> jax.Array:
-        x = filter_logits(x, s.temperature, s.top_k, s.top_p)
+    def sampled(x: jax.Array) -> jax.Array:
+        p = jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
         if proposal is None:
-            return sample(x, keys)
+            return draw(p, keys)
         offered = proposal >= 0
-        p_offered = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), jnp.maximum(proposal, 0)[:, None], axis=-1)[:, 0]
+        d = jnp.maximum(proposal, 0)[:, None]
+        q = jax.nn.one_hot(d[:, 0], V, dtype=p.dtype) if draft_probs is None else draft_probs
+        p_d, q_d = (jnp.take_along_axis(x, d, axis=-1)[:, 0] for x in (p, q))
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-        without = jnp.where(offered[:, None] & (jnp.arange(V) == proposal[:, None]), -jnp.inf, x)
-        drawn = sample(without, jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys))
-        return jnp.where(offered & (u < p_offered), proposal, drawn)
+        residual = jnp.where(offered[:, None], jnp.maximum(p - q, 0.0), p)
+        residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)  # p == q: never rejected anyway
+        drawn = draw(residual, jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys))
+        return jnp.where(offered & (u * q_d < p_d), proposal, drawn)
 
-    sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda x: greedy, x)
-    token = jnp.where(s.temperature > 0, sampled, greedy)
+    token = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda x: greedy, x)
+    token = jnp.where(s.temperature > 0, token, greedy)
     logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     return token, logprob, top_ids.astype(jnp.int32), top_logprobs
 

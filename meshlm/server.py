@@ -547,11 +547,13 @@ def serve(
     speculate: int = 4,
     api_key: str | None = None,
     request_timeout: float | None = None,
+    draft: LanguageModel | None = None,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted."""
     import uvicorn
 
     engine = lm.engine(
+        draft=draft,
         max_batch=max_batch,
         max_len=max_len,
         kv_tokens=kv_tokens,

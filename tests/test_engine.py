@@ -144,3 +144,46 @@ def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, sh
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
     assert 0 < engine.stats.accepted <= engine.stats.proposed
     assert engine.pool.used == 0
+
+
+@pytest.fixture(scope="module")
+def neox_draft(tmp_path_factory):
+    """A smaller random GPT-NeoX with the tiny GPT-J's vocabulary: a draft of another architecture."""
+    from tests import oracle
+
+    folder = tmp_path_factory.mktemp("neox_draft")
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=512)
+    oracle.make_hf_model(folder, seed=9, model_type="gpt_neox", max_position_embeddings=128, **config)
+    return meshlm.load(folder)
+
+
+@pytest.mark.parametrize("draft", ["itself", "neox"])
+def test_a_draft_model_leaves_greedy_output_token_identical(lm, hf_tiny, shared_prompts, neox_draft, draft):
+    """The draft proposes 3 tokens per step and the target verifies them in one pass: with the target
+    as its own draft every proposal is kept; with a GPT-NeoX draft few are. Either way each row equals
+    transformers' greedy generate, rows joining mid-flight on 2 slots."""
+    engine = lm.engine(draft=lm if draft == "itself" else neox_draft, max_batch=2, page_size=PAGE, kv_tokens=192,
+                       speculate=3)  # fmt: skip
+    budgets = [12, 5, 20, 9]
+    got = engine.generate(shared_prompts[:4], [greedy(n) for n in budgets])
+    for prompt, n, completion in zip(shared_prompts[:4], budgets, got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+    assert 0 <= engine.stats.accepted <= engine.stats.proposed
+    if draft == "itself":  # only proposals past a row's last token are lost
+        assert engine.stats.accepted >= 0.8 * engine.stats.proposed
+        # Sampling rows: the draft's q is computed as the target's p, so min(1, p/q) keeps every proposal.
+        before = engine.stats.proposed, engine.stats.accepted
+        sampled = [greedy(16).replace(temperature=t, top_k=k, seed=i) for i, (t, k) in enumerate([(0.8, 0), (1.2, 40)])]
+        engine.generate([[5] * 16, [9] * 16], sampled)  # 16 tokens: 1 from the prefill, then 4 + 4 + 4 + 3
+        assert engine.stats.proposed - before[0] == engine.stats.accepted - before[1] == 2 * 4 * 3  # rows x steps x k
+    assert engine.pool.used == 0
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_context(lm, hf_tiny_gpt2_vocab):
+    other = meshlm.load(hf_tiny_gpt2_vocab.path)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        lm.engine(draft=other)
+    with pytest.raises(ValueError, match="not both"):
+        lm.engine(draft=lm, ngram=3)
+    with pytest.raises(ValueError, match="mesh"):
+        lm.engine(draft=meshlm.load(lm.folder, mesh="data=2"))

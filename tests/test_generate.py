@@ -303,6 +303,27 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
         assert p_value > 1e-3, (counts, n * expected, chi2)
 
 
+LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0], np.float32)  # the target of the chi-square tests
+N_ROWS = 20_000
+
+
+def choose_for_rows(proposal: np.ndarray, draft_probs: np.ndarray | None = None) -> np.ndarray:
+    """`choose` for N_ROWS rows of LOGITS at temperature 1, each with its own seed and proposal."""
+    n, V = N_ROWS, LOGITS.size
+    settings = gen.settings_for([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n)
+    q = None if draft_probs is None else jnp.broadcast_to(jnp.asarray(draft_probs, jnp.float32), (n, V))
+    token, *_ = gen.choose(
+        jnp.broadcast_to(jnp.asarray(LOGITS), (n, V)),
+        jnp.zeros((n, V), bool),
+        jnp.zeros(n, jnp.int32),
+        jax.tree.map(jnp.asarray, settings),
+        V,
+        proposal=jnp.asarray(proposal, jnp.int32),
+        draft_probs=q,
+    )
+    return np.asarray(token)
+
+
 @pytest.mark.parametrize("offered", [0, 3, 7])  # the likeliest token, a middling one, the least likely
 def test_a_speculated_token_leaves_the_distribution_unchanged(offered):
     """Chi-square over 20,000 seeded rows that each get the same proposal: keeping it with probability
@@ -310,20 +331,10 @@ def test_a_speculated_token_leaves_the_distribution_unchanged(offered):
     counts also reject the nearby wrong rule that redraws from p itself after a rejection."""
     from scipy import stats
 
-    logits = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0], np.float32)
-    p = np.exp(logits.astype(np.float64) - logits.max())
+    p = np.exp(LOGITS.astype(np.float64) - LOGITS.max())
     p /= p.sum()
-    n = 20_000
-    settings = gen.settings_for([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n)
-    token, *_ = gen.choose(
-        jnp.broadcast_to(jnp.asarray(logits), (n, 8)),
-        jnp.zeros((n, 8), bool),
-        jnp.zeros(n, jnp.int32),
-        jax.tree.map(jnp.asarray, settings),
-        8,
-        proposal=jnp.full(n, offered, jnp.int32),
-    )
-    counts = np.bincount(np.asarray(token), minlength=8)
+    n = N_ROWS
+    counts = np.bincount(choose_for_rows(np.full(n, offered)), minlength=8)
     _, p_value = stats.chisquare(counts, n * p)
     assert p_value > 1e-3, (counts, n * p)
     redraw = p[offered] * np.eye(8)[offered] + (1 - p[offered]) * p  # accept, else draw from p again
@@ -337,3 +348,30 @@ def test_greedy_rows_keep_a_proposal_only_when_it_is_their_argmax():
     token, *_ = gen.choose(logits, jnp.zeros((3, 6), bool), jnp.zeros(3, jnp.int32), settings, 6,
                            proposal=jnp.asarray([1, 2, -1]))  # fmt: skip
     assert np.asarray(token).tolist() == [1, 1, 1]
+
+
+def test_a_draft_models_proposals_leave_the_distribution_unchanged():
+    """Chi-square over 20,000 seeded rows whose proposals are drawn from a draft distribution q far
+    from the target's p: keeping d with probability min(1, p(d)/q(d)) and otherwise drawing from
+    max(p - q, 0) gives tokens distributed as p, and keeps sum(min(p, q)) of the proposals. The counts
+    reject redrawing from p itself after a rejection."""
+    from scipy import stats
+
+    p = np.exp(LOGITS.astype(np.float64) - LOGITS.max())
+    p /= p.sum()
+    q = np.exp(-0.5 * LOGITS.astype(np.float64))  # prefers what p does not
+    q /= q.sum()
+    n = N_ROWS
+    proposals = np.random.default_rng(0).choice(8, size=n, p=q)
+    token = choose_for_rows(proposals, q)
+    counts = np.bincount(token, minlength=8)
+    _, p_value = stats.chisquare(counts, n * p)
+    assert p_value > 1e-3, (counts, n * p)
+    redraw = np.minimum(p, q) + (1 - np.minimum(p, q).sum()) * p  # the near miss: draw from p after a rejection
+    _, p_wrong = stats.chisquare(counts, n * redraw)
+    assert p_wrong < 1e-6, (counts, n * redraw)
+    # A rejection never draws d again (max(p - q, 0) is 0 there), so the kept share is the acceptance rate:
+    # sum(min(p, q)), not the sum(p * q) of the point-mass rule, which is also exact but keeps less.
+    kept = int((token == proposals).sum())
+    assert stats.binomtest(kept, n, np.minimum(p, q).sum()).pvalue > 1e-3
+    assert stats.binomtest(kept, n, (p * q).sum()).pvalue < 1e-6

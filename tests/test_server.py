@@ -261,3 +261,26 @@ def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
         scheduler.stop()
     with pytest.raises(ValueError, match="request_timeout"):
         create_app(reference, scheduler, "tiny", request_timeout=0)
+
+
+def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
+    """The model as its own draft: greedy text as `generate` gives it, every proposal kept, and the
+    counts in the response's usage and in /health."""
+    from fastapi.testclient import TestClient
+
+    from meshlm.server import Scheduler, create_app
+
+    engine = reference.engine(draft=reference, max_batch=2, max_len=64, kv_tokens=128, speculate=3)
+    scheduler = Scheduler(engine, chunk=1)
+    scheduler.start()
+    try:
+        with TestClient(create_app(reference, scheduler, "tiny")) as http:
+            body = {"prompt": PROMPT, "max_tokens": 9, "temperature": 0, "stop": None}
+            r = http.post("/v1/completions", json=body).json()
+            (expected,) = reference.generate(PROMPT, max_new_tokens=9, temperature=0)
+            assert r["choices"][0]["text"] == expected
+            details = r["usage"]["completion_tokens_details"]
+            assert details["accepted_prediction_tokens"] >= 6 and details["rejected_prediction_tokens"] == 0
+            assert http.get("/health").json()["speculative_acceptance_rate"] == 1.0
+    finally:
+        scheduler.stop()

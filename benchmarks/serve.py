@@ -1,7 +1,7 @@
 """Serving benchmark: meshlm's engine against the engine before it and transformers' continuous batching.
 
     python benchmarks/serve.py [CHECKPOINT] [--requests 64 --rates 2 8 --time-limit 120 --max-batch 32
-                                --max-len 1280 --old-ref 900bac2 --skip old,transformers,prefix,speculative]
+                                --max-len 1280 --old-ref 900bac2 --skip old,transformers,prefix]
 
 Without CHECKPOINT a random GPT-J (`--d-model` 256, `--layers` 4, heads of 64, vocab 50400, context
 2048) is written to a temporary folder. Everything runs on loopback, in one run, on the same model
@@ -22,9 +22,7 @@ and the same requests:
    caching and with `--no-prefix-caching`.
 5. **transformers.** The mixed workload's prompts all at once through `generate_batch` (transformers'
    continuous batching, CPU) and through meshlm's engine in this process: tokens/s, best of two.
-6. **Speculative decoding.** One row (batch 1), greedy, 256 new tokens after a 64-token prompt, with
-   prompt lookup (`ngram=3`, 4 tokens per step) and without, in this process: decode tokens/s (best of
-   three, compiling excluded) and the acceptance rate.
+(Speculative decoding at batch 1 has its own script: benchmarks/speculative.py.)
 """
 
 from __future__ import annotations
@@ -219,29 +217,6 @@ def offline(checkpoint: str, requests: list[tuple[list[int], int]]) -> dict[str,
     return {"transformers": best_hf, "meshlm": best}
 
 
-def speculative(checkpoint: str) -> dict[str, float]:
-    """Batch-1 greedy decode speed with and without prompt-lookup speculation, and its acceptance rate."""
-    import meshlm
-    from meshlm.generate import SamplingParams
-
-    lm = meshlm.load(checkpoint)
-    prompt = np.random.default_rng(4).integers(1, 50000, 64).tolist()
-    params = [SamplingParams(max_new_tokens=256, temperature=0, stop_token_ids=())]
-    out: dict[str, float] = {}
-    for name, options in (("plain", {}), ("ngram", {"ngram": 3, "speculate": 4})):
-        engine = lm.engine(max_batch=1, max_len=512, **options)
-        engine.warm_up()
-        best = 0.0
-        for _ in range(3):
-            t0 = time.perf_counter()
-            (done,) = engine.generate([prompt], params, chunk=16)
-            best = max(best, len(done.tokens) / (time.perf_counter() - t0))
-        out[name] = best
-        if options:
-            out["acceptance"] = engine.stats.accepted / max(engine.stats.proposed, 1)
-    return out
-
-
 def worktree(ref: str, folder: str) -> Path:
     path = Path(folder) / "old"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True,
@@ -264,7 +239,7 @@ def main() -> None:
         default="900bac2",
         help="git ref of the engine to compare with (default: the last commit before the paged engine)",
     )
-    ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix, speculative")
+    ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     load = os.getloadavg()
@@ -303,7 +278,6 @@ def main() -> None:
                     finally:
                         server.close()
             off = offline(checkpoint, requests) if "transformers" not in skip else {}
-            spec = speculative(checkpoint) if "speculative" not in skip else {}
         finally:
             if "old" in engines:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(engines["old"])])
@@ -343,10 +317,6 @@ def main() -> None:
     if off:
         print(f"offline, whole workload at once: meshlm {off['meshlm']:.1f} tokens/s, transformers generate_batch "
               f"{off['transformers']:.1f} tokens/s: {off['meshlm'] / off['transformers']:.2f}x")  # fmt: skip
-    if spec:
-        print(f"speculative decoding, batch 1, greedy: {spec['ngram']:.1f} tokens/s with prompt lookup, "
-              f"{spec['plain']:.1f} without: {spec['ngram'] / spec['plain']:.2f}x at {spec['acceptance']:.0%} "
-              "of proposals kept")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -614,7 +614,7 @@ class Engine:
             for n in self._page_buckets():
                 if self.speculate:
                     programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
-                else:
+                if not self.draft:  # prompt lookup decodes plainly when it has nothing to propose
                     programs.append((_decode, decode_args(self.mesh, b, n)))
         state, options = self._state()
         with jax.set_mesh(self.mesh):
@@ -678,10 +678,11 @@ class Engine:
             self._prefill(admitted)
             self._drop_finished()
         if self.running:
-            if self.speculate:
-                self._speculate()
-            else:
-                self._decode(min(chunk, MAX_CHUNK))
+            proposals = self._proposals() if self.speculate else None
+            if proposals is not None:
+                self._speculate(proposals)
+            else:  # speculating with nothing to propose decodes as many tokens as a step could keep, then looks again
+                self._decode(min(chunk, self.speculate + 1 if self.speculate else MAX_CHUNK))
             self._drop_finished()
 
     def fail_all(self, error: str) -> None:
@@ -781,19 +782,27 @@ class Engine:
             r.length += int(step.emitted[i].sum())
             self._deliver(r, step, i)
 
-    def _speculate(self) -> None:
-        """One speculative step: k proposals per row, from the draft model or from the row's own history
-        (prompt lookup), verified together."""
+    def _proposals(self) -> np.ndarray | None:
+        """Prompt lookup's proposals [rows, k] for the running rows (-1 past a row's own), or None when no
+        row has any: then plain decoding is cheaper than verifying nothing. With a draft model, all -1:
+        the draft proposes on the device."""
         running = self.running
-        n, k = self._batch_bucket(len(running)), self.speculate
-        proposals = np.full((n, k), -1, np.int32)
-        for i, r in enumerate(running):
-            # positions written: length .. length + proposals, kept inside the row's budget
-            room = min(k, r.budget - r.length - 2)
-            if self.draft is None:
-                guess = lookup(r.prompt + r.output.tokens, self.ngram, room)
+        proposals = np.full((self._batch_bucket(len(running)), self.speculate), -1, np.int32)
+        if self.draft is None:
+            for i, r in enumerate(running):
+                # positions written: length .. length + proposals, kept inside the row's budget
+                guess = lookup(r.prompt + r.output.tokens, self.ngram, min(self.speculate, r.budget - r.length - 2))
                 proposals[i, : len(guess)] = guess
-            self._grow(r, r.length + 1 + (k if self.draft else len(guess)))
+            if (proposals < 0).all():
+                return None
+        return proposals
+
+    def _speculate(self, proposals: np.ndarray) -> None:
+        """One speculative step: k proposals per row, from the draft model or prompt lookup, verified together."""
+        running = self.running
+        n, k = proposals.shape
+        for i, r in enumerate(running):
+            self._grow(r, r.length + 1 + (k if self.draft else int((proposals[i] >= 0).sum())))
         table, slots = self._tables(running, n)
         step = self._call(_speculate, *map(self._from_host, (slots, table, proposals)))
         self.stats.decode_calls += 1

@@ -328,9 +328,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
-    from meshlm import data
+    from meshlm.prepare import prepare
 
-    summary = data.prepare(
+    summary = prepare(
         args.inputs,
         args.out,
         args.seq_len,

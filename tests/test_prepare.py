@@ -10,6 +10,7 @@ import pytest
 import zstandard
 
 from meshlm import cli, corpus, data
+from meshlm import prepare as preparing
 from meshlm.config import ConfigError
 from meshlm.tokenizer import EOT_ID, load_tokenizer
 
@@ -29,8 +30,8 @@ def tok(gpt2_bpe_file):
 
 @pytest.fixture(scope="module")
 def prepare(gpt2_bpe_file):
-    """`data.prepare` with the test tokenizer, in-process unless a test asks for workers."""
-    return functools.partial(data.prepare, tokenizer=gpt2_bpe_file)
+    """`meshlm.prepare.prepare` with the test tokenizer, in-process unless a test asks for workers."""
+    return functools.partial(preparing.prepare, tokenizer=gpt2_bpe_file)
 
 
 @pytest.fixture
@@ -241,7 +242,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list, str]]:
 
 
 def test_bad_inputs_are_refused_with_a_clear_message(prepare, tmp_path, monkeypatch):
-    monkeypatch.setattr(data._Packer, "FLUSH", 1)  # rows reach the disk at once, so clean-up is tested too
+    monkeypatch.setattr(preparing._Packer, "FLUSH", 1)  # rows reach the disk at once, so clean-up is tested too
     for name, (inputs, message) in bad_inputs(tmp_path).items():
         out = tmp_path / f"out-{name}"
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:

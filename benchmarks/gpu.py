@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from meshlm import config, metrics, model, optim, train_step
 from meshlm.engine import PAGE_SIZE as PAGE
+from meshlm.footprint import Footprint, device_capacity, host_memory, is_out_of_memory
 from meshlm.sharding import make_mesh
 
 
@@ -78,29 +79,6 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def is_oom(err: Exception) -> bool:
-    if isinstance(err, MemoryError):
-        return True
-    text = str(err)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
-def compiled_bytes(compiled: Any) -> int:
-    """Peak device bytes of a compiled function by XLA's own accounting (0 where it gives none)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return 0
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
-def device_memory() -> int:
-    """Bytes the first device may allocate (the host's RAM for a CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Hardware probes
 
@@ -140,7 +118,7 @@ def bench_train(
     attention: str,
 ) -> dict:
     mesh = make_mesh(None)
-    memory = device_memory()
+    memory = device_capacity(jax.devices()[0]) or host_memory()
     remat = args.remat
     state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
     tcfg = config.TrainConfig(
@@ -182,7 +160,7 @@ def bench_train(
             start = time.perf_counter()
             compiled = step_fn.lower(state, tokens).compile()
             compile_s = time.perf_counter() - start
-            footprint = compiled_bytes(compiled)
+            footprint = Footprint.of(compiled).total
             if footprint > memory:  # fail fast instead of an allocation error part-way through the step
                 raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
             state, stats = compiled(state, tokens)  # warm-up; each step donates and replaces the state
@@ -193,7 +171,7 @@ def bench_train(
             loss = float(stats["loss"])
             step_s = (time.perf_counter() - start) / shapes.train_steps
         except Exception as err:  # an OOM tries the next batch; anything else is the section's error
-            if not is_oom(err):
+            if not is_out_of_memory(err):
                 raise
             result["tried"][batch_size] = one_line(err)
             del state
@@ -298,7 +276,7 @@ def bench_generate(
             cache_bytes = tree_bytes((cache.k, cache.v))
             del cache
         except Exception as err:  # recorded per batch, the other batches still run
-            if not is_oom(err):
+            if not is_out_of_memory(err):
                 raise
             result["decode"][batch] = {"status": "out of memory"}
             continue
@@ -363,7 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result = {"status": "ok", **fn(args.attention)}
             except Exception as err:  # one section's failure must not stop the others
                 result = {"status": "error", "error": one_line(err)}
-                if args.attention == "auto" and jax.default_backend() == "gpu" and not is_oom(err):
+                if args.attention == "auto" and jax.default_backend() == "gpu" and not is_out_of_memory(err):
                     # cuDNN may refuse a shape only when XLA compiles it: rerun on XLA's attention.
                     try:
                         result = {"status": "ok", "cudnn_error": result["error"], **fn("xla")}

@@ -60,12 +60,18 @@ class Footprint:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """A program or an allocation refused for want of device memory (XLA's RESOURCE_EXHAUSTED, a MemoryError)."""
+    text = str(err)
+    return isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
 def compile_for(lowered: Any) -> Any:
     """`lowered.compile()`, with the compiler's refusal of an over-budget program as `OutOfMemory`."""
     try:
         return lowered.compile()
     except Exception as e:  # XLA raises JaxRuntimeError (or ValueError) for a program over the HBM
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if not is_out_of_memory(e):
             raise
         message = str(e).splitlines()[0]
         raise OutOfMemory(message, needed_bytes(message), available_bytes(message)) from None

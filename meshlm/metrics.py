@@ -14,11 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from meshlm import model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
-from meshlm.sharding import spec_for
+from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
 
 
 def adapter_size(model_cfg: ModelConfig, lora: LoraConfig) -> int:
@@ -45,21 +45,14 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | Non
 
 
 def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
-    """Bytes of training state on one device, from shapes and the sharding rules alone (no devices needed).
+    """Bytes of training state on one device of a mesh of `mesh_sizes` (an abstract mesh: no devices needed).
 
     The default 16 bytes per parameter is fp32 weights (4) + fp32 gradients (4) + Adam's two fp32
     moments (8); gradients and moments are sharded exactly like the weights. Activations come on top.
     """
-    total = 0
-    abstract = jax.tree.leaves(model.abstract_params(model_cfg))
-    axes = jax.tree.leaves(model.logical_axes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
-    for leaf, names in zip(abstract, axes, strict=True):
-        shard = 1
-        for size, rule in zip(leaf.shape, spec_for(names), strict=True):
-            mesh_axes = () if rule is None else (rule,) if isinstance(rule, str) else rule
-            shard *= -(-size // math.prod(mesh_sizes.get(a, 1) for a in mesh_axes))
-        total += shard
-    return total * bytes_per_param
+    mesh = AbstractMesh(tuple(mesh_sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
+    shardings = param_shardings(model.logical_axes(model_cfg), mesh)
+    return shard_bytes(with_shardings(model.abstract_params(model_cfg), shardings), itemsize=bytes_per_param)
 
 
 # Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from meshlm import model
@@ -760,6 +761,8 @@ class Engine:
             start[i], slots[i] = r.length, r.slot
             seen[i, r.prompt] = True
         settings = settings_for([r.output.sampling for r in admitted], n)
+        if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
+            settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
         arrays = (slots, tokens, mask, table, start, seen)
         step = self._call(_prefill, *map(self._from_host, arrays), jax.tree.map(self._from_host, settings))
         self.stats.prefill_calls += 1

@@ -187,3 +187,28 @@ def test_a_draft_model_must_share_the_vocabulary_and_context(lm, hf_tiny_gpt2_vo
         lm.engine(draft=lm, ngram=3)
     with pytest.raises(ValueError, match="mesh"):
         lm.engine(draft=meshlm.load(lm.folder, mesh="data=2"))
+
+
+def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
+    """A row without a seed draws one on each host; in a multi-process job the engine broadcasts process
+    0's, so every process feeds the devices the same settings (here two processes are simulated: the
+    broadcast hands this process another process's seeds, and the row samples with them)."""
+    from jax.experimental import multihost_utils
+
+    engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=64)
+    params = [greedy(6).replace(temperature=1.0)]  # no seed
+    broadcast = []
+
+    def from_process_0(seeds):
+        broadcast.append(seeds.copy())
+        return np.full_like(seeds, 1234)
+
+    monkeypatch.setattr(engine_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", from_process_0)
+    (got,) = engine.generate([[1, 2, 3]], params)
+    monkeypatch.undo()
+    assert len(broadcast) == 1
+    (seeded,) = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=64).generate(
+        [[1, 2, 3]], [params[0].replace(seed=1234)]
+    )
+    assert got.tokens == seeded.tokens

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import checkpoint, model
-from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
+from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of, local_folder
 from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters, hf, registry
 from meshlm.formats.slices import place, projection_quantizers
@@ -249,6 +249,7 @@ class LanguageModel:
         `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
         if format not in ("meshlm", "hf"):
             raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
+        local_folder(path, "checkpoint folder" if format == "meshlm" else "Hugging Face folder")
         if self.quantized or "lora" in self.params:
             what = f"{self.quantized}-quantized weights" if self.quantized else "an unmerged LoRA adapter"
             raise ConfigError(

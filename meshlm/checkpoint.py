@@ -31,7 +31,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import RUN_CHECKPOINTS, CheckpointError, ModelConfig, dtype_of, read_json
+from meshlm.config import RUN_CHECKPOINTS, CheckpointError, ModelConfig, dtype_of, local_folder, read_json
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import copy_files
@@ -120,7 +120,7 @@ def save_params(
     files: dict[str, Path] | None = None,
 ) -> None:
     """Save parameters (any sharding, any number of processes) as a meshlm checkpoint, with `files`."""
-    path = Path(path).absolute()
+    path = local_folder(path, "checkpoint folder").absolute()
     start_folder(path, files or {})
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "params", params)
@@ -149,7 +149,7 @@ def write_params(
     """
     from tqdm import tqdm
 
-    path = Path(path).absolute()
+    path = local_folder(path, "checkpoint folder").absolute()
     start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(dtype_of(dtype)).itemsize
@@ -260,7 +260,7 @@ class TrainCheckpoints:
     """The checkpoints of one training run: async saves, keep the last N plus every `keep_every`-th step."""
 
     def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
-        self.folder = Path(folder).absolute()
+        self.folder = local_folder(folder, "checkpoint folder").absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every or None,

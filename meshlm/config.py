@@ -47,6 +47,17 @@ def read_json(path: str | Path, missing: str) -> Any:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
+def local_folder(path: str | Path, what: str) -> Path:
+    """A folder meshlm writes to. A URL (gs://, s3://, ...) is refused: written through a local path it
+    would silently become a folder named `gs:` on every host."""
+    if "://" in str(path):
+        raise ConfigError(
+            f"{what} {path}: remote URLs are not supported for writing; give a local path or a shared "
+            "filesystem every host mounts (for a bucket, e.g. gcsfuse)"
+        )
+    return Path(path)
+
+
 # The architectural choices the GPT-J family differs in; each field's default is GPT-J's.
 RESIDUALS = ("parallel", "parallel_two_norms", "sequential")
 NORMS = ("layernorm", "layernorm-nobias", "rmsnorm", "scalenorm", "rmsnorm-bias", "scalenorm-bias")
@@ -459,6 +470,7 @@ class TrainConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.val_data.items()
         ):
             raise ConfigError(f"train config: val_data must map names to dataset folders, got {self.val_data!r}")
+        local_folder(self.out_dir, "train config: out_dir")
         if not isinstance(self.resume_optimizer, bool):
             raise ConfigError(f"train config: resume_optimizer must be true or false, got {self.resume_optimizer!r}")
         # Both describe the checkpoint a fresh run starts from; without one they would be silently ignored.

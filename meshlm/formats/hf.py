@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, read_json
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, local_folder, read_json
 from meshlm.formats.slices import Index, SliceSource, normalise
 from meshlm.sharding import to_host
 
@@ -863,6 +863,7 @@ def _write(
 ) -> None:
     from tqdm import tqdm
 
+    folder = local_folder(folder, "Hugging Face folder")
     config_json = to_hf_config(cfg, dtype)  # refuses a config no architecture represents before writing anything
     total = len(hf_tensors(export_arch(cfg), cfg))
     tensors = tqdm(iter_hf_tensors(cfg, read, dtype), total=total, desc="writing", unit="tensor", leave=False)

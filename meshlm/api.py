@@ -249,7 +249,8 @@ class LanguageModel:
         `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
         if format not in ("meshlm", "hf"):
             raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
-        local_folder(path, "checkpoint folder" if format == "meshlm" else "Hugging Face folder")
+        if format == "hf":
+            local_folder(path, "Hugging Face folder")  # safetensors files are written locally
         if self.quantized or "lora" in self.params:
             what = f"{self.quantized}-quantized weights" if self.quantized else "an unmerged LoRA adapter"
             raise ConfigError(

@@ -31,7 +31,17 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from meshlm import model
-from meshlm.config import RUN_CHECKPOINTS, CheckpointError, ModelConfig, dtype_of, local_folder, read_json
+from meshlm.config import (
+    RUN_CHECKPOINTS,
+    CheckpointError,
+    ModelConfig,
+    as_path,
+    dtype_of,
+    has_path,
+    is_url,
+    local_folder,
+    read_json,
+)
 from meshlm.formats.slices import SliceSource
 from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import copy_files
@@ -43,21 +53,26 @@ MARKER = "meshlm.json"
 TRAIN_DESCRIPTION = Path("meshlm") / "metadata"  # the description item inside a training step folder
 
 
+def _absolute(path: str | Path) -> Path:
+    """A local folder made absolute (orbax wants that), or a URL (gs://...) as orbax's path type."""
+    return as_path(path) if is_url(path) else Path(path).absolute()
+
+
 def _marker(path: Path) -> Path:
     return path / MARKER if (path / MARKER).is_file() else path / TRAIN_DESCRIPTION
 
 
 def detect(path: str | Path) -> bool:
     """Whether `path` (or the run folder's latest step) is a meshlm checkpoint."""
-    return _marker(Path(resolve(path))).is_file()
+    return _marker(as_path(resolve(path))).is_file()
 
 
 def resolve(path: str | Path) -> str | Path:
     """A run folder or its `checkpoints/` folder stands for its latest complete step; anything else
-    (a checkpoint folder, a file, a URL) is returned as given."""
-    if not Path(path).is_dir():
+    (a checkpoint folder, a file, a URL orbax cannot write to) is returned as given."""
+    if not has_path(path) or not as_path(path).is_dir():
         return path
-    path = Path(path)
+    path = as_path(path)
     folder = path / RUN_CHECKPOINTS if (path / RUN_CHECKPOINTS).is_dir() else path
     steps = [p for p in folder.glob("*") if p.name.isdigit() and (p / TRAIN_DESCRIPTION).is_file()]
     if not (path / MARKER).is_file() and not (path / TRAIN_DESCRIPTION).is_file() and steps:
@@ -66,7 +81,7 @@ def resolve(path: str | Path) -> str | Path:
 
 
 def read_description(path: str | Path) -> dict[str, Any]:
-    marker = _marker(Path(path))
+    marker = _marker(as_path(path))
     desc = read_json(marker, f"{path}: not a meshlm checkpoint (no {MARKER}; an interrupted save leaves none)")
     if desc.get("format") != "meshlm" or desc.get("version") != FORMAT_VERSION:
         raise CheckpointError(
@@ -89,7 +104,7 @@ def model_description(path: str | Path) -> dict[str, Any]:
 
 def check_new_folder(path: str | Path) -> None:
     """Refuse to write into a folder that holds anything: nothing saved there is ever overwritten."""
-    path = Path(path)
+    path = as_path(path)
     if path.exists() and any(path.iterdir()):
         raise CheckpointError(f"{path}: already exists and is not empty; choose a new folder")
 
@@ -120,7 +135,7 @@ def save_params(
     files: dict[str, Path] | None = None,
 ) -> None:
     """Save parameters (any sharding, any number of processes) as a meshlm checkpoint, with `files`."""
-    path = local_folder(path, "checkpoint folder").absolute()
+    path = _absolute(path)
     start_folder(path, files or {})
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "params", params)
@@ -149,7 +164,7 @@ def write_params(
     """
     from tqdm import tqdm
 
-    path = local_folder(path, "checkpoint folder").absolute()
+    path = local_folder(path, "checkpoint folder").absolute()  # tensorstore's file driver writes the arrays
     start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(dtype_of(dtype)).itemsize
@@ -203,7 +218,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     """A checkpoint's config and its parameters' slices in `dtype`, read straight from the files
     (tensorstore, as orbax lays them out: OCDBT or one zarr array per parameter), so converting never
     loads the model."""
-    path = Path(resolve(path)).absolute()
+    path = local_folder(resolve(path), "checkpoint to convert").absolute()  # tensorstore's file driver reads it
     cfg = ModelConfig.from_dict(model_description(path)["model"])
     folder = path / "params"
     try:
@@ -237,7 +252,7 @@ def restore_params(
     path: str | Path, mesh: jax.sharding.Mesh, dtype: str = "float32"
 ) -> tuple[ModelConfig, model.Params]:
     """Restore a checkpoint's parameters onto `mesh` in `dtype`, whatever mesh saved them."""
-    path = Path(resolve(path)).absolute()
+    path = _absolute(resolve(path))
     cfg = ModelConfig.from_dict(model_description(path)["model"])
     abstract = model.abstract_params(cfg, dtype)
     target = with_shardings(abstract, plan(abstract, model.logical_axes(cfg), mesh))
@@ -260,7 +275,7 @@ class TrainCheckpoints:
     """The checkpoints of one training run: async saves, keep the last N plus every `keep_every`-th step."""
 
     def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
-        self.folder = local_folder(folder, "checkpoint folder").absolute()
+        self.folder = _absolute(folder)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every or None,

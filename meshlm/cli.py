@@ -276,7 +276,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshlm import config, train
 
     # typed flags go straight into the config (a folder named "2024" stays a string); they win over --set
-    flags = {"init_from": args.init_from, "seed_config": args.seed_config, "mesh": args.mesh, "out_dir": args.out_dir}
+    flags = {
+        "init_from": args.init_from,
+        "seed_config": args.seed_config,
+        "mesh": args.mesh,
+        "out_dir": args.out_dir,
+        "log_dir": args.log_dir,
+    }
     flags = {key: value for key, value in flags.items() if value is not None}
     if args.resume_optimizer:
         flags["resume_optimizer"] = True
@@ -483,7 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed-config", metavar="JSON", help="the seed's run JSON, for a seed checkpoint in --init-from")
     p.add_argument("--mesh", metavar="SPEC", help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: one device)')
-    p.add_argument("--out-dir", metavar="DIR", help="run folder: checkpoints, metrics (default: the config's out_dir)")
+    p.add_argument(
+        "--out-dir",
+        metavar="DIR",
+        help="run folder: checkpoints, metrics (default: the config's out_dir); gs://... too",
+    )
+    p.add_argument("--log-dir", metavar="DIR", help="local folder for the metrics (default: the run folder)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     _add_distributed(p)
     p.set_defaults(handler=cmd_train)

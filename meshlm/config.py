@@ -40,20 +40,45 @@ class InputError(MeshlmError, ValueError):
 def read_json(path: str | Path, missing: str) -> Any:
     """A JSON file's contents; a missing file raises ConfigError(`missing`), bad JSON one naming the file."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(as_path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(missing) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
+def is_url(path: object) -> bool:
+    """gs://bucket/run, s3://..., memory://...: a remote location rather than a local path."""
+    return "://" in str(path)
+
+
+PATH_URLS = ("gs://", "s3://", "az://")  # the schemes orbax's path layer reads and writes
+
+
+def has_path(path: str | Path) -> bool:
+    """Whether `as_path` reaches `path`: a local path, or a URL of a scheme orbax's path layer serves."""
+    return not is_url(path) or str(path).startswith(PATH_URLS)
+
+
+def as_path(path: str | Path) -> Path:
+    """A local path as a `Path`; a URL (gs://, s3://, az://) as orbax's own path type (`etils.epath`),
+    which reads and writes it through fsspec (gcsfs for gs://) with `Path`'s methods. Written through a
+    plain `Path`, `gs://b/run` would silently become a local folder `gs:/b/run`."""
+    if is_url(path):
+        if not has_path(path):
+            raise ConfigError(f"{path}: unsupported URL for a run or checkpoint folder; use one of {list(PATH_URLS)}")
+        from etils import epath
+
+        return epath.Path(path)  # type: ignore[return-value]
+    return Path(path)
+
+
 def local_folder(path: str | Path, what: str) -> Path:
-    """A folder meshlm writes to. A URL (gs://, s3://, ...) is refused: written through a local path it
-    would silently become a folder named `gs:` on every host."""
-    if "://" in str(path):
+    """A folder that only local writes reach (a Hugging Face folder's safetensors): a URL is refused."""
+    if is_url(path):
         raise ConfigError(
-            f"{what} {path}: remote URLs are not supported for writing; give a local path or a shared "
-            "filesystem every host mounts (for a bucket, e.g. gcsfuse)"
+            f"{what} {path}: remote URLs are not supported here; give a local path or a filesystem every "
+            "host mounts (for a bucket, e.g. gcsfuse)"
         )
     return Path(path)
 
@@ -394,6 +419,7 @@ class TrainConfig:
     data: str | None = None  # a prepared dataset folder; None trains on the built-in demo corpus
     val_data: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "folder" or "folder:split"
     out_dir: str = "runs/demo"
+    log_dir: str | None = None  # metrics (JSONL, TensorBoard, W&B files): out_dir unless set; local
     init_from: str | None = None  # anything `meshlm.load` reads; the optimizer and schedule start fresh unless:
     # Continue a full seed checkpoint's run: Adam's moments, its count (so the schedule too) and the step.
     resume_optimizer: bool = False
@@ -470,7 +496,18 @@ class TrainConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.val_data.items()
         ):
             raise ConfigError(f"train config: val_data must map names to dataset folders, got {self.val_data!r}")
-        local_folder(self.out_dir, "train config: out_dir")
+        if self.log_dir is not None and not (isinstance(self.log_dir, str) and self.log_dir):
+            raise ConfigError(f"train config: log_dir must be a folder, got {self.log_dir!r}")
+        if is_url(self.out_dir) and (self.log_dir is None or is_url(self.log_dir)):
+            raise ConfigError(
+                f"train config: out_dir {self.out_dir} is a URL; set log_dir to a local folder for the metrics "
+                "(checkpoints go to the URL)"
+            )
+        if is_url(self.out_dir) and self.data is None:
+            raise ConfigError(
+                f"train config: out_dir {self.out_dir} is a URL; set data to a prepared dataset (the built-in "
+                "corpus is written into a local run folder)"
+            )
         if not isinstance(self.resume_optimizer, bool):
             raise ConfigError(f"train config: resume_optimizer must be true or false, got {self.resume_optimizer!r}")
         # Both describe the checkpoint a fresh run starts from; without one they would be silently ignored.

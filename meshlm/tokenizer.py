@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from meshlm.config import RUN_CHECKPOINTS, ConfigError
+from meshlm.config import RUN_CHECKPOINTS, ConfigError, as_path, has_path
 
 EOT_ID = 50256
 EOT_TEXT = "<|endoftext|>"
@@ -81,7 +80,7 @@ class HFTokenizer:
         except ImportError:
             raise ConfigError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
         try:
-            self._tok = RustTokenizer.from_file(str(path))
+            self._tok = RustTokenizer.from_str(as_path(path).read_text())  # a local file or a URL
         except Exception as e:  # the library's messages are one line, but be sure: errors here are one line
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"{path}: not a readable tokenizer.json ({reason})") from None
@@ -128,7 +127,9 @@ def _from_tiktoken_file(path: Path) -> TiktokenTokenizer:
 def model_tokenizer_json(folder: str | Path) -> Path | None:
     """The tokenizer.json of the model in `folder`: in the folder itself, or, for a training run (its
     `checkpoints/` folder or one step in it), in the run folder. None: the model uses GPT-2 BPE."""
-    folder = Path(folder)
+    if not has_path(folder):  # a URL only fsspec reads (the seed's checkpoints): no tokenizer.json there
+        return None
+    folder = as_path(folder)
     candidates = [folder]
     if folder.name == RUN_CHECKPOINTS:
         candidates.append(folder.parent)
@@ -209,14 +210,14 @@ def tokenizer_files(spec: TokenizerSpec = None, model: str | Path | None = None)
 def copy_files(files: dict[str, Path], folder: str | Path) -> None:
     """Copy `files` (name -> source) into `folder`, each written under a temporary name and renamed, so a
     file is either whole or absent; a file already there is kept (processes sharing a folder may all copy)."""
-    folder = Path(folder)
+    folder = as_path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, source in files.items():
         dest = folder / name
         if dest.exists():
             continue
         tmp = folder / f"{name}.tmp{os.getpid()}"
-        shutil.copyfile(source, tmp)
+        tmp.write_bytes(as_path(source).read_bytes())  # small files; either side may be a URL
         tmp.replace(dest)
 
 

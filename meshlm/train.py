@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, footprint, model
-from meshlm.config import RUN_CHECKPOINTS, ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.config import RUN_CHECKPOINTS, ConfigError, LoraConfig, ModelConfig, TrainConfig, as_path
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -130,8 +130,9 @@ def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tupl
 
 def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
     """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT."""
-    out_dir = Path(cfg.out_dir)
+    out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
     out_dir.mkdir(parents=True, exist_ok=True)
+    as_path(cfg.log_dir or cfg.out_dir).mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
     train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
@@ -280,7 +281,7 @@ class Run:
         train_ds: TokenDataset,
         val_sets: dict[str, TokenDataset],
     ):
-        self.cfg, self.mesh, self.ckpts, self.val_sets, self.out_dir = cfg, mesh, ckpts, val_sets, Path(cfg.out_dir)
+        self.cfg, self.mesh, self.ckpts, self.val_sets, self.out_dir = cfg, mesh, ckpts, val_sets, as_path(cfg.out_dir)
         self.base_ref = start.base_ref
         self.base_lm = None if start.base_ref is None else load_base(start.base_ref, cfg.model, mesh, cfg)
         self.base = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.base_shardings)
@@ -401,7 +402,7 @@ class StepLog:
         self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
         self.peak = peak_flops(mesh, cfg.compute_dtype)
         self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
-        self.log = MetricsLog(run.out_dir, cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
+        self.log = MetricsLog(Path(cfg.log_dir or cfg.out_dir), cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
         self.say = tqdm.write if run.main else lambda *_: None
         self.bar = tqdm(
             total=cfg.total_steps, initial=run.step, desc="train", unit="step", disable=not (progress and run.main)

@@ -43,6 +43,7 @@ from meshlm.config import (
     ConfigError,
     ModelConfig,
     dtype_of,
+    is_url,
     read_json,
     seed_model_fields,
     seed_variant,
@@ -202,10 +203,6 @@ def param_counts(variant: Variant) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------------
 # Files: local paths or fsspec URLs
-
-
-def is_url(path: str | Path) -> bool:
-    return isinstance(path, str) and "://" in path
 
 
 class Files:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshlm import checkpoint
-from meshlm.config import CheckpointError, ModelConfig
+from meshlm.config import CheckpointError, ModelConfig, is_url
 from meshlm.formats import hf, mtj
 from meshlm.formats.slices import SliceSource
 
@@ -17,10 +17,12 @@ FORMATS = {"meshlm": checkpoint, "hf": hf, "mtj": mtj}
 
 def detect(path: str | Path) -> str:
     """'meshlm', 'hf' or 'mtj' (the seed's step_N folder or run folder), from the files in `path`."""
-    if mtj.is_url(path):
+    if is_url(path):
         if mtj.detect(path):
             return "mtj"
-        raise CheckpointError(f"{path}: URLs are read for the seed's checkpoints only, and this is not one")
+        if checkpoint.detect(path):
+            return "meshlm"
+        raise CheckpointError(f"{path}: URLs are read for the seed's checkpoints and meshlm's, and this is neither")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")

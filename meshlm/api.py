@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -117,17 +118,19 @@ class LanguageModel:
         """The one given to `load`, else the model folder's tokenizer.json, else GPT-2 BPE; read on first use."""
         return load_tokenizer(self._tokenizer, self.folder)
 
-    def engine(self, draft: LanguageModel | None = None, **options: Any) -> Engine:
+    def engine(self, draft: LanguageModel | None = None, attention: str | None = None, **options: Any) -> Engine:
         """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
         `prefix_caching`, `ngram`, `speculate` as in `meshlm.engine.Engine` (the server runs one).
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
-        `speculate` tokens per step for speculative decoding."""
+        `speculate` tokens per step for speculative decoding. `attention`: the model's attention
+        implementation for this engine ("xla" turns the GPU paged-attention kernel off; see `Policy`)."""
+        policy = self.policy if attention is None else dataclasses.replace(self.policy, attention=attention)
         if draft is not None:
             if draft.mesh != self.mesh:
                 raise InputError(f"the draft model is on mesh {describe(draft.mesh)}, not {describe(self.mesh)}")
             options["draft"] = Draft(draft.params, draft.config, draft.policy)
-        return Engine(self.params, self.config, self.policy, self.mesh, **options)
+        return Engine(self.params, self.config, policy, self.mesh, **options)
 
     @functools.cached_property
     def _engine(self) -> Engine:

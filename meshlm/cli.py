@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from meshlm.config import RUN_CHECKPOINTS, ConfigError, MeshlmError
+from meshlm.config import ATTENTION_IMPLS, RUN_CHECKPOINTS, ConfigError, MeshlmError
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -210,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         prefix_caching=not args.no_prefix_caching,
         ngram=args.ngram,
         draft=draft,
+        attention=args.attention,
         speculate=args.speculate,
         api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
         request_timeout=args.request_timeout,
@@ -430,6 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="speculative decoding with a smaller model that shares the tokenizer (a checkpoint or Hugging Face "
         "folder), on the same mesh",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_IMPLS,
+        default=None,
+        help="attention implementation (default auto: on a GPU, decode steps read the KV pages with JAX's Pallas "
+        "paged-attention kernel; xla turns it off)",
     )
     p.add_argument(
         "--speculate", type=int, default=4, help="with --ngram or --draft: tokens proposed per step (default 4)"

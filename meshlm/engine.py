@@ -516,7 +516,7 @@ class Engine:
         sharding = named_sharding(self.mesh, model.CACHE_AXES)
 
         def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
-            shape = (cfg.n_layer, 1, 1, cfg.n_head, cfg.d_head)
+            shape = (cfg.n_head, cfg.n_layer, 1, 1, cfg.d_head)
             return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(policy.compute_dtype), sharding=sharding))
 
         draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)

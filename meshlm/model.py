@@ -22,6 +22,7 @@ import numpy as np
 
 from meshlm import quant
 from meshlm.config import PROJECTIONS, ConfigError, LoraConfig, ModelConfig, Policy, dtype_of
+from meshlm.paged_attention import paged_attention
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
@@ -347,6 +348,14 @@ def _use_cudnn(q: jax.Array, impl: str) -> bool:
     return impl == "auto" and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
+def _use_paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context) -> bool:
+    """A decode step (one token per row) of a model with plain causal attention reads the pool with the
+    Pallas kernel on a GPU ("auto") or wherever "pallas" asks for it (interpreted on a CPU)."""
+    plain = q.shape[1] == 1 and ctx.bias is None and "local" not in cfg.attention_layers
+    wanted = policy.attention == "pallas" or (policy.attention == "auto" and jax.default_backend() == "gpu")
+    return plain and wanted
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, bias: jax.Array | None, scale: float, impl: str
 ) -> jax.Array:
@@ -374,37 +383,39 @@ class KVCache(NamedTuple):
     there, and a table's unused entries point at it (what they read is masked out).
     """
 
-    k: jax.Array  # [L, pages, page_size, H, K]
-    v: jax.Array  # [L, pages, page_size, H, K]
+    k: jax.Array  # [H, L, pages, page_size, K]: heads first, so every layer of one head is one
+    v: jax.Array  # [H, L * pages, page_size, K] pool for the paged-attention kernel, without a copy
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
-CACHE_AXES = ("layers", None, None, "act_heads", "head_dim")
+CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
 
 
 def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
     """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each."""
-    shape = (cfg.n_layer, pages, page_size, cfg.n_head, cfg.d_head)
+    shape = (cfg.n_head, cfg.n_layer, pages, page_size, cfg.d_head)
     return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
 
 
 class CacheView(NamedTuple):
-    """The pool as one call of `decode` sees it: rows' page tables [B, n] and where each new token of
-    [B, T] is written (a flat slot, page * page_size + offset; padding goes to page 0)."""
+    """The pool as one call of `decode` sees it: rows' page tables [B, n], where each new token of [B, T]
+    is written (a flat slot, page * page_size + offset; padding goes to page 0) and how many tokens each
+    row holds once the last of them is written."""
 
     cache: KVCache
     table: jax.Array  # [B, n] int32
     slots: jax.Array  # [B, T] int32
+    lengths: jax.Array  # [B] int32
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
         """Store this layer's new keys and values [B, T, H, K] at the rows' slots."""
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            return pool.at[layer, pages, offsets].set(new.astype(pool.dtype))
+            return pool.at[:, layer, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype))
 
         return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
 
@@ -412,11 +423,20 @@ class CacheView(NamedTuple):
         """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
 
         def gather(pool: jax.Array) -> jax.Array:
-            pages = pool[layer][self.table]  # [B, n, page_size, H, K]
-            B, n, size, H, K = pages.shape
-            return constrain(pages.reshape(B, n * size, H, K).astype(dtype), ("batch", "cache_seq", "act_heads", None))
+            pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
+            H, B, n, size, K = pages.shape
+            pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
+            return constrain(pages, ("batch", "cache_seq", "act_heads", None))
 
         return gather(self.cache.k), gather(self.cache.v)
+
+    def attend(self, layer: jax.Array, q: jax.Array, scale: float) -> jax.Array:
+        """One query per row, q [B, 1, H, K], over the row's cached tokens by the paged-attention kernel,
+        reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
+        H, L, P, size, K = self.cache.k.shape
+        k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
+        out = paged_attention((q[:, 0] * scale).astype(k.dtype), k, v, self.table + layer * P, self.lengths)
+        return out[:, None].astype(q.dtype)
 
 
 class Context(NamedTuple):
@@ -480,8 +500,12 @@ def attention(
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
     if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
-        k, v = cache.read(layer.index, h.dtype)
-    out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
+    if cache is not None and _use_paged_kernel(q, cfg, policy, ctx):
+        out = cache.attend(layer.index, q, scale)
+    else:
+        if cache is not None:
+            k, v = cache.read(layer.index, h.dtype)
+        out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
     out = linear(out, p["out"], "out", layer, ctx)
     if "out_bias" in p:
         out = out + p["out_bias"].astype(h.dtype)
@@ -643,7 +667,7 @@ def decode(
     slots = jnp.where(mask & (positions < S), page * size + positions % size, 0)  # past the table: page 0
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
-    view = CacheView(cache, table, slots)
+    view = CacheView(cache, table, slots, positions[:, -1] + 1)
     x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)

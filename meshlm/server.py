@@ -548,12 +548,14 @@ def serve(
     api_key: str | None = None,
     request_timeout: float | None = None,
     draft: LanguageModel | None = None,
+    attention: str | None = None,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted."""
     import uvicorn
 
     engine = lm.engine(
         draft=draft,
+        attention=attention,
         max_batch=max_batch,
         max_len=max_len,
         kv_tokens=kv_tokens,

@@ -212,3 +212,14 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
         [[1, 2, 3]], [params[0].replace(seed=1234)]
     )
     assert got.tokens == seeded.tokens
+
+
+def test_decode_steps_by_the_paged_kernel_on_a_mesh_equal_transformers(hf_tiny, shared_prompts):
+    """The Pallas paged-attention kernel (interpreted on CPU) reads the pool in decode steps, per shard of
+    a mesh that splits rows over `data` x `fsdp` and heads over `model`; rows join mid-flight as before."""
+    lm = meshlm.load(hf_tiny.path, mesh="data=2,fsdp=2,model=2")
+    engine = lm.engine(attention="pallas", max_batch=2, page_size=PAGE, kv_tokens=160)
+    budgets = [9, 4, 12]
+    got = engine.generate(shared_prompts[:3], [greedy(n) for n in budgets], chunk=4)
+    for prompt, n, completion in zip(shared_prompts[:3], budgets, got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]

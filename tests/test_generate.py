@@ -76,11 +76,13 @@ def test_greedy_on_a_multi_device_mesh_matches_one_device(lm, hf_tiny, prompts):
     ]
 
 
-def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm):
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm, attention):
     """Two rows whose pages lie scattered over the pool in no order, the second reusing the first's
     opening page (a cached prefix, so its prefill starts after it): every prompt position's and every
-    decode step's logits equal the full forward's (fp32)."""
-    cfg, params = lm.config, lm.params
+    decode step's logits equal the full forward's (fp32), with decode steps reading the pages by XLA's
+    gather or by the Pallas paged-attention kernel (interpreted here)."""
+    cfg, params, policy = lm.config, lm.params, model.Policy(attention=attention)
     rng = np.random.default_rng(0)
     size, total, prompt_len = 4, 22, 7
     opening = rng.integers(0, cfg.vocab_size, size)
@@ -95,7 +97,7 @@ def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm):
     prompt[0], mask[0] = seqs[0][:prompt_len], True
     n1 = prompt_len - size
     prompt[1, :n1], mask[1, :n1] = seqs[1][size:prompt_len], True  # right padding after it
-    decode = jax.jit(lambda p, t, c, tb, n, m: model.decode(p, t, c, tb, n, cfg, mask=m))
+    decode = jax.jit(lambda p, t, c, tb, n, m: model.decode(p, t, c, tb, n, cfg, policy, mask=m))
     logits, cache = decode(params, prompt, cache, table, start, mask)
     np.testing.assert_allclose(logits[0], expected[0, :prompt_len], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[1, :n1], expected[1, size:prompt_len], atol=1e-5, rtol=0)

@@ -348,12 +348,19 @@ def _use_cudnn(q: jax.Array, impl: str) -> bool:
     return impl == "auto" and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def _use_paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context) -> bool:
-    """A decode step (one token per row) of a model with plain causal attention reads the pool with the
-    Pallas kernel on a GPU ("auto") or wherever "pallas" asks for it (interpreted on a CPU)."""
-    plain = q.shape[1] == 1 and ctx.bias is None and "local" not in cfg.attention_layers
-    wanted = policy.attention == "pallas" or (policy.attention == "auto" and jax.default_backend() == "gpu")
-    return plain and wanted
+def _paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context) -> str | None:
+    """The Pallas kernel ("gpu" or "tpu", see `meshlm.paged_attention`) that reads the pool for a decode
+    step (one token per row) of a model with plain causal attention: on a GPU, and on a TPU for a
+    bfloat16 pool, with "auto"; wherever "pallas" asks (the GPU kernel, interpreted on a CPU). None:
+    the gather path."""
+    if q.shape[1] != 1 or ctx.bias is not None or "local" in cfg.attention_layers:
+        return None
+    backend = jax.default_backend()
+    if backend == "tpu" and policy.attention in ("auto", "pallas"):
+        return "tpu" if policy.compute_dtype == "bfloat16" else None
+    if (backend == "gpu" and policy.attention == "auto") or policy.attention == "pallas":
+        return "gpu"
+    return None
 
 
 def attend(
@@ -430,12 +437,13 @@ class CacheView(NamedTuple):
 
         return gather(self.cache.k), gather(self.cache.v)
 
-    def attend(self, layer: jax.Array, q: jax.Array, scale: float) -> jax.Array:
-        """One query per row, q [B, 1, H, K], over the row's cached tokens by the paged-attention kernel,
+    def attend(self, layer: jax.Array, q: jax.Array, scale: float, kernel: str) -> jax.Array:
+        """One query per row, q [B, 1, H, K], over the row's cached tokens by a paged-attention kernel,
         reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
         H, L, P, size, K = self.cache.k.shape
         k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
-        out = paged_attention((q[:, 0] * scale).astype(k.dtype), k, v, self.table + layer * P, self.lengths)
+        q = (q[:, 0] * scale).astype(k.dtype)
+        out = paged_attention(q, k, v, self.table + layer * P, self.lengths, kernel)
         return out[:, None].astype(q.dtype)
 
 
@@ -500,8 +508,9 @@ def attention(
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
     if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
-    if cache is not None and _use_paged_kernel(q, cfg, policy, ctx):
-        out = cache.attend(layer.index, q, scale)
+    kernel = None if cache is None else _paged_kernel(q, cfg, policy, ctx)
+    if kernel is not None:
+        out = cache.attend(layer.index, q, scale, kernel)
     else:
         if cache is not None:
             k, v = cache.read(layer.index, h.dtype)

@@ -1,46 +1,60 @@
-"""Decode attention straight from the paged KV pool with JAX's Pallas paged-attention kernel.
+"""Decode attention straight from the paged KV pool with JAX's Pallas paged-attention kernels.
 
 A decode step's query (one token per row) attends over the row's pages without gathering them into a
-contiguous [B, S, H, K] copy first. The kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, a
-Triton kernel) runs on GPUs; on a CPU it runs in Pallas' interpreter, which is how the tests check it
-against the gather path. Under a mesh it runs per shard: rows split over the batch axes, heads over
-`model`, the pool (heads over `model`, every page on every batch shard) as it lies.
+contiguous [B, S, H, K] copy first. Two kernels take the same pool layout, [H, pages, page_size, K]:
+
+- "gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton); on a CPU it runs in Pallas'
+  interpreter, which is how the tests check it against the gather path;
+- "tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic). It reads keys and values as
+  bfloat16, so it serves bfloat16 pools only; the tests run it in the TPU interpreter.
+
+Under a mesh a kernel runs per shard: rows split over the batch axes, heads over `model`, the pool
+(heads over `model`, every page on every batch shard) as it lies.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
-from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
 
 from meshlm.sharding import spec_for
 
-BLOCK_H = 16  # query heads per kernel block (the kernel's minimum; one KV head's queries are padded to it)
+BLOCK_H = 16  # the GPU kernel's query heads per block (its minimum; one KV head's queries are padded to it)
+
+
+def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
+    """kernel(q, k_pages, v_pages, table, lengths) for a table of `pages_per_row` pages."""
+    if name == "tpu":
+        call = functools.partial(tpu_kernel, pages_per_compute_block=math.gcd(pages_per_row, 8))
+        return lambda q, k, v, table, lengths: call(q, k, v, lengths, table)
+    splits = math.gcd(pages_per_row, 16)  # the sequence is split over up to 16 partitions of whole blocks
+    return functools.partial(
+        gpu_kernel.paged_attention,
+        block_h=BLOCK_H,
+        k_splits=splits,
+        pages_per_compute_block=math.gcd(pages_per_row // splits, 8),
+        interpret=jax.default_backend() == "cpu",
+    )
 
 
 def paged_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, lengths: jax.Array
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, lengths: jax.Array, kernel: str
 ) -> jax.Array:
     """softmax(q k^T) v for q [B, H, K] (already scaled) over the first `lengths[b]` tokens of row b's
-    pages `table[b]` in the pools [H, pages, page_size, K]: [B, H, K]."""
-    n = table.shape[1]
-    splits = math.gcd(n, 16)  # the sequence is split over up to 16 partitions, each a whole number of blocks
-    kernel = functools.partial(
-        pallas_paged.paged_attention,
-        block_h=BLOCK_H,
-        k_splits=splits,
-        pages_per_compute_block=math.gcd(n // splits, 8),
-        interpret=jax.default_backend() == "cpu",
-    )
+    pages `table[b]` in the pools [H, pages, page_size, K], by the `kernel` ("gpu" or "tpu"): [B, H, K]."""
+    call = _kernel(kernel, table.shape[1])
     if jax.sharding.get_abstract_mesh().empty:
-        return kernel(q, k_pages, v_pages, table, lengths)
+        return call(q, k_pages, v_pages, table, lengths)
     rows = spec_for(("batch", "act_heads", None))
     pool = spec_for(("act_heads", None, None, None))
     return jax.shard_map(
-        kernel,
+        call,
         in_specs=(rows, pool, pool, spec_for(("batch", None)), spec_for(("batch",))),
         out_specs=rows,
-        check_vma=False,  # the kernel's outputs declare no varying axes; each shard's rows are its own
+        check_vma=False,  # the kernels' outputs declare no varying axes; each shard's rows are its own
     )(q, k_pages, v_pages, table, lengths)

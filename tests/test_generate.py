@@ -1,6 +1,7 @@
 """Generation: KV-cache decoding against the full forward, greedy decoding against transformers' generate,
 the sampling filters on hand-computed cases (and against transformers' warpers), seeds, stops, `meshlm sample`."""
 
+import contextlib
 import io
 
 import jax
@@ -377,3 +378,36 @@ def test_a_draft_models_proposals_leave_the_distribution_unchanged():
     kept = int((token == proposals).sum())
     assert stats.binomtest(kept, n, np.minimum(p, q).sum()).pvalue > 1e-3
     assert stats.binomtest(kept, n, (p * q).sum()).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("mesh", [None, "data=2,fsdp=2,model=2"])
+def test_the_paged_kernels_equal_the_gather_path(kernel, mesh):
+    """Both Pallas paged-attention kernels (interpreted here: the GPU one by Pallas, the TPU one in TPU
+    interpret mode) give the attention of one query per row over pages scattered in the pool, to the
+    first `lengths` tokens, alone and per shard of a mesh. The GPU kernel on a float32 pool; the TPU kernel
+    reads bfloat16 keys and values only, so on a bfloat16 pool."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from meshlm.paged_attention import paged_attention
+    from meshlm.sharding import make_mesh
+
+    B, H, K, pages, size = 4, 4, 128, 12, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, H, K)) / np.sqrt(K)
+    dtype = jnp.bfloat16 if kernel == "tpu" else jnp.float32
+    k, v = (jax.random.normal(key, (H, pages, size, K)).astype(dtype) for key in keys[1:])
+    table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, pages))[: B * 2].reshape(B, 2), jnp.int32)
+    lengths = jnp.asarray([1, 16, 17, 32], jnp.int32)
+    gathered = [jnp.moveaxis(x[:, table].reshape(H, B, 2 * size, K), 0, 2).astype(jnp.float32) for x in (k, v)]
+    scores = jnp.einsum("bhk,bshk->bhs", q, gathered[0])
+    scores = jnp.where(jnp.arange(2 * size) < lengths[:, None, None], scores, -jnp.inf)
+    expected = jnp.einsum("bhs,bshk->bhk", jax.nn.softmax(scores, -1), gathered[1])
+    attend = jax.jit(lambda *args: paged_attention(*args, kernel=kernel))
+    with pltpu.force_tpu_interpret_mode() if kernel == "tpu" else contextlib.nullcontext():
+        if mesh is None:
+            got = attend(q, k, v, table, lengths)
+        else:
+            with jax.set_mesh(make_mesh(mesh)):
+                got = attend(q, k, v, table, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=2e-5, rtol=0)

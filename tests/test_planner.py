@@ -192,3 +192,22 @@ def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
     assert plan.config.params < 4 * adapter  # the adapter's shards, fp32
     assert 0 < plan.config.base < full.config.params  # NF4 projections: smaller than the fp32 model
     assert plan.config.optimizer < full.config.optimizer / 10
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="TPU targets compile with libtpu (pip install 'meshlm[tpu]')")
+def test_the_tpu_paged_attention_kernel_compiles_for_a_tpu():
+    """The TPU kernel's numerics are checked in TPU interpret mode (test_generate.py); here Mosaic compiles
+    it for a v5e chip at GPT-J-6B's head size, the way the engine calls it (a bfloat16 pool)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from meshlm.paged_attention import paged_attention
+
+    chip = planner.target("tpu:v5e:2x2").devices[0]
+    one = NamedSharding(Mesh([chip], ("d",)), PartitionSpec())
+    B, H, K, pages, size, n = 8, 16, 256, 64, 16, 8
+    arrays = [((B, H, K), jnp.bfloat16), ((H, pages, size, K), jnp.bfloat16), ((H, pages, size, K), jnp.bfloat16),
+              ((B, n), jnp.int32), ((B,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in arrays]
+    compiled = jax.jit(lambda *a: paged_attention(*a, kernel="tpu")).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()

@@ -2,7 +2,11 @@
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
@@ -20,7 +24,8 @@ if not IS_WORKER:
         os.environ[var] = tempfile.mkdtemp(prefix=prefix)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-import pytest  # noqa: E402 (after the environment above)
+import httpx  # noqa: E402 (after the environment above)
+import pytest  # noqa: E402
 
 from tests import oracle  # noqa: E402
 
@@ -94,3 +99,38 @@ def neox_style_tokenizer(tmp_path_factory) -> Path:
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
     PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(folder))
     return folder
+
+
+@pytest.fixture(scope="session")
+def bucket():
+    """A local GCS emulator (tests/gcs_emulator.py) with one bucket; the environment points tensorstore and
+    gcsfs at it, in this process and the ones it starts. Yields the bucket's URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    emulator = [sys.executable, "-m", "tests.gcs_emulator", "start", "--port", str(port), "--in-memory"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([*emulator, "--default-bucket=meshlm-test"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=root)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(f"{url}/storage/v1/b", timeout=1)
+            break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("the GCS emulator did not start")
+            time.sleep(0.2)
+    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield "gs://meshlm-test"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)

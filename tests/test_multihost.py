@@ -49,8 +49,9 @@ def ok(result: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """One process, then two processes, then one again, handing checkpoints across."""
+def runs(tmp_path_factory, bucket) -> Path:
+    """One process, then two processes, then one again, handing checkpoints across: the two processes
+    save theirs into a (local emulator's) GCS bucket, from which the last run restores it."""
     root = tmp_path_factory.mktemp("multihost")
     for name in ("one", "two", "back", "data"):
         (root / name).mkdir()
@@ -64,10 +65,10 @@ def runs(tmp_path_factory) -> Path:
             "grads",
             f"train={root / 'data'}",
             f"restore={root / 'ckpt1'}",
-            f"save={root / 'ckpt2'}",
+            f"save={bucket}/multihost/ckpt2",
         )
     )
-    ok(run(1, str(root / "back"), f"restore={root / 'ckpt2'}"))
+    ok(run(1, str(root / "back"), f"restore={bucket}/multihost/ckpt2"))
     return root
 
 
@@ -92,7 +93,7 @@ def test_checkpoint_saved_by_one_process_restores_in_two(runs):
     )
 
 
-def test_checkpoint_saved_by_two_processes_restores_in_one(runs):
+def test_checkpoint_saved_by_two_processes_into_a_bucket_restores_in_one(runs):
     saved = np.load(runs / "two" / "saved_logits.npy")
     assert not np.allclose(saved, np.load(runs / "one" / "saved_logits.npy"))  # a different model was saved
     np.testing.assert_array_equal(np.load(runs / "back" / "restored_logits.npy"), saved)

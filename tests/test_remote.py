@@ -2,53 +2,11 @@
 emulator (gcp-storage-emulator: no network, no credentials). Orbax writes the arrays through
 tensorstore's GCS driver and meshlm the rest through etils.epath (gcsfs), both pointed at the emulator."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import numpy as np
-import pytest
 
 import meshlm
 from meshlm import data, train
 from meshlm.config import TrainConfig
-
-
-@pytest.fixture(scope="module")
-def bucket():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    emulator = [sys.executable, "-m", "tests.gcs_emulator", "start", "--port", str(port), "--in-memory"]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([*emulator, "--default-bucket=meshlm-test"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=root)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(f"{url}/storage/v1/b", timeout=1)
-            break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("the GCS emulator did not start")
-            time.sleep(0.2)
-    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield "gs://meshlm-test"
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def test_a_run_in_a_bucket_saves_resumes_and_loads(bucket, tmp_path):

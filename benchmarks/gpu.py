@@ -256,8 +256,8 @@ def bench_generate(
         return token, cache, length
 
     loop = jax.jit(loop, donate_argnums=1)
-    # Decode attends over every slot of a row's pages, so its cost depends on the slots, not their
-    # contents: start each row at `decode_context` tokens instead of prefilling them.
+    # A decode step's cost depends on how many tokens each row holds, not on what they are: start each
+    # row at `decode_context` tokens instead of prefilling them.
     slots = shapes.decode_context + 2 * shapes.decode_steps
     for batch in shapes.decode_batches:
         if time.monotonic() > deadline:

@@ -546,6 +546,11 @@ class TrainConfig:
         return self.base_dtype or self.param_dtype
 
     @property
+    def metrics_dir(self) -> str:
+        """Where the metrics go (a local folder): `log_dir`, else the run folder."""
+        return self.log_dir or self.out_dir
+
+    @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_batches
 

@@ -47,10 +47,12 @@ from meshlm.generate import (
     argmax,
     check_chunk,
     choose,
+    distribution,
     draw,
-    filter_logits,
     repetition_penalty,
+    row_keys,
     settings_for,
+    used_vocabulary,
 )
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
 from meshlm.sharding import batch_ways, from_host, named_sharding, shard_bytes, to_host
@@ -277,14 +279,12 @@ def _propose(
     def propose(carry: tuple[jax.Array, model.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
         token, cache = carry
         logits, cache = step(token, i, cache)
-        V = logits.shape[-1]
-        logits = jnp.where(jnp.arange(V) < cfg.n_vocab_used, logits, -jnp.inf)
-        logits = jnp.pad(logits, ((0, 0), (0, max(0, vocab_size - V))), constant_values=-jnp.inf)[:, :vocab_size]
-        x = repetition_penalty(logits, active.seen, s.penalty)
-        q = jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
-        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), n), 3))(
-            s.seed, active.count + i
-        )  # apart from the keys `choose` uses at the same count
+        logits = used_vocabulary(logits, cfg.n_vocab_used)  # then padded or cut to the target's vocabulary
+        logits = jnp.pad(logits, ((0, 0), (0, max(0, vocab_size - logits.shape[-1]))), constant_values=-jnp.inf)
+        x = repetition_penalty(logits[:, :vocab_size], active.seen, s.penalty)
+        q = distribution(x, s)
+        # apart from the keys `choose` uses at the same count
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 3))(row_keys(s, active.count + i))
         greedy = argmax(x)
         sampled = jax.lax.cond(jnp.any(s.temperature > 0), lambda: draw(q, keys), lambda: greedy)
         token = jnp.where(s.temperature > 0, sampled, greedy)
@@ -683,7 +683,7 @@ class Engine:
             if proposals is not None:
                 self._speculate(proposals)
             else:  # speculating with nothing to propose decodes as many tokens as a step could keep, then looks again
-                self._decode(min(chunk, self.speculate + 1 if self.speculate else MAX_CHUNK))
+                self._decode(min(chunk, MAX_CHUNK, self.speculate + 1 if self.speculate else MAX_CHUNK))
             self._drop_finished()
 
     def fail_all(self, error: str) -> None:

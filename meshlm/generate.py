@@ -210,6 +210,21 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
     )
 
 
+def used_vocabulary(logits: jax.Array, n_vocab_used: int) -> jax.Array:
+    """Logits [B, V] with the padded vocabulary rows (>= n_vocab_used), which are never produced, at -inf."""
+    return jnp.where(jnp.arange(logits.shape[-1]) < n_vocab_used, logits, -jnp.inf)
+
+
+def row_keys(s: Settings, count: jax.Array) -> jax.Array:
+    """Each row's random key for its `count`-th token: a seeded row draws the same tokens in any batch."""
+    return jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
+
+
+def distribution(x: jax.Array, s: Settings) -> jax.Array:
+    """What a sampling row draws from, given its (penalised) logits: temperature, top-k, top-p, softmax."""
+    return jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
+
+
 def choose(
     logits: jax.Array,
     seen: jax.Array,
@@ -232,21 +247,21 @@ def choose(
     probability p(d) and a rejection draws from p without d. A row kept its proposal exactly when the
     token returned equals it."""
     V = logits.shape[-1]
-    logits = jnp.where(jnp.arange(V) < n_vocab_used, logits, -jnp.inf)  # padded vocabulary rows
+    logits = used_vocabulary(logits, n_vocab_used)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
     x = repetition_penalty(logits, seen, s.penalty)
     greedy = argmax(x)
 
     def sampled(x: jax.Array) -> jax.Array:
-        p = jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
-        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
+        p = distribution(x, s)
+        keys = row_keys(s, count)
         if proposal is None:
             return draw(p, keys)
         offered = proposal >= 0
         d = jnp.maximum(proposal, 0)[:, None]
         q = jax.nn.one_hot(d[:, 0], V, dtype=p.dtype) if draft_probs is None else draft_probs
-        p_d, q_d = (jnp.take_along_axis(x, d, axis=-1)[:, 0] for x in (p, q))
+        p_d, q_d = (jnp.take_along_axis(probs, d, axis=-1)[:, 0] for probs in (p, q))
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
         residual = jnp.where(offered[:, None], jnp.maximum(p - q, 0.0), p)
         residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)  # p == q: never rejected anyway

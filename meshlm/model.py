@@ -390,8 +390,10 @@ class KVCache(NamedTuple):
     there, and a table's unused entries point at it (what they read is masked out).
     """
 
-    k: jax.Array  # [H, L, pages, page_size, K]: heads first, so every layer of one head is one
-    v: jax.Array  # [H, L * pages, page_size, K] pool for the paged-attention kernel, without a copy
+    # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
+    # that the paged-attention kernels read in place (`CacheView.attend`).
+    k: jax.Array  # [H, L, pages, page_size, K]
+    v: jax.Array  # [H, L, pages, page_size, K]
 
     @property
     def page_size(self) -> int:
@@ -442,8 +444,8 @@ class CacheView(NamedTuple):
         reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
         H, L, P, size, K = self.cache.k.shape
         k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
-        q = (q[:, 0] * scale).astype(k.dtype)
-        out = paged_attention(q, k, v, self.table + layer * P, self.lengths, kernel)
+        query = (q[:, 0] * scale).astype(k.dtype)
+        out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel)
         return out[:, None].astype(q.dtype)
 
 

@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
     """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT."""
     out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
     out_dir.mkdir(parents=True, exist_ok=True)
-    as_path(cfg.log_dir or cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    Path(cfg.metrics_dir).mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
     train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
@@ -402,7 +402,7 @@ class StepLog:
         self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
         self.peak = peak_flops(mesh, cfg.compute_dtype)
         self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
-        self.log = MetricsLog(Path(cfg.log_dir or cfg.out_dir), cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
+        self.log = MetricsLog(Path(cfg.metrics_dir), cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
         self.say = tqdm.write if run.main else lambda *_: None
         self.bar = tqdm(
             total=cfg.total_steps, initial=run.step, desc="train", unit="step", disable=not (progress and run.main)

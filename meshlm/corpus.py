@@ -17,6 +17,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -74,22 +75,62 @@ def kind_of(path: Path) -> str:
 def documents(path: Path, kind: str, text_field: str, progress: Callable[[int], None]) -> Iterator[Piece]:
     """The pieces of every document of one file, in order; `progress` hears how many bytes were consumed."""
     with open(path, "rb") as raw:
-        stream, stream_errors = raw, ()
-        if kind == "jsonl.zst":
-            import zstandard
-
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
-            stream_errors = (zstandard.ZstdError,)
+        stream = io.BufferedReader(_ZstdFrames(raw, path)) if kind == "jsonl.zst" else raw
         readers = {"text": _text_file, "jsonl": _jsonl, "jsonl.zst": _jsonl, "tfrecord": _tfrecord}
         done = 0
-        try:
-            for piece in readers[kind](path, stream, text_field):
-                progress(raw.tell() - done)
-                done = raw.tell()
-                yield piece
-        except stream_errors as e:
-            raise DataError(f"{path}: not a valid zstandard stream ({e})") from None
+        for piece in readers[kind](path, stream, text_field):
+            progress(raw.tell() - done)
+            done = raw.tell()
+            yield piece
         progress(raw.tell() - done)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of concatenated zstd frames. zstandard's own readers end quietly where
+    a file is cut inside a frame, dropping the rest of a truncated file without a word; this one refuses it."""
+
+    CHUNK = 1 << 17  # compressed bytes decompressed at a time (zstd's recommended input size)
+
+    def __init__(self, raw: BinaryIO, path: Path):
+        import zstandard
+
+        self._raw, self._path, self._errors = raw, path, zstandard.ZstdError
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame: Any = None  # the decompressor of the frame being read; None between frames
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while self._pos == len(self._out):
+            data = self._raw.read(self.CHUNK)
+            if not data:
+                if self._frame is not None:
+                    raise self._corrupt("the file ends inside a frame")
+                return 0
+            self._out, self._pos = self._decompress(data), 0
+        n = min(len(buf), len(self._out) - self._pos)
+        buf[:n] = memoryview(self._out)[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None:
+                self._frame = self._dctx.decompressobj()
+            try:
+                out.append(self._frame.decompress(data))
+            except self._errors as e:
+                raise self._corrupt(str(e)) from None
+            if not self._frame.eof:
+                break
+            data, self._frame = self._frame.unused_data, None
+        return b"".join(out)
+
+    def _corrupt(self, why: str) -> DataError:
+        return DataError(f"{self._path}: truncated or corrupt zstd stream ({why})")
 
 
 def split_text(text: str) -> Iterator[Piece]:
@@ -143,8 +184,9 @@ def _jsonl(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[P
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except json.JSONDecodeError as e:  # e.msg may end in "at" ("Unterminated string starting at")
+            cut = "" if line.endswith(b"\n") else "; the file ends inside this line: is it truncated?"
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}){cut}") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
         if not isinstance(record, dict) or text_field not in record:

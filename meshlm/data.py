@@ -3,10 +3,13 @@
 Layout of a prepared dataset folder:
 
     index.json        {"format": "meshlm-tokens", "version": 1, "seq_len": S, "dtype": "uint16",
-                       "eos_id": 50256, "splits": {"train": {"files": [...], "sequences": [...]}, ...}}
+                       "eos_id": 50256,
+                       "splits": {"train": {"files": [...], "sequences": [...], "max_token": 50256}, ...}}
     train/00000.bin   raw little-endian uint16, row-major [n, S + 1] (inputs and the shifted targets)
 
-Each row holds `seq_len + 1` tokens so that one row gives `seq_len` next-token predictions.
+Each row holds `seq_len + 1` tokens so that one row gives `seq_len` next-token predictions. `max_token`
+(the largest id in the split) lets training refuse data of another vocabulary before its first step;
+folders written before it existed are scanned instead.
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ class TokenDataset:
         self._offsets = np.cumsum([0] + [len(s) for s in self._shards])
         if len(self) == 0:
             raise DataError(f"{self.folder}: split {split!r} holds no sequences")
+        self._max_token: int | None = info.get("max_token")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ids the model has no embedding for: they train to NaN. Read from the index, or scanned."""
+        if self._max_token is None:
+            self._max_token = max(int(_chunked_max(shard)) for shard in self._shards)
+        if self._max_token >= vocab_size:
+            raise DataError(
+                f"{self.folder}: split {self.split!r} holds token id {self._max_token}, beyond the model's "
+                f"vocab_size {vocab_size}; the data was tokenized for another vocabulary"
+            )
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -82,6 +96,11 @@ class TokenDataset:
         return out
 
 
+def _chunked_max(shard: np.memmap, rows: int = 1 << 16) -> int:
+    """The largest token of a memory-mapped shard, read a block of rows at a time."""
+    return max(int(shard[i : i + rows].max()) for i in range(0, len(shard), rows))
+
+
 class ShardWriter:
     """Appends rows to one split's shard files, starting a new file every `shard_rows` rows (None: only on request)."""
 
@@ -92,6 +111,7 @@ class ShardWriter:
         self.shard_rows = shard_rows
         self.files: list[str] = []
         self.counts: list[int] = []
+        self.max_token = -1
         self._file: Any = None
 
     def write(self, rows: np.ndarray) -> None:
@@ -105,6 +125,8 @@ class ShardWriter:
                 self.files.append(fname)
                 self.counts.append(0)
             room = len(rows) if self.shard_rows is None else self.shard_rows - self.counts[-1]
+            if len(rows[:room]):
+                self.max_token = max(self.max_token, int(rows[:room].max()))
             rows[:room].astype(self.dtype).tofile(self._file)
             self.counts[-1] += len(rows[:room])
             rows = rows[room:]
@@ -119,15 +141,7 @@ class ShardWriter:
     def close(self) -> dict:
         """Finish the last shard; returns the split's index entry."""
         self.end_shard()
-        return {"files": self.files, "sequences": self.counts}
-
-    def discard(self) -> None:
-        """Remove every shard written so far (a failed run leaves nothing behind)."""
-        self.end_shard()
-        for fname in self.files:
-            (self.folder / fname).unlink(missing_ok=True)
-        if (self.folder / self.split).is_dir() and not any((self.folder / self.split).iterdir()):
-            (self.folder / self.split).rmdir()
+        return {"files": self.files, "sequences": self.counts, "max_token": self.max_token}
 
 
 def write_split(folder: Path, split: str, rows: list[np.ndarray], seq_len: int, dtype: str = "uint16") -> dict:

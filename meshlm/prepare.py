@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from meshlm.data import DTYPES, INDEX, ShardWriter, write_index
 from meshlm.tokenizer import EOT_ID, Tokenizer, load_tokenizer
 
 SHARD_BYTES = 128 << 20  # a new shard file starts after about this many bytes
+SPLITS = ("train", "val")
 
 
 def prepare(
@@ -37,6 +39,7 @@ def prepare(
     seed: int = 0,
     workers: int | None = None,
     shard_rows: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize and pack raw corpora into a prepared dataset folder; returns a summary of what was written.
 
@@ -49,6 +52,10 @@ def prepare(
     probability (drawn from `seed` in document order); `val_inputs` gives the validation split its own
     files instead. Memory stays bounded whatever the input size: text is read and tokenized in pieces
     by `workers` processes (default: every core), at most a few pieces ahead of the writer.
+
+    The dataset is written into the sibling folder `<out>.prepare-unfinished` and moved to `out` only when
+    complete, so a failed or killed run never leaves a half-written dataset at `out`. `out` must be absent or
+    empty unless `overwrite`, which replaces the dataset's own entries there (index.json, train/, val/).
     """
     from meshlm import corpus
 
@@ -62,10 +69,9 @@ def prepare(
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
     out = Path(out_dir)
-    if (out / INDEX).exists():
-        raise DataError(f"{out}: already holds a prepared dataset; choose another --out or delete it")
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out}: exists and is not a folder")
+    target = out.resolve()  # a symlinked --out: the folder it names is the one replaced
+    partial = target.with_name(target.name + ".prepare-unfinished")
+    _check_out(out, target, partial, overwrite)
     if isinstance(inputs, str | Path):
         inputs = [inputs]
     sources = {"train": corpus.expand(inputs)}
@@ -80,8 +86,11 @@ def prepare(
     if shard_rows is None:
         shard_rows = max(1, SHARD_BYTES // ((seq_len + 1) * DTYPES[dtype].itemsize))
 
-    split_names = ["train", "val"] if (val_fraction or val_inputs) else ["train"]
-    packers = {name: _Packer(ShardWriter(out, name, seq_len, dtype, shard_rows)) for name in split_names}
+    split_names = SPLITS if (val_fraction or val_inputs) else SPLITS[:1]
+    if partial.exists():  # left by a killed run: only reached with overwrite
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    packers = {name: _Packer(ShardWriter(partial, name, seq_len, dtype, shard_rows)) for name in split_names}
     total_bytes = sum(path.stat().st_size for files in sources.values() for path, _ in files)
     start = time.perf_counter()
     try:
@@ -110,17 +119,15 @@ def prepare(
                     f"than one row of seq_len + 1 = {seq_len + 1}; add data or lower the sequence length"
                 )
         write_index(
-            out, seq_len, splits, dtype=dtype, eos_id=eos, tokenizer=tok.name if tok else None,
+            partial, seq_len, splits, dtype=dtype, eos_id=eos, tokenizer=tok.name if tok else None,
             row_order="input order (not shuffled)",
             inputs={name: [str(p) for p, _ in files] for name, files in sources.items()},
             val_fraction=val_fraction, seed=seed,
         )  # fmt: skip
     except BaseException:
-        for packer in packers.values():
-            packer.writer.discard()
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+        shutil.rmtree(partial, ignore_errors=True)
         raise
+    _publish(partial, target)
     seconds = time.perf_counter() - start
     n_tokens = sum(s["tokens"] for s in splits.values())
     return {
@@ -131,6 +138,41 @@ def prepare(
         "seconds": seconds,
         "tokens_per_s": n_tokens / seconds if seconds else 0.0,
     }  # fmt: skip
+
+
+def _check_out(out: Path, target: Path, partial: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an --out whose contents the run would replace, unless told to overwrite."""
+    if target.exists() and not target.is_dir():
+        raise DataError(f"{out}: exists and is not a folder")
+    if overwrite:
+        return
+    hint = "pass --overwrite to write over it, or choose another folder"
+    if (target / INDEX).exists():
+        raise DataError(f"{out}: already holds a prepared dataset; {hint}")
+    if target.is_dir() and any(target.iterdir()):
+        raise DataError(f"{out}: exists and is not empty; {hint}")
+    if partial.exists():
+        raise DataError(
+            f"{partial}: an unfinished prepare of {out} (killed, or still running); pass --overwrite to start again"
+        )
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Move the finished dataset from `partial` to `target`: one rename when `target` is absent or empty. Else
+    (overwrite) the old index goes first and index.json comes last, so no moment shows an index beside shards
+    it does not describe; files of `target` that are not the dataset's own stay."""
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
+    if not target.exists():
+        partial.rename(target)
+        return
+    (target / INDEX).unlink(missing_ok=True)
+    for name in SPLITS:
+        if (target / name).exists():
+            shutil.rmtree(target / name)
+    for entry in sorted(partial.iterdir(), key=lambda entry: entry.name == INDEX):
+        entry.rename(target / entry.name)
+    partial.rmdir()
 
 
 class _Packer:

@@ -232,7 +232,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list, str]]:
         "json_after_rows_were_written": ([p / "long.txt", p / "bad.jsonl"], "bad.jsonl:2: not valid JSON"),
         "field": ([p / "nofield.jsonl"], "nofield.jsonl:1: no 'text' field"),
         "notstr": ([p / "notstr.jsonl"], "notstr.jsonl:1: field 'text' is list, expected a string"),
-        "zst": ([p / "bad.jsonl.zst"], "bad.jsonl.zst: not a valid zstandard stream"),
+        "zst": ([p / "bad.jsonl.zst"], "bad.jsonl.zst: truncated or corrupt zstd stream"),
         "utf8": ([p / "latin1.txt"], "latin1.txt: not UTF-8 text"),
         "crc": ([p / "corrupt.tfrecord"], "corrupt.tfrecord: record 1: data checksum mismatch"),
         "truncated": ([p / "truncated.tfrecord"], "truncated.tfrecord: record 1: truncated"),

@@ -351,14 +351,19 @@ def convert(
     to: str,
     dtype: str = "float32",
     seed_config: str | Path | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Convert a checkpoint in any format meshlm reads to `to` ("meshlm" or "hf"), written in `dtype`.
 
     Streamed on this host a slice at a time, straight from the source's files to the destination's:
     the model is never loaded, and peak memory stays a small multiple of the largest tensor whatever
     the model size. The source's tokenizer files come along. In a multi-process job only process 0 converts.
+
+    `dst` must be new or empty; with `overwrite` it may hold meshlm's own output (a checkpoint it wrote,
+    finished or not), replaced once the new one is whole. The checkpoint is written beside `dst` in
+    `DST.convert-unfinished` and renamed to `dst` at the end (`checkpoint.staged`).
     """
-    _stream(src, dst, to, dtype, seed_config)
+    _stream(src, dst, to, dtype, seed_config, overwrite=overwrite)
 
 
 def merge(
@@ -368,10 +373,12 @@ def merge(
     to: str = "meshlm",
     dtype: str = "float32",
     seed_config: str | Path | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Write `base` with a LoRA `adapter` (a PEFT folder or a meshlm LoRA run) merged into its weights,
-    W + scale * A B, as a full model in format `to`. Streamed like `convert`, in the same bounded memory."""
-    _stream(base, dst, to, dtype, seed_config, adapter)
+    W + scale * A B, as a full model in format `to`. Streamed like `convert`, in the same bounded memory,
+    and written into `dst` as `convert` writes (`overwrite` likewise)."""
+    _stream(base, dst, to, dtype, seed_config, adapter, overwrite)
 
 
 def _stream(
@@ -381,11 +388,12 @@ def _stream(
     dtype: str,
     seed_config: str | Path | None,
     adapter: str | Path | None = None,
+    overwrite: bool = False,
 ) -> None:
     if to not in ("meshlm", "hf"):
         raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
     dtype_of(dtype)
-    checkpoint.check_new_folder(dst)
+    checkpoint.check_new_folder(dst, overwrite)
     if jax.process_index() != 0:
         return
     src, fmt = registry.resolve(src)
@@ -393,11 +401,13 @@ def _stream(
     if adapter is not None:
         source = adapters.merged_source(cfg, source, adapters.read(adapter, cfg))
     files = tokenizer_files(model=src)
-    if to == "meshlm":
-        checkpoint.write_params(dst, cfg, dtype, source, files=files)
-    else:
-        _start_hf_folder(dst, cfg, files, every_process=False)
-        hf.write_from(dst, cfg, dtype, source)
+    size = model.count_params(cfg) * np.dtype(dtype_of(dtype)).itemsize
+    with checkpoint.staged(dst, "convert" if adapter is None else "merge", overwrite, size) as folder:
+        if to == "meshlm":
+            checkpoint.write_params(folder, cfg, dtype, source, files=files)
+        else:
+            _start_hf_folder(folder, cfg, files, every_process=False)
+            hf.write_from(folder, cfg, dtype, source)
 
 
 def from_config(

@@ -19,8 +19,17 @@ the adapter's settings) and records what the frozen base was built from (`base`)
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fnmatch
 import json
+import logging
 import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ from meshlm.config import (
     RUN_CHECKPOINTS,
     CheckpointError,
     ModelConfig,
+    TrainingStopped,
     as_path,
     dtype_of,
     has_path,
@@ -42,9 +52,9 @@ from meshlm.config import (
     local_folder,
     read_json,
 )
-from meshlm.formats.slices import SliceSource
+from meshlm.formats.slices import Index, SliceReader, SliceSource
 from meshlm.sharding import plan, with_shardings
-from meshlm.tokenizer import copy_files
+from meshlm.tokenizer import TOKENIZER_FILES, copy_files
 
 FORMAT_VERSION = 1
 MARKER = "meshlm.json"
@@ -54,8 +64,9 @@ TRAIN_DESCRIPTION = Path("meshlm") / "metadata"  # the description item inside a
 
 
 def _absolute(path: str | Path) -> Path:
-    """A local folder made absolute (orbax wants that), or a URL (gs://...) as orbax's path type."""
-    return as_path(path) if is_url(path) else Path(path).absolute()
+    """A local folder made absolute without `..` (orbax wants it absolute, tensorstore's file driver refuses
+    `..`), or a URL (gs://...) as orbax's path type."""
+    return as_path(path) if is_url(path) else Path(path).resolve()
 
 
 def _marker(path: Path) -> Path:
@@ -68,16 +79,24 @@ def detect(path: str | Path) -> bool:
 
 
 def resolve(path: str | Path) -> str | Path:
-    """A run folder or its `checkpoints/` folder stands for its latest complete step; anything else
-    (a checkpoint folder, a file, a URL orbax cannot write to) is returned as given."""
+    """A run folder or its `checkpoints/` folder stands for its latest step; anything else (a checkpoint
+    folder, a file, a URL orbax cannot write to) is returned as given. Orbax names a step folder by its
+    number only once the step is complete, so a newest step without its description is damaged: refused,
+    rather than quietly standing in an older step for it."""
     if not has_path(path) or not as_path(path).is_dir():
         return path
     path = as_path(path)
     folder = path / RUN_CHECKPOINTS if (path / RUN_CHECKPOINTS).is_dir() else path
-    steps = [p for p in folder.glob("*") if p.name.isdigit() and (p / TRAIN_DESCRIPTION).is_file()]
-    if not (path / MARKER).is_file() and not (path / TRAIN_DESCRIPTION).is_file() and steps:
-        return max(steps, key=lambda p: int(p.name))
-    return path
+    steps = sorted((p for p in folder.glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    if (path / MARKER).is_file() or (path / TRAIN_DESCRIPTION).is_file() or not steps:
+        return path
+    if not (steps[-1] / TRAIN_DESCRIPTION).is_file():
+        complete = [p.name for p in steps if (p / TRAIN_DESCRIPTION).is_file()]
+        older = f"; remove it to use step {complete[-1]}, or load that step's folder" if complete else ""
+        raise CheckpointError(
+            f"{steps[-1]}: the run's newest checkpoint has no {TRAIN_DESCRIPTION} (damaged, or not meshlm's){older}"
+        )
+    return steps[-1]
 
 
 def read_description(path: str | Path) -> dict[str, Any]:
@@ -102,11 +121,100 @@ def model_description(path: str | Path) -> dict[str, Any]:
     return desc
 
 
-def check_new_folder(path: str | Path) -> None:
-    """Refuse to write into a folder that holds anything: nothing saved there is ever overwritten."""
+# The files that mark a folder meshlm wrote as complete (a meshlm checkpoint, a Hugging Face folder, a PEFT
+# adapter), and everything its writers put beside them, temporary files included: `overwrite` replaces a
+# folder that holds nothing else, and never touches anything a person or another program put there.
+MARKERS = (MARKER, "config.json", "adapter_config.json")
+OUTPUT_FILES = (
+    *MARKERS,
+    "params",
+    "*.orbax-checkpoint-tmp*",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    *TOKENIZER_FILES,
+    "*.tmp*",  # meshlm's shard-00000.tmp, tokenizer.json.tmp123, safetensors' hidden .tmpXXXXXX
+)
+
+
+def check_new_folder(path: str | Path, overwrite: bool = False) -> None:
+    """Refuse to write into a folder that holds anything, unless `overwrite` and it holds meshlm's own output
+    (finished or not) alone: nothing else saved there is ever overwritten."""
     path = as_path(path)
-    if path.exists() and any(path.iterdir()):
-        raise CheckpointError(f"{path}: already exists and is not empty; choose a new folder")
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: exists and is not a folder")
+    names = sorted(p.name for p in path.iterdir())
+    foreign = [n for n in names if not any(fnmatch.fnmatchcase(n, pattern) for pattern in OUTPUT_FILES)]
+    if foreign:
+        raise CheckpointError(
+            f"{path}: already exists and is not empty (it holds {foreign[0]}, which meshlm does not write); "
+            "choose a new folder"
+        )
+    if not names or overwrite:
+        return
+    if any(n in MARKERS for n in names):
+        raise CheckpointError(
+            f"{path}: already holds a checkpoint; choose a new folder or pass --overwrite to replace it"
+        )
+    raise CheckpointError(
+        f"{path}: an unfinished save or conversion (no {MARKER} / config.json); remove it or pass --overwrite"
+    )
+
+
+@contextlib.contextmanager
+def staged(dst: str | Path, command: str, overwrite: bool = False, size: int | None = None) -> Iterator[Path]:
+    """A folder to write `dst` in: `DST.COMMAND-unfinished` beside it, renamed to `dst` once the writing is
+    done, so `dst` never holds half a checkpoint. A failed write removes it; a killed one leaves it, and the
+    next write of `dst` refuses to start (that one may still be running) unless `overwrite`. With
+    `overwrite`, a `dst` holding meshlm's output is replaced, once the new one is whole. `size`, the bytes
+    about to be written, goes in the message when the disk fills."""
+    dst = local_folder(dst, "destination folder").resolve()
+    staging = dst.with_name(f"{dst.name}.{command}-unfinished")
+    check_new_folder(dst, overwrite)
+    if dst.is_mount():  # the staging folder beside it would be written on another disk
+        raise CheckpointError(f"{dst}: a mount point; write into a new folder inside it")
+    if staging.exists():
+        if not overwrite:
+            raise CheckpointError(
+                f"{staging}: left by a `meshlm {command}` to {dst} that did not finish (killed, or still running); "
+                "remove it or pass --overwrite"
+            )
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    free = shutil.disk_usage(staging).free
+    try:
+        yield staging
+        _publish(staging, dst)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = _no_space(e)
+        if reason is None:
+            raise
+        needs = "" if size is None else f"it needs about {size:,} bytes, "
+        raise CheckpointError(f"{dst}: {reason} ({needs}{free:,} bytes were free)") from None
+
+
+def _publish(staging: Path, dst: Path) -> None:
+    """Put the finished `staging` folder in `dst`'s place. A `dst` still there is empty or (overwrite) meshlm's
+    output: its marker goes first, so if this is cut short no folder looks complete that is not."""
+    if dst.exists():
+        check_new_folder(dst, overwrite=True)  # nothing else was put there while the checkpoint was written
+        for marker in MARKERS:
+            (dst / marker).unlink(missing_ok=True)
+        shutil.rmtree(dst)
+    staging.rename(dst)
+
+
+def _no_space(error: BaseException) -> str | None:
+    """The OS's words when a write failed for want of space: an OSError's, or inside the message of the
+    writer that met it (tensorstore's, safetensors')."""
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        words = os.strerror(code)
+        if getattr(error, "errno", None) == code or words in str(error):
+            return words
+    return None
 
 
 def start_folder(path: str | Path, files: dict[str, Path], every_process: bool = True) -> None:
@@ -164,7 +272,7 @@ def write_params(
     """
     from tqdm import tqdm
 
-    path = local_folder(path, "checkpoint folder").absolute()  # tensorstore's file driver writes the arrays
+    path = _absolute(local_folder(path, "checkpoint folder"))  # tensorstore's file driver writes the arrays
     start_folder(path, files or {}, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(dtype_of(dtype)).itemsize
@@ -218,7 +326,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
     """A checkpoint's config and its parameters' slices in `dtype`, read straight from the files
     (tensorstore, as orbax lays them out: OCDBT or one zarr array per parameter), so converting never
     loads the model."""
-    path = local_folder(resolve(path), "checkpoint to convert").absolute()  # tensorstore's file driver reads it
+    path = _absolute(local_folder(resolve(path), "checkpoint to convert"))  # tensorstore's file driver reads it
     cfg = ModelConfig.from_dict(model_description(path)["model"])
     folder = path / "params"
     try:
@@ -232,11 +340,12 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
             kvstore = {"driver": "ocdbt", "base": {"driver": "file", "path": f"{folder}/"}, "path": name}
         else:
             kvstore = {"driver": "file", "path": str(folder / name)}
+        # a missing chunk is an error, not zeros (orbax, and write_params, store every chunk)
+        spec = {"driver": driver, "kvstore": kvstore, "fill_missing_data_reads": False}
         try:
-            array = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
-        except Exception as e:  # tensorstore names the missing or damaged file, then appends its whole spec
-            reason = str(e).split(" [tensorstore_spec=")[0]
-            raise CheckpointError(f"{folder}: parameter {name} could not be opened ({reason})") from None
+            array = ts.open(spec, open=True, read=True).result()
+        except Exception as e:
+            raise CheckpointError(f"{folder}: parameter {name} could not be opened ({_first_line(e)})") from None
         if tuple(array.shape) != shape:
             raise CheckpointError(
                 f"{folder}: parameter {name} has shape {list(array.shape)}, meshlm.json implies {list(shape)}"
@@ -245,7 +354,43 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
 
     arrays = {name: open_array(name, shape) for name, shape in model.param_shapes(cfg).items()}
     target = np.dtype(dtype_of(dtype))
-    return cfg, lambda name, shape: lambda index: arrays[name][index].read().result().astype(target, copy=False)
+
+    def source(name: str, shape: tuple[int, ...]) -> SliceReader:
+        def read(index: Index) -> np.ndarray:
+            try:
+                return arrays[name][index].read().result().astype(target, copy=False)
+            except ValueError as e:  # tensorstore's: a chunk missing, cut short or not what it should be
+                raise _unreadable(folder, e) from None
+
+        return read
+
+    return cfg, source
+
+
+# tensorstore's words for a chunk it could not read: a key of an OCDBT database, or a zarr chunk's file
+_CHUNK = re.compile(
+    r'Error reading "(?P<key>[^"]+)" in OCDBT database at local file "(?P<db>[^"]+)"|local file "(?P<file>[^"]+)"'
+)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message without the spec tensorstore appends to it (tens of lines)."""
+    return str(error).split(" [tensorstore_spec=")[0].splitlines()[0]
+
+
+def _unreadable(folder: Path, error: BaseException) -> CheckpointError:
+    """One line for parameters that could not be read, naming the parameter and its chunk when some error in
+    `error`'s chain names one (orbax wraps tensorstore's error in one that prints the store's whole spec)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if found := _CHUNK.search(str(cause)):
+            if found["key"]:
+                name, where = found["key"].split("/")[0], f"{found['key']} in the OCDBT database {found['db']}"
+            else:
+                name, where = Path(found["file"]).parent.name, found["file"]
+            return CheckpointError(f"parameter {name}: chunk missing or corrupt ({where})")
+        cause = cause.__cause__ or cause.__context__
+    return CheckpointError(f"{folder}: parameters could not be read ({type(error).__name__}: {_first_line(error)})")
 
 
 def restore_params(
@@ -256,11 +401,39 @@ def restore_params(
     cfg = ModelConfig.from_dict(model_description(path)["model"])
     abstract = model.abstract_params(cfg, dtype)
     target = with_shardings(abstract, plan(abstract, model.logical_axes(cfg), mesh))
+    return cfg, restore_tree(path / "params", target)
+
+
+def restore_tree(folder: str | Path, target: Any = None) -> Any:
+    """A PyTree orbax saved in `folder` (a checkpoint's `params/`), laid out as `target` says (None: as
+    saved, on the host). A damaged chunk raises one line naming it, and nothing else is printed."""
+    folder = _absolute(folder)
+    _AbandonedWork.install()
     try:
-        params = ocp.StandardCheckpointer().restore(path / "params", target)
-    except Exception as e:  # orbax reports damage from deep inside tensorstore
-        raise CheckpointError(f"{path}: parameters could not be restored ({type(e).__name__}: {e})") from None
-    return cfg, params
+        return ocp.StandardCheckpointer().restore(folder, target)
+    except Exception as e:
+        raise _unreadable(folder, e) from None
+
+
+class _AbandonedWork:
+    """sys.unraisablehook from the first restore or training save on. When one read or write fails, orbax
+    closes its event loop and leaves the others running: each reports, with a traceback on stderr, as it
+    meets the closed loop (even before the failure reaches meshlm) or is finalised (even at exit), after
+    the one error that matters. Those reports are dropped; any other is passed on."""
+
+    def __init__(self, hook: Callable[[Any], object]):
+        self.hook = hook
+
+    @classmethod
+    def install(cls) -> None:
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls(sys.unraisablehook)
+
+    def __call__(self, report: Any) -> None:
+        read = getattr(report.object, "__qualname__", None) == "_read_array_index_and_device_put"
+        closed_loop = report.object is None and str(report.exc_value) == "Event loop is closed"
+        if not (read or closed_loop):
+            self.hook(report)
 
 
 def description(cfg: ModelConfig, params: model.Params, **extra: Any) -> dict[str, Any]:
@@ -271,8 +444,44 @@ def _description(cfg: ModelConfig, dtype: str, **extra: Any) -> dict[str, Any]:
     return {"format": "meshlm", "version": FORMAT_VERSION, "model": cfg.to_dict(), "dtype": dtype, **extra}
 
 
+class _HideOrbaxErrors(logging.Filter):
+    """Orbax logs a failed background save from each of its threads, and asyncio each of its writes that
+    failed, with a traceback each; meshlm reports the failure itself, in one line (`TrainCheckpoints.check`)."""
+
+    LOGGERS = ("absl", "asyncio")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or not _from_orbax(record)
+
+    def attach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        _AbandonedWork.install()
+
+    def detach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    if "orbax" in record.pathname:
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class TrainCheckpoints:
-    """The checkpoints of one training run: async saves, keep the last N plus every `keep_every`-th step."""
+    """The checkpoints of one training run: async saves, keep the last N plus every `keep_every`-th step.
+
+    A save that cannot be written (a full disk) stops the run at that save: refused up front when the
+    folder's free space is short of the checkpoint's size, else raised by the next `check` once the
+    background write fails. The previous checkpoints stay intact either way (orbax renames a step's
+    folder into place only when it is complete)."""
 
     def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
         self.folder = _absolute(folder)
@@ -283,18 +492,54 @@ class TrainCheckpoints:
             enable_async_checkpointing=True,
         )
         self._manager = ocp.CheckpointManager(self.folder, options=options)
+        self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight
+        self._failed = False
+        self._hide = _HideOrbaxErrors()
+        self._hide.attach()
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, step: int, params: model.Params, opt_state: Any, desc: dict[str, Any]) -> None:
         """Start saving in the background; the arrays are copied off the devices before this returns."""
+        size = sum(leaf.nbytes for leaf in jax.tree.leaves((params, opt_state)))
+        free = _free_bytes(self.folder)
+        if free is not None and free < size:
+            self._failed = True
+            raise TrainingStopped(self._no_space_message(step, size, free))
+        self.wait()  # orbax waits for the previous save anyway: its failure is reported as such
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
             meshlm=ocp.args.JsonSave(desc),
         )
+        self._saving = (step, size)
         self._manager.save(step, args=args, force=True)
+
+    def check(self) -> None:
+        """Raise TrainingStopped, in one line, once a background save has failed; cheap while it runs."""
+        if self._saving is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def _failure(self, error: Exception) -> TrainingStopped:
+        self._failed = True
+        step, size = self._saving or (None, 0)
+        if not is_url(self.folder):  # the half-written step: its space is wanted (orbax would drop it on resume)
+            for partial in Path(self.folder).glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        if _no_space(error):
+            return TrainingStopped(self._no_space_message(step, size, _free_bytes(self.folder)))
+        return TrainingStopped(
+            f"{self.folder / str(step)}: the checkpoint of step {step} could not be written ({type(error).__name__}: "
+            f"{_first_line(error)}); the run stopped there, and the previous checkpoint is intact"
+        )
+
+    def _no_space_message(self, step: int | None, size: int, free: int | None) -> str:
+        left = "" if free is None else f", {free:,} bytes free"
+        return (
+            f"{self.folder}: no space left for the checkpoint of step {step} (it needs about {size:,} bytes{left}); "
+            "the run stopped there, and the previous checkpoint is intact: free space and rerun to resume"
+        )
 
     def restore(self, step: int, params_target: Any, opt_target: Any) -> tuple[model.Params, Any, dict[str, Any]]:
         """Params and optimizer state laid out as the targets (ShapeDtypeStructs with shardings) say."""
@@ -303,17 +548,40 @@ class TrainCheckpoints:
             opt_state=ocp.args.StandardRestore(opt_target),
             meshlm=ocp.args.JsonRestore(),
         )
+        _AbandonedWork.install()
         try:
             out = self._manager.restore(step, args=args)
         except Exception as e:  # orbax reports damage from deep inside tensorstore
-            raise CheckpointError(
-                f"{self.folder / str(step)}: checkpoint could not be restored ({type(e).__name__}: {e})"
-            ) from None
+            raise _unreadable(self.folder / str(step), e) from None
         opt_state = jax.tree.unflatten(jax.tree.structure(opt_target), jax.tree.leaves(out.opt_state))
         return out.params, opt_state, out.meshlm
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Until every save is written; a failed one raises TrainingStopped."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise self._failure(e) from None
+        self._saving = None
 
     def close(self) -> None:
-        self._manager.close()
+        """Stop the background threads; a failure already reported is not raised again."""
+        try:
+            self._manager.close()
+        except Exception as e:
+            if not self._failed:
+                raise self._failure(e) from None
+        finally:
+            if not self._failed:  # else the failed writes are still to be logged when asyncio collects them
+                self._hide.detach()
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free bytes where `folder` lives (its nearest existing parent); None for a URL."""
+    if is_url(folder):
+        return None
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free

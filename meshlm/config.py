@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,32 @@ class InputError(MeshlmError, ValueError):
     """An argument to the Python API (tokens, prompts, sampling settings) is out of range."""
 
 
+class TrainingStopped(MeshlmError):
+    """A training run had to stop: a non-finite loss, a checkpoint that could not be written. The message
+    names the step and what was kept."""
+
+
+class Interrupted(MeshlmError):
+    """A command was stopped by a signal before it had anything to save; `signum` sets the exit status."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+def one_line(error: Exception) -> str:
+    """A parser's message (YAML's spans several lines) as one line."""
+    return " ".join(str(error).split())
+
+
 def read_json(path: str | Path, missing: str) -> Any:
     """A JSON file's contents; a missing file raises ConfigError(`missing`), bad JSON one naming the file."""
     try:
-        return json.loads(as_path(path).read_text())
+        return json.loads(as_path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(missing) from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({one_line(e)})") from None
 
 
 def is_url(path: object) -> bool:
@@ -585,7 +604,8 @@ def _check_int(key: str, value: Any, minimum: int) -> None:
 
 
 def _check_float(key: str, value: Any, ok: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+    """A finite number that passes `ok`: inf and nan pass comparisons like ">= 0" and would train to nan."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not ok(value):
         raise ConfigError(f"train config: {key} must be a number {what}, got {value!r}")
 
 
@@ -710,7 +730,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({one_line(e)})") from None
     return key.strip().split("."), value
 
 
@@ -743,13 +763,15 @@ def load_train_config(
 
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file in UTF-8 (byte {e.start}); expected YAML or JSON") from None
         try:
             read = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: cannot parse ({e})") from None
+            raise ConfigError(f"{path}: cannot parse ({one_line(e)})") from None
         if not isinstance(read, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
         if is_seed_config(read):

@@ -110,7 +110,8 @@ class NoiseScale:
 class MetricsLog:
     """One record per logged step, to `metrics.jsonl`, TensorBoard (`tb/`) and, with a `wandb_project`,
     Weights & Biases; written by process 0. A resumed run continues its W&B run: the run's id is kept in
-    the run folder (`wandb_run_id`)."""
+    the run folder (`wandb_run_id`), and `metrics.jsonl` drops the records past the step it resumes from
+    (steps that ran after the last checkpoint run again), so each step is recorded once."""
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class MetricsLog:
         wandb_project: str | None = None,
         wandb_run: str | None = None,
         config: dict[str, Any] | None = None,
+        resumed_from: int | None = None,
     ):
         self.enabled = jax.process_index() == 0
         self._wandb = None
@@ -126,6 +128,8 @@ class MetricsLog:
 
             if wandb_project:  # first: a W&B run that cannot start stops the run before anything is written
                 self._wandb = start_wandb(out_dir, wandb_project, wandb_run, config or {})
+            if resumed_from is not None:
+                _drop_records_after(out_dir / "metrics.jsonl", resumed_from)
             self._jsonl = (out_dir / "metrics.jsonl").open("a")
             self._tb = SummaryWriter(str(out_dir / "tb"))
 
@@ -145,6 +149,26 @@ class MetricsLog:
             self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite a metrics file without its records past `step`, atomically: a kill midway keeps the old file."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if (_step_of(line) or step + 1) <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def _step_of(line: str) -> int | None:
+    """A record's step; a line torn by a kill mid-write has none (and is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def start_wandb(out_dir: Path, project: str, name: str | None, config: dict[str, Any]) -> Any:

@@ -10,7 +10,9 @@ adapter and its optimizer state, and record what the base was built from.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +26,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import api, checkpoint, footprint, model
-from meshlm.config import RUN_CHECKPOINTS, ConfigError, LoraConfig, ModelConfig, TrainConfig, as_path
+from meshlm.config import (
+    RUN_CHECKPOINTS,
+    ConfigError,
+    Interrupted,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainingStopped,
+    as_path,
+    is_url,
+)
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
@@ -50,15 +62,25 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss, this invocation's steps
     val_losses: dict[int, dict[str, float]] = field(default_factory=dict)
     stopped_by_signal: bool = False
+    signal: int | None = None  # the signal that stopped the run (the command exits with 128 + it)
     lm: api.LanguageModel | None = None
     memory: footprint.Footprint | None = None  # the compiled step's memory per device
 
 
 @contextmanager
 def _stop_on_signals() -> Iterator[list[int]]:
-    """SIGTERM/SIGINT set a flag instead of killing: the loop saves a final checkpoint and returns."""
+    """SIGTERM/SIGINT set a flag instead of killing: start-up stops at its next stage, the loop saves a final
+    checkpoint and returns. An exception raised at an arbitrary point would leave XLA compiling or running
+    on its own threads while Python exits (a segfault). A second signal exits at once, saving nothing."""
     received: list[int] = []
-    handler = lambda signum, _frame: received.append(signum)
+
+    def handler(signum: int, _frame: Any) -> None:
+        if received:
+            print(f"\nmeshlm train: signal {signum} again: exiting now without saving", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        received.append(signum)
+
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield received
@@ -129,18 +151,36 @@ def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tupl
 
 
 def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
-    """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT."""
-    out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
-    out_dir.mkdir(parents=True, exist_ok=True)
-    Path(cfg.metrics_dir).mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(cfg.mesh)
-    check_batch(cfg, mesh)
-    train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
-    ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
-    try:  # the manager's background threads must be stopped on every way out
-        return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample)
-    finally:
-        ckpts.close()
+    """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT.
+
+    Raises TrainingStopped when the loss turns non-finite or a checkpoint cannot be written (the last good
+    checkpoint stays), and Interrupted for a signal that comes before the first step."""
+    with _stop_on_signals() as signals:
+        out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
+        _make_folder(out_dir, "out_dir")
+        _make_folder(Path(cfg.metrics_dir), "log_dir")
+        mesh = make_mesh(cfg.mesh)
+        check_batch(cfg, mesh)
+        train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
+        _stop_if_signalled(signals)
+        ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
+        try:  # the manager's background threads must be stopped on every way out
+            return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample, signals)
+        finally:
+            ckpts.close()
+
+
+def _make_folder(path: Path, key: str) -> None:
+    if not is_url(path) and path.exists() and not path.is_dir():
+        raise ConfigError(f"{key} {path}: is a file, not a folder")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _stop_if_signalled(signals: list[int]) -> None:
+    """Before the first step a signal stops the run between two stages of its start, with nothing to save."""
+    if _any_process(bool(signals)):
+        signum = signals[0] if signals else signal.SIGTERM
+        raise Interrupted(f"stopped by signal {signum} before the first step; nothing was saved", signum)
 
 
 def _train(
@@ -151,23 +191,29 @@ def _train(
     ckpts: checkpoint.TrainCheckpoints,
     progress: bool,
     sample: bool,
+    signals: list[int],
 ) -> TrainResult:
-    start = resolve(cfg, ckpts, train_ds, mesh)
+    start = resolve(cfg, ckpts, train_ds, val_sets, mesh)
     cfg = start.cfg
     program, step_fn, used = compile_step(cfg, mesh, train_ds.seq_len)
+    _stop_if_signalled(signals)
     run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
+    jax.block_until_ready(run.state)  # nothing in flight when a signal stops the run here
+    _stop_if_signalled(signals)
     batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
     global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
     result = TrainResult(run.out_dir, run.step, memory=used)
     log = StepLog(cfg, mesh, train_ds.seq_len, run, result, progress)
     run.show(f"meshlm train: {run.describe()} on {describe(mesh)}; {len(train_ds):,} train sequences")
 
-    step, pending = run.step, None
-    with _stop_on_signals() as signals, jax.set_mesh(mesh):
+    first = step = run.step
+    pending = None
+    with jax.set_mesh(mesh), log:
         while step < cfg.total_steps and not _any_process(bool(signals)):
             batch = _global_batch(next(run.loader), batch_sharding, global_shape)
             run.state, metrics = step_fn(run.state, batch, *run.base_args)
             step += 1
+            ckpts.check()  # a background save that failed stops the run now, not at the next save
             if pending:  # a step's metrics are read once the next step is queued: the devices never wait
                 log.record(*pending)
             pending = (step, metrics)
@@ -188,15 +234,16 @@ def _train(
             log.record(*pending)
         if step != run.last_saved:
             run.save(step)
-        log.close()
         ckpts.wait()
     result.step = step
     result.stopped_by_signal = step < cfg.total_steps
     if result.stopped_by_signal:
+        result.signal = signals[0] if signals else signal.SIGTERM
         why = f"signal {signals[0]}" if signals else "a signal to another process"
-        run.show(f"meshlm train: stopped by {why} at step {step}; checkpoint saved in {ckpts.folder}")
+        saved = f"checkpoint saved in {ckpts.folder}" if step > first else "no new step to save"
+        run.show(f"meshlm train: stopped by {why} at step {step}; {saved}")
     result.lm = run.language_model()
-    if sample and cfg.sample_tokens and not result.stopped_by_signal and cfg.data is None and jax.process_count() == 1:
+    if sample and cfg.sample_tokens and not signals and cfg.data is None and jax.process_count() == 1:
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
     return result
 
@@ -211,7 +258,13 @@ class Start(NamedTuple):
     seed_opt: mtj.SeedOptimizerState | None
 
 
-def resolve(cfg: TrainConfig, ckpts: checkpoint.TrainCheckpoints, train_ds: TokenDataset, mesh: Mesh) -> Start:
+def resolve(
+    cfg: TrainConfig,
+    ckpts: checkpoint.TrainCheckpoints,
+    train_ds: TokenDataset,
+    val_sets: dict[str, TokenDataset],
+    mesh: Mesh,
+) -> Start:
     """The model the run trains, from its own latest checkpoint, else `init_from`'s config, else the
     config's; every check that needs no weights. The run's checkpoints come first, also in a run that
     continued a seed run."""
@@ -247,6 +300,8 @@ def resolve(cfg: TrainConfig, ckpts: checkpoint.TrainCheckpoints, train_ds: Toke
             f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "
             "the data was tokenized for another vocabulary"
         )
+    for ds in (train_ds, *val_sets.values()):
+        ds.check_vocab(model_cfg.vocab_size)
     return Start(cfg.replace(model=model_cfg), latest, base_ref, seed_opt)
 
 
@@ -351,6 +406,11 @@ class Run:
     def save(self, step: int) -> None:
         """A checkpoint; a LoRA run's holds the adapter alone, with its settings and the base it adapts."""
         cfg = self.cfg
+        if not bool(_all_finite(self.state.params)):
+            raise TrainingStopped(
+                f"step {step}: the parameters are no longer finite; stopped without saving them, "
+                f"{self.last_good()} (lower lr, or check the data)"
+            )
         lora = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": self.base_ref}
         loader = self.loader.state.to_dict()
         desc = checkpoint.description(
@@ -358,6 +418,12 @@ class Run:
         )
         self.ckpts.save(step, self.state.params, self.state.opt_state, desc)
         self.last_saved = step
+
+    def last_good(self) -> str:
+        """Which checkpoint a stopped run leaves to resume from."""
+        if self.last_saved == 0 and self.ckpts.latest_step() is None:
+            return "and no checkpoint was saved"
+        return f"the last checkpoint, step {self.last_saved}, is intact"
 
     def validate(self) -> dict[str, float]:
         """Mean loss per token of each validation set's first `val_batches` batches."""
@@ -397,12 +463,13 @@ class StepLog:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, seq_len: int, run: Run, result: TrainResult, progress: bool):
         from tqdm import tqdm
 
-        self.cfg, self.result = cfg, result
+        self.cfg, self.result, self.run = cfg, result, run
         self.tokens_per_step = cfg.batch_size * seq_len
         self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
         self.peak = peak_flops(mesh, cfg.compute_dtype)
         self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
-        self.log = MetricsLog(Path(cfg.metrics_dir), cfg.wandb_project, cfg.wandb_run, _jsonable(cfg))
+        resumed = run.step if run.ckpts.latest_step() is not None else None
+        self.log = MetricsLog(Path(cfg.metrics_dir), cfg.wandb_project, cfg.wandb_run, _jsonable(cfg), resumed)
         self.say = tqdm.write if run.main else lambda *_: None
         self.bar = tqdm(
             total=cfg.total_steps, initial=run.step, desc="train", unit="step", disable=not (progress and run.main)
@@ -414,6 +481,11 @@ class StepLog:
 
     def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = {k: _scalar(v) for k, v in metrics.items()}
+        if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+            raise TrainingStopped(
+                f"step {step}: the loss is {values['loss']} (grad norm {values['grad_norm']}); stopped without "
+                f"saving, {self.run.last_good()} (lower lr, or check the data)"
+            )
         now = time.perf_counter()
         dt, self.last_time = now - self.last_time, now
         values["tokens_per_s"] = self.tokens_per_step / dt
@@ -439,6 +511,13 @@ class StepLog:
     def close(self) -> None:
         self.bar.close()
         self.log.close()
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, error_type: type | None, *_: object) -> None:
+        self.bar.leave = error_type is None  # an error's one line is not left behind a stale progress bar
+        self.close()
 
 
 ADAPTER_KEY = 2**32 - 1  # folded into the seed's key for a new adapter: apart from the base's and dropout's keys
@@ -522,6 +601,11 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
             "total_steps counts from the seed run's start, so set it above the checkpoint's step"
         )
     return seed
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def _scalar(x: jax.Array) -> float:

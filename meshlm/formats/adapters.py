@@ -175,14 +175,9 @@ def is_lora_run(path: str | Path) -> bool:
 
 def read_run(path: str | Path) -> tuple[dict[str, Any], Adapter]:
     """A LoRA run's (latest, or the given step's) description and adapter, on the host."""
-    import orbax.checkpoint as ocp
-
-    path = Path(checkpoint.resolve(path)).absolute()
+    path = Path(checkpoint.resolve(path))
     desc = checkpoint.read_description(path)
-    try:
-        adapter = ocp.StandardCheckpointer().restore(path / "params")
-    except Exception as e:  # orbax reports damage from deep inside tensorstore
-        raise CheckpointError(f"{path}: adapter could not be restored ({type(e).__name__}: {e})") from None
+    adapter = checkpoint.restore_tree(path / "params")
     return desc, jax.tree.map(lambda x: np.asarray(x, np.float32), adapter)
 
 
@@ -304,10 +299,11 @@ def _fuse(
     return modules[roles[0]][0].format(layer), A, layout.join(parts), total, scales.pop()
 
 
-def export_run(run: str | Path, folder: str | Path) -> Path:
+def export_run(run: str | Path, folder: str | Path, overwrite: bool = False) -> Path:
     """Write a meshlm LoRA run's adapter (its latest step, or the step given) as a PEFT folder for the
     base's transformers class: the base folder's own architecture when it is a Hugging Face folder (so a
-    CodeGen base gets CodeGen's module names), else the one `hf.export_arch` picks. Returns the step read."""
+    CodeGen base gets CodeGen's module names), else the one `hf.export_arch` picks. Returns the step read.
+    `folder` is written as `meshlm.convert` writes its destination (`overwrite` likewise)."""
     run = Path(checkpoint.resolve(run))
     if not (Path(run).exists() and is_lora_run(run)):
         raise CheckpointError(f"{run}: not a meshlm LoRA run (its checkpoints hold no adapter)")
@@ -317,7 +313,8 @@ def export_run(run: str | Path, folder: str | Path) -> Path:
     arch = hf.export_arch(cfg)
     if base is not None and hf.detect(base):
         arch = hf.ARCHS.get(read_json(Path(base) / "config.json", "").get("model_type"), arch)
-    write_peft(folder, adapter, cfg, arch, dropout=desc["lora"].get("dropout", 0.0), base=base)
+    with checkpoint.staged(folder, "export-adapter", overwrite) as staging:
+        write_peft(staging, adapter, cfg, arch, dropout=desc["lora"].get("dropout", 0.0), base=base)
     return run
 
 

@@ -1,0 +1,223 @@
+"""Training under faults: bad values refused up front, a non-finite loss or a full disk stops the run with
+one line and keeps the last good checkpoint, Ctrl-C at any moment exits 130 without a crash."""
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshlm import checkpoint, cli, data, train
+from meshlm.config import TrainConfig, TrainingStopped
+from tests.small_disk import tmpfs
+from tests.test_train import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    return write_dataset(tmp_path_factory.mktemp("faults_data"), rng.integers(0, 250, (64, SEQ + 1)))
+
+
+def test_non_finite_and_unreadable_settings_are_refused_before_any_work(tmp_path, capsys, dataset):
+    base = ["--set", f"data={dataset}", "--set", f"out_dir={tmp_path / 'run'}"]
+    for value in ("inf", ".inf", "nan", "-inf"):
+        err = run_cli_error(capsys, *base, "--set", f"lr={value}")
+        assert "lr must be a number >= 0" in err, err
+    assert "eps must be a number > 0" in run_cli_error(capsys, *base, "--set", "eps=.nan")
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("lr: 1e-3  # r\xe9glage\n".encode("latin-1"))
+    assert "latin1.yaml: not a text file in UTF-8 (byte 13)" in run_cli_error(capsys, str(latin1), *base)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lr: [1e-3\nbatch_size: 8\n")
+    assert "broken.yaml: cannot parse (" in run_cli_error(capsys, str(broken), *base)
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    err = run_cli_error(capsys, "--set", f"data={dataset}", "--out-dir", str(a_file))
+    assert f"out_dir {a_file}: is a file, not a folder" in err
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["index-records-max", "older-index-scanned"])
+def test_token_ids_beyond_the_vocabulary_are_refused_before_the_first_step(recorded, tmp_path, capsys):
+    rows = np.random.default_rng(1).integers(0, 250, (16, SEQ + 1))
+    rows[11, 5] = CFG8.vocab_size + 44  # one id the model has no embedding for
+    folder = write_dataset(tmp_path / "data", rows)
+    index = json.loads((folder / data.INDEX).read_text())
+    assert index["splits"]["train"]["max_token"] == CFG8.vocab_size + 44
+    if not recorded:  # a folder prepared before the index recorded it
+        del index["splits"]["train"]["max_token"]
+        (folder / data.INDEX).write_text(json.dumps(index))
+    run = tmp_path / "run"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(folder, run).to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    assert f"{folder}: split 'train' holds token id 300, beyond the model's vocab_size 256" in err
+    assert not list((run / "checkpoints").glob("[0-9]*"))
+
+
+def poison_loss(monkeypatch, at: int) -> None:
+    """The training step's loss turns NaN at step `at`, as a diverging run's does."""
+    compile_step = train.compile_step
+
+    def compile_poisoned(*args):
+        program, step_fn, used = compile_step(*args)
+
+        def step(state, batch, *base):
+            state, metrics = step_fn(state, batch, *base)
+            if int(state.step) == at:
+                metrics = {**metrics, "loss": metrics["loss"] * np.nan}
+            return state, metrics
+
+        return program, step, used
+
+    monkeypatch.setattr(train, "compile_step", compile_poisoned)
+
+
+def test_a_non_finite_loss_stops_the_run_and_its_last_checkpoint_resumes_exactly(
+    tmp_path, capsys, monkeypatch, dataset
+):
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=8, ckpt_every=2)
+    reference = train.train(cfg.replace(out_dir=str(tmp_path / "ref")), progress=False)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    with monkeypatch.context() as patch:
+        poison_loss(patch, at=5)
+        err = run_cli_error(capsys, str(config), "--no-progress")
+    assert "error: step 5: the loss is nan (grad norm " in err
+    assert "stopped without saving, the last checkpoint, step 4, is intact" in err
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").glob("[0-9]*")) == [2, 4]
+    resumed = train.train(cfg, progress=False)
+    assert resumed.losses == {s: loss for s, loss in reference.losses.items() if s > 4}
+    assert [s for s, _ in metrics_losses(tmp_path / "run")] == list(range(1, 9))
+
+
+def test_a_diverging_learning_rate_stops_the_run_in_one_line(tmp_path, capsys, dataset):
+    # lr 0 at step 1 (warm-up), then 1e30: the weights overflow and the loss turns non-finite a few steps on
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=12, lr=1e30, end_lr=1e30, warmup_steps=2, ckpt_every=1)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    stopped = int(err.split("error: step ")[1].split(":")[0])
+    assert "the loss is nan" in err or "the loss is inf" in err or "parameters are no longer finite" in err
+    saved = max(int(p.name) for p in (tmp_path / "run" / "checkpoints").glob("[0-9]*"))
+    assert saved < stopped and f"the last checkpoint, step {saved}, is intact" in err
+    logged = metrics_losses(tmp_path / "run")
+    assert [s for s, _ in logged] == list(range(1, stopped)) and all(np.isfinite(loss) for _, loss in logged)
+
+
+@pytest.mark.parametrize("noticed", ["before-the-save", "in-the-background-save"])
+def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(noticed, tmp_path, monkeypatch, dataset):
+    settings = dict(total_steps=16, ckpt_every=4, keep_last=2)
+    reference = train.train(tiny_config(dataset, tmp_path / "ref", **settings), progress=False)
+    if noticed == "in-the-background-save":  # free space unknown (as for a bucket): the write itself fails
+        monkeypatch.setattr(checkpoint, "_free_bytes", lambda folder: None)
+    # a checkpoint of this model takes about 1.3 MB: the first fits, the second does not
+    with tmpfs(tmp_path / "disk", "2000k") as disk:
+        cfg = tiny_config(dataset, disk / "run", **settings)
+        with pytest.raises(TrainingStopped) as stopped:
+            train.train(cfg, progress=False)
+        message = str(stopped.value)
+        assert "\n" not in message
+        assert message.startswith(f"{disk / 'run' / 'checkpoints'}")
+        assert "no space left for the checkpoint of step 8 (it needs about 1,19" in message
+        assert "the previous checkpoint is intact" in message
+        assert [p.name for p in (disk / "run" / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
+        subprocess.run(["mount", "-o", "remount,size=20000k", str(disk)], check=True)  # space freed
+        resumed = train.train(cfg, progress=False)
+    assert min(resumed.losses) == 5
+    assert resumed.losses == {s: loss for s, loss in reference.losses.items() if s > 4}
+
+
+def test_a_full_disk_is_one_line_on_the_command_line(tmp_path, capsys, dataset):
+    with tmpfs(tmp_path / "disk", "2000k") as disk:
+        config = tmp_path / "run.json"
+        config.write_text(json.dumps(tiny_config(dataset, disk / "run", total_steps=16, ckpt_every=4).to_dict()))
+        err = run_cli_error(capsys, str(config), "--no-progress")
+    assert "no space left for the checkpoint of step 8" in err
+
+
+def interrupt(proc: subprocess.Popen, run: Path, when: str, rng: np.random.Generator) -> None:
+    """Send SIGINT at a moment of the kind `when` names."""
+    if when == "start-up":
+        time.sleep(rng.uniform(1.5, 4.0))
+    else:
+        lines, deadline = [], time.time() + 120
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "step compiled" in line:
+                break
+            assert line, "".join(lines)
+        if when == "after-compile":
+            time.sleep(rng.uniform(0.0, 2.0))
+        else:  # stepping and saving (a checkpoint every step)
+            while len(metrics_losses(run)) < 2:
+                assert proc.poll() is None
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
+    proc.send_signal(signal.SIGINT)
+
+
+def test_ctrl_c_at_any_moment_exits_130_without_a_crash(tmp_path, dataset):
+    rng = np.random.default_rng()
+    for trial, when in enumerate(["start-up", "after-compile", "after-compile", "stepping", "stepping"]):
+        run = tmp_path / f"run{trial}"
+        config = tmp_path / f"run{trial}.json"
+        config.write_text(json.dumps(tiny_config(dataset, run, total_steps=10_000, ckpt_every=1).to_dict()))
+        proc = start_run(config, tmp_path / "jax_cache")
+        interrupt(proc, run, when, rng)
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 130, (when, out)
+        assert "Traceback" not in out and "SIGSEGV" not in out, (when, out)
+        assert "stopped by signal 2" in out, (when, out)
+        if when == "stepping":
+            saved = max(int(p.name) for p in (run / "checkpoints").glob("[0-9]*"))
+            assert saved == metrics_losses(run)[-1][0]  # the final checkpoint is the last step run
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path, dataset):
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=6, ckpt_every=3)
+    train.train(cfg, progress=False)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    # as a kill after step 5 leaves it: steps 4 and 5 logged, their checkpoint never written, a line torn
+    metrics.write_text("\n".join(lines[:5]) + '\n{"step": 6, "lo')
+    (tmp_path / "run" / "checkpoints" / "6").rename(tmp_path / "gone")
+    resumed = train.train(cfg, progress=False)
+    assert sorted(resumed.losses) == [4, 5, 6]
+    assert [s for s, _ in metrics_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_config_values_are_checked_as_finite_numbers():
+    with pytest.raises(ValueError, match="must be a number >= 0, got inf"):
+        TrainConfig(lr=float("inf"))
+
+
+def test_a_run_whose_newest_checkpoint_is_damaged_is_refused_not_replaced_by_an_older_one(tmp_path, capsys, dataset):
+    run = tmp_path / "run"
+    train.train(tiny_config(dataset, run, total_steps=4, ckpt_every=2), progress=False)
+    shutil.rmtree(run / "checkpoints" / "4" / "meshlm")
+    assert cli.main(["sample", str(run), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"meshlm sample: error: {run / 'checkpoints' / '4'}: the run's newest checkpoint has no meshlm/metadata "
+        "(damaged, or not meshlm's); remove it to use step 2, or load that step's folder"
+    )
+
+
+def test_resuming_from_a_damaged_checkpoint_names_the_parameter_in_one_line(tmp_path, capsys, dataset):
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=2, ckpt_every=2)
+    train.train(cfg, progress=False)
+    chunks = sorted((tmp_path / "run" / "checkpoints" / "2" / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
+    chunks[-1].write_bytes(chunks[-1].read_bytes()[:100])  # the largest data file, cut short
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.replace(total_steps=4).to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    assert "error: parameter " in err and ": chunk missing or corrupt (" in err, err

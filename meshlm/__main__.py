@@ -1,3 +1,3 @@
-from meshlm.cli import main
+from meshlm.cli import run
 
-raise SystemExit(main())
+run()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 
-from meshlm.config import ATTENTION_IMPLS, RUN_CHECKPOINTS, ConfigError, MeshlmError
+from meshlm.config import ATTENTION_IMPLS, RUN_CHECKPOINTS, ConfigError, Interrupted, MeshlmError
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -95,12 +96,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
     )
 
 
+def _add_destination(p: argparse.ArgumentParser) -> None:
+    """DST and --overwrite, for the commands that write a model folder the way `checkpoint.staged` does."""
+    p.add_argument("dst", help="destination folder: new or empty, unless --overwrite")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what an earlier run of meshlm left in DST (a checkpoint, finished or not; its "
+        "DST.COMMAND-unfinished folder), once the new one is whole; a folder holding other files is refused",
+    )
+
+
 def cmd_convert(args: argparse.Namespace) -> None:
     """Convert between checkpoint formats (meshlm, Hugging Face, and the seed's step_N folders); the source's
     tokenizer files come along."""
     from meshlm import api
 
-    api.convert(args.src, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config)
+    api.convert(
+        args.src, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config, overwrite=args.overwrite
+    )
     print(f"wrote {args.to} checkpoint to {args.dst}")
 
 
@@ -109,7 +123,15 @@ def cmd_merge(args: argparse.Namespace) -> None:
     streamed a slice at a time; the base's tokenizer files come along."""
     from meshlm import api
 
-    api.merge(args.base, args.adapter, args.dst, to=args.to, dtype=args.dtype, seed_config=args.seed_config)
+    api.merge(
+        args.base,
+        args.adapter,
+        args.dst,
+        to=args.to,
+        dtype=args.dtype,
+        seed_config=args.seed_config,
+        overwrite=args.overwrite,
+    )
     print(f"wrote the merged {args.to} checkpoint to {args.dst}")
 
 
@@ -118,7 +140,7 @@ def cmd_export_adapter(args: argparse.Namespace) -> None:
     that peft.PeftModel.from_pretrained loads on the base's transformers model."""
     from meshlm.formats import adapters
 
-    step = adapters.export_run(args.run, args.dst)
+    step = adapters.export_run(args.run, args.dst, overwrite=args.overwrite)
     print(f"wrote the adapter of {step} to {args.dst}")
 
 
@@ -182,39 +204,65 @@ def _stdin_prompts():
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve a checkpoint over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, /health and
     the seed's /complete, with requests batched together as they arrive."""
+
+    def stop_at_once(signum: int, _: object) -> None:
+        """Ctrl-C while loading or compiling (or once uvicorn has stopped serving) ends the process at once:
+        there is nothing to save, a KeyboardInterrupt would wait for XLA's compile threads, and one raised in
+        JAX's garbage-collection callbacks is lost ("Exception ignored in ..."): the server would start anyway."""
+        print(f"meshlm serve: stopped by signal {signum} (Ctrl-C)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGINT, stop_at_once)
+    try:
+        _serve(args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """`cmd_serve`'s work, under its Ctrl-C handler."""
     from pathlib import Path
 
+    # settings that cannot work, and the port, are refused before the model loads (minutes, for a large one)
+    at_least = {"--max-batch": 1, "--max-queue": 1, "--chunk": 1, "--max-len": 1, "--kv-tokens": 1, "--speculate": 1,
+                "--ngram": 0}  # fmt: skip
+    for flag, least in at_least.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     try:
         from meshlm import server
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
-    lm = _load(args)
-    _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
-    draft = None
-    if args.draft:
-        from meshlm import api
+    with server.bind(args.host, args.port) as sock:
+        lm = _load(args)
+        _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
+        draft = None
+        if args.draft:
+            from meshlm import api
 
-        draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
-    name = args.model_name or Path(args.checkpoint).resolve().name
-    server.serve(
-        lm,
-        host=args.host,
-        port=args.port,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        chunk=args.chunk,
-        model_name=name,
-        max_len=args.max_len,
-        kv_tokens=args.kv_tokens,
-        prefix_caching=not args.no_prefix_caching,
-        ngram=args.ngram,
-        draft=draft,
-        attention=args.attention,
-        speculate=args.speculate,
-        api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
-        request_timeout=args.request_timeout,
-    )
+            draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
+        name = args.model_name or Path(args.checkpoint).resolve().name
+        server.serve(
+            lm,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            chunk=args.chunk,
+            model_name=name,
+            max_len=args.max_len,
+            kv_tokens=args.kv_tokens,
+            prefix_caching=not args.no_prefix_caching,
+            ngram=args.ngram,
+            draft=draft,
+            attention=args.attention,
+            speculate=args.speculate,
+            api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
+            request_timeout=args.request_timeout,
+            sock=sock,
+        )
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -291,7 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train.train(cfg, progress=not args.no_progress)
     if jax.process_index() == 0:
         print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / RUN_CHECKPOINTS}")
-    return 0
+    return 128 + result.signal if result.signal else 0  # stopped by a signal: the status shells expect
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -348,6 +396,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         seed=args.seed,
         workers=args.workers,
         shard_rows=args.shard_rows,
+        overwrite=args.overwrite,
     )
     for name, split in summary["splits"].items():
         print(
@@ -374,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seed's step_N folder "
         "(or its run folder with meta.json; fsspec URLs accepted for seed checkpoints); format detected from its files",
     )
-    p.add_argument("dst", help="destination folder (must not exist or be empty)")
+    _add_destination(p)
     p.add_argument("--to", required=True, choices=["meshlm", "hf"])
     p.add_argument(
         "--dtype",
@@ -403,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)", description=cmd_serve.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed at start)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most before 503 (default 64)")
     p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")
@@ -414,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-tokens",
         type=int,
         default=None,
-        help="tokens the paged KV cache holds, all rows together (default: what 80%% of the memory the weights "
-        "leave holds, at most max-batch full contexts)",
+        help="tokens the paged KV cache holds, all rows together (default: what 80%% of the memory free beside the "
+        "weights and the rows holds, at most max-batch full contexts; a pool that does not fit is refused)",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     p.add_argument(
@@ -548,7 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INPUT",
         help="text file, directory (recursed), .jsonl, .jsonl.zst or the seed's .tfrecord(s) file",
     )
-    p.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset already)")
+    p.add_argument("--out", required=True, help="output folder: absent or empty, unless --overwrite")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the dataset (index.json, train/, val/) in a folder that is not empty, and the"
+        " OUT.prepare-unfinished folder a killed run left; other files there stay",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold one more)")
     val = p.add_mutually_exclusive_group()
     val.add_argument(
@@ -583,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help=cmd_merge.__doc__, description=cmd_merge.__doc__)
     p.add_argument("base", help=CHECKPOINT_HELP)
     p.add_argument("adapter", help="a PEFT adapter folder or a meshlm LoRA run")
-    p.add_argument("dst", help="destination folder (must not exist or be empty)")
+    _add_destination(p)
     p.add_argument("--to", default="meshlm", choices=["meshlm", "hf"], help="format written (default meshlm)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="precision written")
     p.add_argument("--seed-config", default=None, help="the seed's run JSON, for a seed checkpoint as the base")
@@ -591,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-adapter", help=cmd_export_adapter.__doc__, description=cmd_export_adapter.__doc__)
     p.add_argument("run", help="a meshlm LoRA run folder (its latest step) or one of its step folders")
-    p.add_argument("dst", help="destination folder (must not exist or be empty)")
+    _add_destination(p)
     p.set_defaults(handler=cmd_export_adapter)
 
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
@@ -611,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         return args.handler(args) or 0
+    except Interrupted as e:
+        print(f"meshlm {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except MeshlmError as e:
         print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -618,9 +676,18 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"meshlm {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it (a command's own start-up, say)
+        print(f"meshlm {args.command}: stopped by signal 2 (Ctrl-C)", file=sys.stderr)
         return 130
 
 
+def run() -> None:
+    """The `meshlm` program: `main`, then an exit that a late Ctrl-C cannot turn into a traceback (JAX's
+    clean-up at exit is not to be interrupted; the command has said how it ended)."""
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from meshlm import model
 from meshlm.config import InputError, ModelConfig, dtype_of
-from meshlm.footprint import device_capacity
+from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.generate import (
     TOP_LOGPROBS,
     Completion,
@@ -64,7 +64,7 @@ MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves
 MIN_PROMPT_BUCKET = 16
 MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
 PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
-KV_MEMORY_FRACTION = 0.8  # of the memory the weights leave, for the default KV pool
+KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,7 +314,7 @@ def abstract_state(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, model.CACHE_AXES)), cache
     )
     B, spec = max_batch, partial(_batch_spec, mesh)
-    settings = jax.tree.map(lambda x: spec(x.shape, x.dtype), settings_for([], B))
+    settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)
     return cache, Rows(int32, spec((B, cfg.vocab_size), bool), int32, spec((B,), bool), int32, settings)
 
@@ -419,6 +419,32 @@ def _count_compiles(stats: weakref.ref) -> None:
     jax.monitoring.register_event_duration_secs_listener(listen)
 
 
+def free_memory(device: jax.Device) -> int | None:
+    """Bytes new arrays on `device` can still take: the runtime's limit less what is in use (GPUs, TPUs);
+    for a CPU device its share of what the host has available (simulated CPU devices share one host), not
+    of its physical memory, which other processes use too. None: unknown."""
+    if device.platform == "cpu":
+        local = sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu"))
+        return _host_available() // max(local, 1)
+    stats = device.memory_stats()
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _host_available() -> int:
+    """The kernel's estimate of what can be allocated without swapping (MemAvailable: free memory and
+    reclaimable caches); where /proc/meminfo is missing, the free pages alone."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
@@ -465,7 +491,8 @@ class Engine:
     """Continuous batching of `max_batch` rows over a KV pool of `kv_tokens` tokens, for one model on one mesh.
 
     `max_len` bounds a row's prompt plus output (the model's context by default). `kv_tokens` defaults to
-    what fits in `KV_MEMORY_FRACTION` of the memory the weights leave, at most `max_batch` full rows."""
+    what fits in `KV_MEMORY_FRACTION` of the device memory free beside the weights (loaded already) and the
+    slots, at most `max_batch` full rows. A pool and slots larger than the free memory are refused."""
 
     def __init__(
         self,
@@ -499,11 +526,15 @@ class Engine:
         self.max_len = max_len or cfg.max_seq_len
         self.page_size = page_size
         self.max_pages = pages_for(self.max_len, page_size)  # of one row
-        kv_tokens = self._default_kv_tokens() if kv_tokens is None else kv_tokens
+        free, slots = free_memory(self._local_device()), self._slot_bytes()
+        chosen = kv_tokens is not None
+        kv_tokens = kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise InputError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
         self.kv_tokens = max(kv_tokens, page_size)
-        self.pool = PagePool(pages_for(self.kv_tokens, page_size) + 1, page_size, prefix_caching)
+        n_pages = pages_for(self.kv_tokens, page_size) + 1
+        self._check_memory(n_pages * page_size * self.kv_bytes_per_token(), slots, free, chosen)
+        self.pool = PagePool(n_pages, page_size, prefix_caching)
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * self.max_batch
         self.stats = Stats()
@@ -522,12 +553,40 @@ class Engine:
         draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)
         return per_token(self.cfg, self.policy) + draft
 
-    def _default_kv_tokens(self) -> int:
-        weights = sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.draft and self.draft.params)))
-        local = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-        spare = device_capacity(local) - weights
-        fits = int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token()
-        return max(self.page_size, min(fits, self.max_batch * self.max_len))
+    def _local_device(self) -> jax.Device:
+        return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+    def _slot_bytes(self) -> tuple[int, int]:
+        """Bytes per device that `max_batch` alone sets: the slots' state (a [rows, vocab] mask among it) and
+        one step's float32 logits, [rows, positions, vocab]: the least of a step's working memory (XLA's
+        is several times that)."""
+        _, rows = abstract_state(self.cfg, self.policy, self.mesh, 1, self.page_size, self.max_batch)
+        shape = (self.max_batch, self.speculate + 1, self.cfg.vocab_size)
+        logits = jax.ShapeDtypeStruct(shape, np.float32, sharding=named_sharding(self.mesh, ("batch", None, "vocab")))
+        return shard_bytes(rows), shard_bytes(logits)
+
+    def _default_kv_tokens(self, spare: int | None) -> int:
+        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most `max_batch` full rows."""
+        rows = self.max_batch * self.max_len
+        if spare is None:
+            return rows
+        return max(self.page_size, min(int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token(), rows))
+
+    def _check_memory(self, pool: int, slots: tuple[int, int], free: int | None, chosen: bool) -> None:
+        """Refuse a pool and slots the device cannot hold before allocating them: past its memory an
+        accelerator fails the allocation, and a CPU host kills the process. `chosen`: kv_tokens was given."""
+        if free is None:
+            return
+        state, logits = slots
+        needed = pool + state + logits
+        if needed > free:
+            rows = f"{self.max_batch} rows (state {gib(state)}, one step's logits {gib(logits)})"
+            if chosen:
+                what, lower = f"{self.kv_tokens:,} KV tokens ({gib(pool)}) and {rows}", "kv_tokens or max_batch"
+            else:  # the default pool is a share of what the rows leave: the rows alone do not fit
+                what, lower = rows, "max_batch"
+            raise OutOfMemory(f"{what} need {gib(needed)} per device, but {gib(free)} are free: lower {lower}",
+                              needed, free)  # fmt: skip
 
     def _batch_bucket(self, n: int) -> int:
         """Rows are padded to a power of two that the mesh's batch axes divide."""
@@ -621,18 +680,36 @@ class Engine:
         with jax.set_mesh(self.mesh):
             lowered = [fn.lower(*state, *args, **options) for fn, args in programs]
 
-        def compile(lowered: Any) -> None:
+        def compile(lowered: Any) -> Footprint:
             with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
-                lowered.compile()
+                return Footprint.of(lowered.compile())
 
+        free = free_memory(self._local_device())
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            list(pool.map(compile, lowered))
+            try:  # the steps of the most rows first: a server they do not fit is refused after one compile
+                for step in pool.map(compile, lowered[::-1]):
+                    self._check_working_memory(step, free)
+            except BaseException:  # a refusal or Ctrl-C: the programs not started yet are dropped
+                pool.shutdown(cancel_futures=True)
+                raise
         for fn, args in programs:
             self._call(fn, *self._padding(args))
         seconds = time.perf_counter() - began
         self.stats.compiled_shapes, self.stats.compile_seconds = len(programs), seconds
         _count_compiles(weakref.ref(self.stats))
         return len(programs), seconds
+
+    def _check_working_memory(self, step: Footprint, free: int | None) -> None:
+        """Refuse a compiled step whose working memory (XLA's own figure) exceeds what the weights, the pool
+        and the slots leave free, before a run allocates it."""
+        working = step.outputs - step.aliased + step.temporaries
+        if free is not None and working > free:
+            raise OutOfMemory(
+                f"a compiled step needs {gib(working)} of working memory per device beside the weights, the KV "
+                f"cache and the slots, but {gib(free)} are free: lower max_batch or kv_tokens",
+                working,
+                free,
+            )
 
     def _padding(self, args: tuple[Any, ...]) -> list[Any]:
         """Arguments of the given shapes for padding rows only: slots out of range, pages all page 0."""

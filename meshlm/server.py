@@ -10,8 +10,11 @@ since the engine compiled every shape it can use before the server started liste
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import secrets
+import socket
 import threading
 import time
 import traceback
@@ -21,6 +24,7 @@ from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
-from meshlm.config import InputError
+from meshlm.config import ConfigError, InputError
 from meshlm.engine import Engine, Request
 from meshlm.generate import RowOutput, SamplingParams, check_chunk
 
@@ -45,6 +49,9 @@ UNSUPPORTED = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
 }
+BACKLOG = 2048  # connections the kernel queues before the server accepts them (uvicorn's default)
+STOPPING = -1  # the update that tells a handler the server is stopping
+SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for requests to answer once stopping, then cancels them
 
 
 class QueueFull(Exception):
@@ -160,11 +167,14 @@ class Group:
         self.rows: list[Request] = []
 
     def add(self, prompt: list[int], output: RowOutput) -> Request:
-        index = len(self.rows)
-        notify = partial(self.loop.call_soon_threadsafe, self.updates.put_nowait, index)
-        row = Request(prompt, output, notify=notify)
+        row = Request(prompt, output, notify=partial(self._changed, len(self.rows)))
         self.rows.append(row)
         return row
+
+    def _changed(self, index: int) -> None:
+        """Wake the handler; called from the engine's thread, which may outlive the event loop at shutdown."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this row any more
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, index)
 
     def cancel(self) -> None:
         """Stop every row still running (client gone, timeout, or done): the engine frees them at its next step."""
@@ -181,7 +191,8 @@ def create_app(
     request_timeout: float | None = None,
 ) -> FastAPI:
     """The HTTP API over a running scheduler. With `api_key`, every route but /health needs
-    `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408)."""
+    `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408).
+    `app.state.stop()` answers every request in flight 503 and refuses new ones (the server is stopping)."""
     if request_timeout is not None and not request_timeout > 0:
         raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
     app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
@@ -191,6 +202,15 @@ def create_app(
     created = int(time.time())
     metrics = Metrics(engine, scheduler)
     open_paths = {"/health"}
+    in_flight: set[Group] = set()
+    app.state.stopping = False
+
+    def stop() -> None:
+        app.state.stopping = True
+        for group in in_flight:
+            group.updates.put_nowait(STOPPING)
+
+    app.state.stop = stop
 
     @app.middleware("http")
     async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awaitable[Any]]) -> Any:
@@ -296,6 +316,8 @@ def create_app(
         return group
 
     def submit(group: Group) -> None:
+        if app.state.stopping:
+            raise APIError(503, "the server is shutting down", kind="server_error")
         if len(group.rows) > scheduler.max_queue:
             raise APIError(
                 400, f"request asks for {len(group.rows)} completions; this server takes at most {scheduler.max_queue}"
@@ -306,13 +328,28 @@ def create_app(
             raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
 
     async def next_update(group: Group, deadline: float | None) -> int:
-        """The index of the next row that changed; 408 once the request's time is up."""
+        """The index of the next row that changed; 408 once the request's time is up, 503 once the server stops."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(group.updates.get(), timeout)
+            index = await asyncio.wait_for(group.updates.get(), timeout)
         except TimeoutError:
             raise APIError(408, f"the request ran past the server's timeout of {request_timeout:g} s",
                            kind="timeout") from None  # fmt: skip
+        if index == STOPPING:
+            raise APIError(503, "the server is shutting down", kind="server_error")
+        return index
+
+    @contextlib.contextmanager
+    def answering(group: Group) -> Iterator[None]:
+        """While a request is answered `stop` reaches it; once it is (or its client has gone), its rows stop
+        and its latencies are recorded."""
+        in_flight.add(group)
+        try:
+            yield
+        finally:
+            in_flight.discard(group)
+            group.cancel()
+            metrics.observe(group)
 
     def deadline() -> float | None:
         return None if request_timeout is None else time.monotonic() + request_timeout
@@ -321,18 +358,17 @@ def create_app(
         """Until every row of a request has finished; a client that goes away cancels its rows at once."""
         until = deadline()
         watcher = asyncio.create_task(_disconnected(request))
-        try:
-            while not all(r.output.finished or r.error for r in group.rows):
-                update = asyncio.create_task(next_update(group, until))
-                await asyncio.wait({update, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if watcher.done():
-                    update.cancel()
-                    return
-                update.result()
-        finally:
-            watcher.cancel()
-            group.cancel()
-            metrics.observe(group)
+        with answering(group):
+            try:
+                while not all(r.output.finished or r.error for r in group.rows):
+                    update = asyncio.create_task(next_update(group, until))
+                    await asyncio.wait({update, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    if watcher.done():
+                        update.cancel()
+                        return
+                    update.result()
+            finally:
+                watcher.cancel()
         for row in group.rows:
             if row.error:
                 raise APIError(500, row.error, kind="server_error")
@@ -413,7 +449,7 @@ def create_app(
         sent_tokens = [0] * len(rows)
         offsets = [len(p) for p in prefixes]
         until = deadline()
-        try:
+        with answering(group):
             for i, prefix in enumerate(prefixes):
                 if prefix:
                     yield event(i, prefix, None, None)
@@ -444,9 +480,6 @@ def create_app(
                 if done:
                     open_rows.discard(i)
             yield "data: [DONE]\n\n"
-        finally:
-            group.cancel()
-            metrics.observe(group)
 
     @app.post("/complete")
     async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
@@ -532,6 +565,43 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _address(host: str, port: int) -> str:
+    """host:port as a URL writes it ([host]:port for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: any free one), not listening yet. `meshlm serve` binds before
+    it loads the model: a port that is taken, privileged or out of range is reported in a second, not after
+    minutes of loading and compiling, and no other server can take it meanwhile. Until `serve` listens,
+    connections are refused rather than left hanging."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be in 0..65535 (0: any free port), got {port!r}")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]  # fmt: skip
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot listen on {_address(host, port)}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind(sockaddr)
+    except OSError as e:
+        sock.close()
+        raise _listen_error(e, _address(host, port)) from None
+    return sock
+
+
+def _listen_error(e: OSError, where: str) -> ConfigError:
+    """One line naming the address and what is wrong with it."""
+    reasons = {
+        errno.EADDRINUSE: "is already in use",
+        errno.EACCES: "needs privileges (ports below 1024 do)",
+        errno.EADDRNOTAVAIL: "is not an address of this host",
+    }
+    return ConfigError(f"{where} {reasons[e.errno]}" if e.errno in reasons else f"cannot listen on {where}: {e}")
+
+
 def serve(
     lm: LanguageModel,
     host: str = "127.0.0.1",
@@ -549,33 +619,53 @@ def serve(
     request_timeout: float | None = None,
     draft: LanguageModel | None = None,
     attention: str | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Compile every shape the engine can use, then serve until interrupted."""
-    import uvicorn
+    """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
+    `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else."""
+    with sock or bind(host, port) as sock:
+        engine = lm.engine(
+            draft=draft,
+            attention=attention,
+            max_batch=max_batch,
+            max_len=max_len,
+            kv_tokens=kv_tokens,
+            prefix_caching=prefix_caching,
+            ngram=ngram,
+            speculate=speculate,
+        )
+        scheduler = Scheduler(engine, chunk=chunk, max_queue=max_queue)
+        app = create_app(lm, scheduler, model_name, api_key=api_key, request_timeout=request_timeout)
+        print(
+            f"meshlm serve: {engine.max_batch} rows, {engine.pool.capacity * engine.page_size} KV tokens "
+            f"({engine.kv_bytes_per_token() * engine.page_size * engine.pool.n_pages / 2**30:.2f} GiB per device), "
+            f"context {engine.max_len}; compiling ...",
+            flush=True,
+        )
+        shapes, seconds = engine.warm_up()
+        print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s", flush=True)
+        where = _address(*sock.getsockname()[:2])
+        try:
+            sock.listen(BACKLOG)
+        except OSError as e:  # another socket bound the port with SO_REUSEADDR too, and listened first
+            raise _listen_error(e, where) from None
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT)
+        scheduler.start()
+        print(f"meshlm serve: {lm} as {model_name!r} on http://{where}", flush=True)
+        try:
+            asyncio.run(_Server(config, app.state.stop).serve(sockets=[sock]))
+        finally:
+            scheduler.stop()
 
-    engine = lm.engine(
-        draft=draft,
-        attention=attention,
-        max_batch=max_batch,
-        max_len=max_len,
-        kv_tokens=kv_tokens,
-        prefix_caching=prefix_caching,
-        ngram=ngram,
-        speculate=speculate,
-    )
-    scheduler = Scheduler(engine, chunk=chunk, max_queue=max_queue)
-    app = create_app(lm, scheduler, model_name, api_key=api_key, request_timeout=request_timeout)
-    print(
-        f"meshlm serve: {engine.max_batch} rows, {engine.pool.capacity * engine.page_size} KV tokens "
-        f"({engine.kv_bytes_per_token() * engine.page_size * engine.pool.n_pages / 2**30:.2f} GiB per device), "
-        f"context {engine.max_len}; compiling ...",
-        flush=True,
-    )
-    shapes, seconds = engine.warm_up()
-    print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s", flush=True)
-    scheduler.start()
-    print(f"meshlm serve: {lm} as {model_name!r} on http://{host}:{port}", flush=True)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
-    finally:
-        scheduler.stop()
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which answers the requests in flight (503) as soon as it starts to stop (Ctrl-C,
+    SIGTERM): a generation can run for minutes, and uvicorn would cancel it, logging a traceback."""
+
+    def __init__(self, config: uvicorn.Config, stop_requests: Callable[[], None]):
+        super().__init__(config)
+        self.stop_requests = stop_requests
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.stop_requests()
+        await super().shutdown(sockets)

@@ -136,8 +136,11 @@ class MetricsLog:
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a full disk: say which file (a file object's error names none)
+            raise OSError(e.errno, e.strerror, self._jsonl.name) from None
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
         if self._wandb is not None:

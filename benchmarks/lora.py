@@ -42,7 +42,7 @@ def meshlm_step(
         model=cfg, batch_size=len(tokens), lora=lora, base_dtype=base_dtype, warmup_steps=0, anneal_steps=10
     )
     mesh = make_mesh(None)
-    # a quantized base keeps its other weights in the compute dtype, as train.load_base builds it
+    # a quantized base keeps its other weights in the compute dtype, as run_start.load_base builds it
     base = api.from_config(cfg, mesh, "float32" if quantize else base_dtype, seed=0, quantize=quantize).params
     opt = optim.make_optimizer(tcfg, cfg)
     shardings = train_step.state_shardings(cfg, opt, mesh, lora)

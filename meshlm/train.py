@@ -1,6 +1,7 @@
 """Training: the loop that runs the step (`meshlm.train_step`) over the data, with validation, lm-eval tasks,
-metrics, checkpoints, resume and a clean stop on SIGTERM. The optimizer is `meshlm.optim`'s, the
-throughput and noise-scale accounting `meshlm.metrics`'.
+metrics, checkpoints, resume and a clean stop on SIGTERM. Where the run starts (datasets, the model, a LoRA
+run's base) is `meshlm.run_start`'s; the optimizer is `meshlm.optim`'s, the throughput and noise-scale
+accounting `meshlm.metrics`'.
 
 With a `lora` section only a LoRA adapter trains (its gradients and optimizer state alone) over a frozen
 base stored as `base_dtype`: float, int8 or NF4. The base is rebuilt, never saved: checkpoints hold the
@@ -18,35 +19,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from meshlm import api, checkpoint, footprint, model
+from meshlm import api, checkpoint, footprint, model, run_start
 from meshlm.config import (
     RUN_CHECKPOINTS,
     ConfigError,
     Interrupted,
-    LoraConfig,
-    ModelConfig,
     TrainConfig,
     TrainingStopped,
     as_path,
     is_url,
 )
 from meshlm.data import TokenDataset
-from meshlm.formats import mtj, registry
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.metrics import MetricsLog, NoiseScale, adapter_size, flops_per_token, peak_flops
 from meshlm.sharding import describe, make_mesh, named_sharding
-from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
 from meshlm.train_step import (
     StepProgram,
     TrainState,
-    base_storage,
     check_batch,
     check_fits,
     make_eval_step,
@@ -89,63 +85,6 @@ def _stop_on_signals() -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
-    folder, sep, split = spec.rpartition(":")
-    return (folder, split) if sep and split and not Path(spec).exists() else (spec, "val")
-
-
-def run_tokenizer(cfg: TrainConfig, out_dir: Path) -> Tokenizer | None:
-    """The run's own tokenizer, kept in the run folder so its checkpoints load with it: `init_from`'s
-    tokenizer files are copied in when the run folder has none yet. None: GPT-2 BPE."""
-    if cfg.init_from and model_tokenizer_json(out_dir) is None:
-        copy_files(tokenizer_files(model=cfg.init_from), out_dir)
-    path = model_tokenizer_json(out_dir)
-    return None if path is None else HFTokenizer(path)
-
-
-def open_datasets(
-    cfg: TrainConfig, out_dir: Path, tokenizer: Tokenizer | None = None
-) -> tuple[TokenDataset, dict[str, TokenDataset]]:
-    """The training split and the named validation sets (the data folder's `val` split by default). The
-    demo corpus is tokenized with `tokenizer` (default GPT-2 BPE); prepared data must end its documents
-    with that tokenizer's end-of-text id, the sign that it was prepared with the same tokenizer."""
-    if cfg.data is None:
-        from meshlm.demo_corpus import prepare_demo_corpus
-
-        folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128, tokenizer)
-        return TokenDataset(folder, "train"), {"val": TokenDataset(folder, "val")}
-    if not Path(cfg.data).exists():
-        raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`")
-    train_ds = TokenDataset(cfg.data, "train")
-    if cfg.seq_len is not None and cfg.seq_len != train_ds.seq_len:
-        raise ConfigError(
-            f"seq_len {cfg.seq_len} is set, but {cfg.data} was prepared with seq_len {train_ds.seq_len} "
-            "(seq_len applies to the built-in corpus only; leave it unset)"
-        )
-    specs = dict(cfg.val_data)
-    if not specs and "val" in _splits(cfg.data):
-        specs = {"val": f"{cfg.data}:val"}
-    vals = {}
-    for name, spec in specs.items():
-        folder, split = _split_spec(spec)
-        vals[name] = TokenDataset(folder, split)
-        if vals[name].seq_len != train_ds.seq_len:
-            raise ConfigError(f"val_data {name}: seq_len {vals[name].seq_len} differs from the training data's")
-    for ds in (train_ds, *vals.values()):
-        if tokenizer is not None and ds.eos_id != tokenizer.eot_id:
-            raise ConfigError(
-                f"{ds.folder}: prepared with end-of-text id {ds.eos_id}, but the model's tokenizer ({tokenizer.name}) "
-                f"has {tokenizer.eot_id}; prepare the data with `meshlm prepare --tokenizer {cfg.init_from or out_dir}`"
-            )
-    return train_ds, vals
-
-
-def _splits(folder: str) -> list[str]:
-    from meshlm.data import read_index
-
-    return list(read_index(folder)["splits"])
-
-
 def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
@@ -161,7 +100,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
         _make_folder(Path(cfg.metrics_dir), "log_dir")
         mesh = make_mesh(cfg.mesh)
         check_batch(cfg, mesh)
-        train_ds, val_sets = open_datasets(cfg, out_dir, run_tokenizer(cfg, out_dir))
+        train_ds, val_sets = run_start.open_datasets(cfg, out_dir, run_start.run_tokenizer(cfg, out_dir))
         _stop_if_signalled(signals)
         ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
         try:  # the manager's background threads must be stopped on every way out
@@ -193,7 +132,7 @@ def _train(
     sample: bool,
     signals: list[int],
 ) -> TrainResult:
-    start = resolve(cfg, ckpts, train_ds, val_sets, mesh)
+    start = run_start.resolve(cfg, ckpts, train_ds, val_sets, mesh)
     cfg = start.cfg
     program, step_fn, used = compile_step(cfg, mesh, train_ds.seq_len)
     _stop_if_signalled(signals)
@@ -248,63 +187,6 @@ def _train(
     return result
 
 
-class Start(NamedTuple):
-    """Where a run starts: its config with the model (and a LoRA run's base) resolved, the checkpoint step it
-    resumes from (None: a fresh run), the base it adapts, and a seed run's optimizer state to continue."""
-
-    cfg: TrainConfig
-    latest: int | None
-    base_ref: dict[str, Any] | None
-    seed_opt: mtj.SeedOptimizerState | None
-
-
-def resolve(
-    cfg: TrainConfig,
-    ckpts: checkpoint.TrainCheckpoints,
-    train_ds: TokenDataset,
-    val_sets: dict[str, TokenDataset],
-    mesh: Mesh,
-) -> Start:
-    """The model the run trains, from its own latest checkpoint, else `init_from`'s config, else the
-    config's; every check that needs no weights. The run's checkpoints come first, also in a run that
-    continued a seed run."""
-    if cfg.lora is not None and cfg.resume_optimizer:
-        raise ConfigError(
-            "resume_optimizer continues a full seed run's Adam state; a LoRA run trains a new adapter with a new "
-            "optimizer (drop one of the two)"
-        )
-    latest, seed_opt, model_cfg = ckpts.latest_step(), None, cfg.model
-    base_ref = base_reference(cfg) if cfg.lora is not None else None
-    if latest is not None:
-        desc = checkpoint.read_description(ckpts.folder / str(latest))
-        model_cfg = ModelConfig.from_dict(desc["model"])
-        base_ref = resumed_base(cfg, desc, ckpts.folder / str(latest))
-    elif cfg.init_from and cfg.lora is None:
-        if cfg.resume_optimizer:  # read first: a wrong checkpoint fails before the parameters are loaded
-            seed_opt = load_seed_optimizer(cfg, mesh)
-        model_cfg = api.read_config(cfg.init_from, cfg.seed_config)
-    if base_ref is not None:  # a LoRA run's frozen model, which never enters the optimizer
-        if base_ref["init_from"]:
-            base_cfg = api.read_config(base_ref["init_from"], base_ref["seed_config"])
-            if latest is not None and base_cfg != model_cfg:
-                raise ConfigError(f"{base_ref['init_from']} is no longer the model the run's adapter was trained on")
-            model_cfg = base_cfg
-        # the train config the checkpoints record names the base as resolved (a resume rebuilds that one)
-        cfg = cfg.replace(
-            init_from=base_ref["init_from"], seed_config=base_ref["seed_config"], base_dtype=base_ref["dtype"]
-        )
-    if train_ds.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    if train_ds.eos_id >= model_cfg.vocab_size:
-        raise ConfigError(
-            f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "
-            "the data was tokenized for another vocabulary"
-        )
-    for ds in (train_ds, *val_sets.values()):
-        ds.check_vocab(model_cfg.vocab_size)
-    return Start(cfg.replace(model=model_cfg), latest, base_ref, seed_opt)
-
-
 def compile_step(cfg: TrainConfig, mesh: Mesh, seq_len: int) -> tuple[StepProgram, Any, footprint.Footprint]:
     """The run's step, compiled and checked against the devices' memory before any weights are read."""
     program = step_program(cfg, cfg.model, mesh, seq_len)
@@ -331,14 +213,14 @@ class Run:
         cfg: TrainConfig,
         mesh: Mesh,
         program: StepProgram,
-        start: Start,
+        start: run_start.Start,
         ckpts: checkpoint.TrainCheckpoints,
         train_ds: TokenDataset,
         val_sets: dict[str, TokenDataset],
     ):
         self.cfg, self.mesh, self.ckpts, self.val_sets, self.out_dir = cfg, mesh, ckpts, val_sets, as_path(cfg.out_dir)
         self.base_ref = start.base_ref
-        self.base_lm = None if start.base_ref is None else load_base(start.base_ref, cfg.model, mesh, cfg)
+        self.base_lm = None if start.base_ref is None else run_start.load_base(start.base_ref, cfg.model, mesh, cfg)
         self.base = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.base_shardings)
         self.state, loader_state, self.step = self._initial_state(program, start)
         self.last_saved = self.step
@@ -349,7 +231,7 @@ class Run:
         self.eval_fn = make_eval_step(cfg, cfg.model, mesh)
         self.main = jax.process_index() == 0  # only process 0 prints
 
-    def _initial_state(self, program: StepProgram, start: Start) -> tuple[TrainState, LoaderState, int]:
+    def _initial_state(self, program: StepProgram, start: run_start.Start) -> tuple[TrainState, LoaderState, int]:
         cfg, shardings = self.cfg, program.shardings
         with jax.set_mesh(self.mesh):
             if start.latest is not None:
@@ -521,86 +403,6 @@ class StepLog:
 
 
 ADAPTER_KEY = 2**32 - 1  # folded into the seed's key for a new adapter: apart from the base's and dropout's keys
-
-
-def base_reference(cfg: TrainConfig) -> dict[str, Any]:
-    """What a LoRA run's frozen base is built from, as its checkpoints record it so that a resume rebuilds
-    the same base: `init_from` as an absolute path (a run folder resolved to its latest step, which would
-    otherwise move on), else the random model of `seed`; `dtype` is how the base is stored."""
-
-    def absolute(path: str | None) -> str | None:
-        return None if path is None else str(Path(checkpoint.resolve(path)).absolute())
-
-    return {
-        "init_from": absolute(cfg.init_from),
-        "seed_config": absolute(cfg.seed_config),
-        "dtype": cfg.frozen_dtype,
-        "seed": None if cfg.init_from else cfg.seed,
-    }
-
-
-def resumed_base(cfg: TrainConfig, desc: dict[str, Any], folder: Path) -> dict[str, Any] | None:
-    """The base that the run's checkpoint `folder` (description `desc`) records (None: a full run's),
-    once the config is checked to train what the checkpoint holds. The run's base comes from its
-    checkpoints, like its model: a config that leaves init_from or base_dtype out resumes with them,
-    one that names another is refused rather than ignored."""
-    saved = LoraConfig.from_dict(desc["lora"]) if "lora" in desc else None
-    if saved is None and cfg.lora is None:
-        return None
-    if saved is None:
-        raise ConfigError(
-            f"{folder} is a full training run's checkpoint, but the config has a lora section; train the adapter "
-            f"in a new out_dir, with init_from {folder.parent.parent} to start from this run's model"
-        )
-    if cfg.lora is None:
-        raise ConfigError(
-            f"{folder} holds a LoRA adapter (rank {saved.rank} on {', '.join(saved.targets)}), but the config has "
-            "no lora section; resume with the run's lora settings, or train in a new out_dir"
-        )
-    if saved != cfg.lora:
-        raise ConfigError(
-            f"lora {cfg.lora.to_dict()} differs from {saved.to_dict()}, which {folder} was trained with; resume "
-            "with the run's lora settings, or train in a new out_dir"
-        )
-    base, named = desc["base"], base_reference(cfg)
-    if cfg.init_from and named["init_from"] != base["init_from"]:
-        trained_on = base["init_from"] or f"a random model of seed {base['seed']}"
-        raise ConfigError(
-            f"init_from {named['init_from']} is not the base the adapter in {folder} was trained on ({trained_on})"
-        )
-    if cfg.base_dtype and cfg.base_dtype != base["dtype"]:
-        raise ConfigError(f"base_dtype {cfg.base_dtype} differs from {base['dtype']}, the base of {folder}")
-    return base
-
-
-def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig) -> api.LanguageModel:
-    """A LoRA run's frozen base on `mesh`, as `base_reference` describes it (`model_cfg`: a random
-    base's config), stored as `base_storage(cfg)` says."""
-    dtype, quantize = base_storage(cfg)
-    if base["init_from"]:
-        return api.load(base["init_from"], mesh, dtype, seed_config=base["seed_config"], quantize=quantize)
-    return api.from_config(model_cfg, mesh, dtype, base["seed"], quantize=quantize)
-
-
-def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
-    """Adam's state and the step of the full seed checkpoint `cfg.init_from`, which the run then continues.
-
-    `total_steps` counts from the seed run's start, as in the seed's own config, so it must exceed the
-    checkpoint's step.
-    """
-    if registry.detect(cfg.init_from) != "mtj":
-        raise ConfigError(
-            f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
-            "checkpoint carries Adam's moments to resume"
-        )
-    # Moments take the parameters' dtype, as optax's Adam keeps them (adam_dtype is float32 with resume_optimizer).
-    seed = mtj.load_optimizer_moments(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
-    if seed.step >= cfg.total_steps:
-        raise ConfigError(
-            f"resume_optimizer: {cfg.init_from} is at step {seed.step}, total_steps is {cfg.total_steps}; "
-            "total_steps counts from the seed run's start, so set it above the checkpoint's step"
-        )
-    return seed
 
 
 @jax.jit

@@ -182,7 +182,7 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], Adapter]:
 
 
 def run_base(desc: dict[str, Any]) -> dict[str, Any]:
-    """What a LoRA run's frozen base was built from (see `train.base_reference`): `init_from` (an absolute
+    """What a LoRA run's frozen base was built from (see `run_start.base_reference`): `init_from` (an absolute
     path, or None for the random model of `seed`), `seed_config` and `dtype` (how it was stored)."""
     return desc["base"]
 

@@ -502,12 +502,12 @@ class TrainCheckpoints:
 
     def save(self, step: int, params: model.Params, opt_state: Any, desc: dict[str, Any]) -> None:
         """Start saving in the background; the arrays are copied off the devices before this returns."""
+        self.wait()  # orbax waits for the previous save anyway: its failure is reported as such, and the
+        # free space is measured once it (and the deletion of the steps it made old) is done
         size = sum(leaf.nbytes for leaf in jax.tree.leaves((params, opt_state)))
         free = _free_bytes(self.folder)
         if free is not None and free < size:
-            self._failed = True
             raise TrainingStopped(self._no_space_message(step, size, free))
-        self.wait()  # orbax waits for the previous save anyway: its failure is reported as such
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),

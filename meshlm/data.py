@@ -73,7 +73,7 @@ class TokenDataset:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ids the model has no embedding for: they train to NaN. Read from the index, or scanned."""
         if self._max_token is None:
-            self._max_token = max(int(_chunked_max(shard)) for shard in self._shards)
+            self._max_token = max(_chunked_max(shard) for shard in self._shards)
         if self._max_token >= vocab_size:
             raise DataError(
                 f"{self.folder}: split {self.split!r} holds token id {self._max_token}, beyond the model's "
@@ -125,11 +125,11 @@ class ShardWriter:
                 self.files.append(fname)
                 self.counts.append(0)
             room = len(rows) if self.shard_rows is None else self.shard_rows - self.counts[-1]
-            if len(rows[:room]):
-                self.max_token = max(self.max_token, int(rows[:room].max()))
-            rows[:room].astype(self.dtype).tofile(self._file)
-            self.counts[-1] += len(rows[:room])
-            rows = rows[room:]
+            block, rows = rows[:room], rows[room:]
+            if len(block):
+                self.max_token = max(self.max_token, int(block.max()))
+            block.astype(self.dtype).tofile(self._file)
+            self.counts[-1] += len(block)
             if self.counts[-1] == self.shard_rows:
                 self.end_shard()
 

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from meshlm import model
 from meshlm.config import InputError, ModelConfig, dtype_of
-from meshlm.footprint import Footprint, OutOfMemory, gib
+from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.generate import (
     TOP_LOGPROBS,
     Completion,
@@ -417,32 +417,6 @@ def _count_compiles(stats: weakref.ref) -> None:
             s.compiles_since_warm_up += 1
 
     jax.monitoring.register_event_duration_secs_listener(listen)
-
-
-def free_memory(device: jax.Device) -> int | None:
-    """Bytes new arrays on `device` can still take: the runtime's limit less what is in use (GPUs, TPUs);
-    for a CPU device its share of what the host has available (simulated CPU devices share one host), not
-    of its physical memory, which other processes use too. None: unknown."""
-    if device.platform == "cpu":
-        local = sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu"))
-        return _host_available() // max(local, 1)
-    stats = device.memory_stats()
-    if not stats or not stats.get("bytes_limit"):
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
-def _host_available() -> int:
-    """The kernel's estimate of what can be allocated without swapping (MemAvailable: free memory and
-    reclaimable caches); where /proc/meminfo is missing, the free pages alone."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _bucket(n: int, minimum: int = 1) -> int:

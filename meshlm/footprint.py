@@ -96,15 +96,44 @@ def host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def host_available() -> int:
+    """The kernel's estimate of what can be allocated without swapping (MemAvailable: free memory and
+    reclaimable caches); where /proc/meminfo is missing, the free pages alone."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_share(host_bytes: int) -> int:
+    """A CPU device's share of host memory: simulated CPU devices share one host."""
+    return host_bytes // max(sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu")), 1)
+
+
 def device_capacity(device: Any) -> int | None:
     """Bytes a program may use on `device`: the runtime's own limit where it reports one (GPUs, TPUs),
-    a share of host memory for a CPU device (simulated CPU devices share one host). None: unknown. A TPU
-    known only by its topology has no runtime: `compiler_capacity` asks its compiler."""
+    a share of host memory for a CPU device. None: unknown. A TPU known only by its topology has no
+    runtime: `compiler_capacity` asks its compiler."""
     if device.platform == "cpu":
-        local = sum(d.platform == "cpu" for d in jax.local_devices(backend="cpu"))
-        return host_memory() // max(local, 1)
+        return _cpu_share(host_memory())
     stats = device.memory_stats()
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def free_memory(device: Any) -> int | None:
+    """Bytes new arrays on `device` can still take: the runtime's limit less what is in use (GPUs, TPUs);
+    for a CPU device its share of what the host has available, not of its physical memory, which other
+    processes use too. None: unknown."""
+    if device.platform == "cpu":
+        return _cpu_share(host_available())
+    stats = device.memory_stats()
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 def compiler_capacity(device: Any) -> int | None:

@@ -159,7 +159,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if (_step_of(line) or step + 1) <= step]
+    kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
     if len(kept) < len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))

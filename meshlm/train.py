@@ -303,7 +303,7 @@ class Run:
 
     def last_good(self) -> str:
         """Which checkpoint a stopped run leaves to resume from."""
-        if self.last_saved == 0 and self.ckpts.latest_step() is None:
+        if self.ckpts.latest_step() is None:
             return "and no checkpoint was saved"
         return f"the last checkpoint, step {self.last_saved}, is intact"
 

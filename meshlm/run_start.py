@@ -14,8 +14,8 @@ from meshlm import api, checkpoint
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
+from meshlm.lora import base_storage
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
-from meshlm.train_step import base_storage
 
 
 def _split_spec(spec: str) -> tuple[str, str]:

@@ -19,7 +19,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import footprint, model
-from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.lora import base_storage
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
 from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
@@ -119,14 +120,6 @@ def make_train_step(
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
-
-
-def base_storage(cfg: TrainConfig) -> tuple[str, str | None]:
-    """How a LoRA run keeps its frozen base: (dtype, quantize). A quantized base keeps its other weights
-    (embedding, norms, head) in the compute dtype."""
-    if cfg.frozen_dtype in QUANTIZED:
-        return cfg.compute_dtype, cfg.frozen_dtype
-    return cfg.frozen_dtype, None
 
 
 @dataclass(frozen=True)

@@ -547,12 +547,22 @@ def block(
     return constrain(x, ("batch", "seq", "act_embed")), cache
 
 
-def causal_mask(mask: jax.Array | None, batch: int, length: int) -> jax.Array:
-    """[B, T, T] booleans: query t may see key s when s <= t and s is not padding."""
+def causal_mask(mask: jax.Array | None, batch: int, length: int, segments: jax.Array | None = None) -> jax.Array:
+    """[B, T, T] booleans: query t may see key s when s <= t, s is not padding, and (with `segments`
+    [B, T]) both belong to the same packed document."""
     allowed = jnp.tril(jnp.ones((length, length), bool))[None]
     if mask is not None:
         allowed = allowed & mask.astype(bool)[:, None, :]
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])
     return jnp.broadcast_to(allowed, (batch, length, length))
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """[B, T] each token's position within its packed document: 0 wherever the segment id changes."""
+    index = jnp.broadcast_to(jnp.arange(segments.shape[1]), segments.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def _t5_bias(params: Params, cfg: ModelConfig, pos: Positions) -> jax.Array:
@@ -620,18 +630,21 @@ def hidden_states(
     *,
     positions: jax.Array | None = None,
     mask: jax.Array | None = None,
+    segments: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """The final norm's output [B, T, d_model] for tokens [B, T]: everything but the LM head.
 
     `mask` [B, T] marks real tokens (padding is never attended to); `positions` [B, T] are the
-    tokens' positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows). With
-    `dropout_key`, an adapter's inputs are dropped out at `policy.lora_dropout` (training).
+    tokens' positions, by default 0..T-1 (pass `cumsum(mask) - 1` for left-padded rows). `segments`
+    [B, T] numbers the documents packed in a row: a token sees only its own document, whose positions
+    (by default) restart at 0, so each document computes what it would alone. With `dropout_key`, an
+    adapter's inputs are dropped out at `policy.lora_dropout` (training).
     """
     B, T = tokens.shape
     if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    pos = Positions(positions, positions, causal_mask(mask, B, T))
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if segments is None else segment_positions(segments)
+    pos = Positions(positions, positions, causal_mask(mask, B, T, segments))
     x, _ = _run(params, tokens, pos, cfg, policy, None, dropout_key)
     return x
 
@@ -709,6 +722,23 @@ def _chunked_nll(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelCon
     return merge(nll), merge(log_z)
 
 
+def target_nll(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    segments: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(-log p(target), log Z), each [B, T], of the next-token predictions in tokens [B, T+1] (inputs
+    tokens[:, :-1], targets tokens[:, 1:]); `segments` [B, T+1] as in `hidden_states`, `dropout_key` too."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    segments = None if segments is None else segments[:, :-1]
+    x = hidden_states(params, inputs, cfg, policy, segments=segments, dropout_key=dropout_key)
+    return _chunked_nll(params, x, targets, cfg)
+
+
 def loss(
     params: Params,
     tokens: jax.Array,
@@ -716,18 +746,16 @@ def loss(
     policy: Policy = DEFAULT_POLICY,
     *,
     loss_mask: jax.Array | None = None,
+    segments: jax.Array | None = None,
     z_loss: float = 0.0,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean next-token cross-entropy over tokens [B, T+1] (inputs tokens[:, :-1], targets tokens[:, 1:]).
+    """Mean next-token cross-entropy over tokens [B, T+1] (see `target_nll`).
 
     `loss_mask` [B, T] weights each target (0 for padding). `z_loss` adds z_loss * logsumexp^2, which
-    keeps the softmax normaliser near 1 in low-precision training. `dropout_key` as in `hidden_states`.
-    Returns (loss, metrics).
+    keeps the softmax normaliser near 1 in low-precision training. Returns (loss, metrics).
     """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = hidden_states(params, inputs, cfg, policy, dropout_key=dropout_key)
-    nll, log_z = _chunked_nll(params, x, targets, cfg)
+    nll, log_z = target_nll(params, tokens, cfg, policy, segments=segments, dropout_key=dropout_key)
     weights = jnp.ones_like(nll) if loss_mask is None else loss_mask.astype(jnp.float32)
     n = jnp.maximum(weights.sum(), 1.0)
     ce = (nll * weights).sum() / n

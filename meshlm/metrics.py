@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -18,13 +17,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from meshlm import model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
+from meshlm.lora import adapter_size
 from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
-
-
-def adapter_size(model_cfg: ModelConfig, lora: LoraConfig) -> int:
-    """The parameters a LoRA run trains: its As and Bs (the per-layer scales are constants)."""
-    table = model.adapter_table(model_cfg, lora)
-    return sum(math.prod(p["a"].shape) + math.prod(p["b"].shape) for p in table.values())
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None) -> float:
@@ -41,7 +35,7 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | Non
     attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
     if lora is None:
         return 6 * matmul_params + attention
-    return 4 * matmul_params + 6 * adapter_size(model_cfg, lora) + attention
+    return 4 * matmul_params + 6 * adapter_size(model.projections(model_cfg), lora) + attention
 
 
 def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:

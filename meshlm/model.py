@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm import quant
-from meshlm.config import PROJECTIONS, ConfigError, LoraConfig, ModelConfig, Policy, dtype_of
+from meshlm import lora, quant
+from meshlm.config import PROJECTIONS, ModelConfig, Policy, dtype_of
 from meshlm.paged_attention import paged_attention
+from meshlm.param import Param, axes_of, init_table
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
@@ -36,13 +37,6 @@ REMAT_POLICIES = {
 
 DEFAULT_POLICY = Policy()
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
-
-
-class Param(NamedTuple):
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]  # one logical axis name per dimension
-    init: str  # "normal", "uniform", "zeros" or "constant"
-    value: float = 0.0  # the normal's standard deviation, the uniform's bound, or the constant
 
 
 # Where each projection's weight sits in a layer's parameters, and how many input dimensions it has.
@@ -144,51 +138,15 @@ def projection_name(role: str) -> str:
     return ".".join(("layers", *PROJECTION_PATHS[role][0]))
 
 
-def projection_dims(cfg: ModelConfig, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One layer's input and output dimensions of projection `role`."""
-    shape = projection(param_table(cfg)["layers"], role).shape[1:]
-    n_in = PROJECTION_PATHS[role][1]
-    return shape[:n_in], shape[n_in:]
+def projections(cfg: ModelConfig) -> dict[str, lora.Projection]:
+    """Each projection as a LoRA adapter sees it: its stacked weight's declaration and input dimensions."""
+    layers = param_table(cfg)["layers"]
+    return {role: lora.Projection(projection(layers, role), n_in) for role, (_, n_in) in PROJECTION_PATHS.items()}
 
 
-def adapter_params(cfg: ModelConfig, role: str, rank: int, scale: float) -> Params:
-    """One projection's adapter: A [layers, in..., rank] initialised as PEFT does (kaiming-uniform, bound
-    1 / sqrt(fan_in)), B [layers, rank, out...] zero (so a fresh adapter changes nothing), and `scale`
-    per layer. A and B take the base weight's axis names on its input and output sides (heads and d_ff
-    split as in the base); the rank axis is replicated."""
-    weight = projection(param_table(cfg)["layers"], role)
-    n_in = PROJECTION_PATHS[role][1]
-    (L, *shape), (_, *axes) = weight.shape, weight.axes
-    return {
-        "a": Param(
-            (L, *shape[:n_in], rank), ("layers", *axes[:n_in], None), "uniform", 1 / math.sqrt(math.prod(shape[:n_in]))
-        ),
-        "b": Param((L, rank, *shape[n_in:]), ("layers", None, *axes[n_in:]), "zeros"),
-        "scale": Param((L,), ("layers",), "constant", scale),
-    }
-
-
-def adapter_table(cfg: ModelConfig, lora: LoraConfig) -> Params:
-    """A LoRA adapter's parameters (`adapter_params` for each target), its rank checked against each projection."""
-    for role in lora.targets:
-        fan_in, fan_out = (math.prod(dims) for dims in projection_dims(cfg, role))
-        if lora.rank > min(fan_in, fan_out):
-            raise ConfigError(f"lora: rank {lora.rank} exceeds projection {role!r} ({fan_in} -> {fan_out})")
-    return {role: adapter_params(cfg, role, lora.rank, lora.scale) for role in lora.targets}
-
-
-def _is_param(x: Any) -> bool:
-    return isinstance(x, Param)
-
-
-def axes_of(table: Params) -> Params:
-    """The logical axis names of a table of `Param`s, same structure."""
-    return jax.tree.map(lambda p: p.axes, table, is_leaf=_is_param)
-
-
-def logical_axes(cfg: ModelConfig, lora: LoraConfig | None = None, quantize: str | None = None) -> Params:
-    """The pytree of logical axis names, same structure as the parameters (with an adapter under "lora",
-    and the projections' quantized arrays, when given)."""
+def logical_axes(cfg: ModelConfig, quantize: str | None = None) -> Params:
+    """The pytree of logical axis names, same structure as the parameters (with the projections'
+    quantized arrays, when given)."""
     table = param_table(cfg)
     axes = axes_of(table)
     if quantize:
@@ -196,36 +154,12 @@ def logical_axes(cfg: ModelConfig, lora: LoraConfig | None = None, quantize: str
         axes["layers"] = _map_projections(
             axes["layers"], lambda role, a: quant.quantized_axes(a, shape(role), quantize, PROJECTION_PATHS[role][1])
         )
-    if lora:
-        axes["lora"] = axes_of(adapter_table(cfg, lora))
     return axes
-
-
-def _init_table(table: Params, key: jax.Array, dtype: str) -> Params:
-    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_param)
-    keys = jax.random.split(key, len(leaves))
-    dt = dtype_of(dtype)
-
-    def make(p: Param, k: jax.Array) -> jax.Array:
-        if p.init == "zeros":
-            return jnp.zeros(p.shape, dt)
-        if p.init == "constant":
-            return jnp.full(p.shape, p.value, dt)
-        if p.init == "uniform":
-            return jax.random.uniform(k, p.shape, jnp.float32, -p.value, p.value).astype(dt)
-        return (p.value * jax.random.normal(k, p.shape, jnp.float32)).astype(dt)
-
-    return jax.tree.unflatten(treedef, [make(p, k) for p, k in zip(leaves, keys, strict=True)])
 
 
 def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
     """Random parameters. Under `jax.jit` with `out_shardings`, each device creates only its shard."""
-    return _init_table(param_table(cfg), key, dtype)
-
-
-def init_adapter(cfg: ModelConfig, lora: LoraConfig, key: jax.Array, dtype: str = "float32") -> Params:
-    """A fresh LoRA adapter (see `adapter_table`); the model runs it when it is `params["lora"]`."""
-    return _init_table(adapter_table(cfg, lora), key, dtype)
+    return init_table(param_table(cfg), key, dtype)
 
 
 def abstract_params(cfg: ModelConfig, dtype: str = "float32", quantize: str | None = None) -> Params:
@@ -473,19 +407,14 @@ class Layer(NamedTuple):
 
 def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.Array:
     """Projection `role` of x [B, T, in...] by w [in..., out...] (a float array, or quantized and
-    rebuilt here one layer at a time), plus scale * B(A(dropout(x))) where the adapter targets `role`."""
-    n_in = PROJECTION_PATHS[role][1]
-    y = jnp.tensordot(x, quant.dense(w, x.dtype), n_in)
+    rebuilt here one layer at a time), plus the adapter's update of dropout(x) where it targets `role`."""
+    y = jnp.tensordot(x, quant.dense(w, x.dtype), PROJECTION_PATHS[role][1])
     if role not in layer.adapter:
         return y
-    lora = layer.adapter[role]
-    if ctx.dropout_key is not None and ctx.dropout > 0:
-        key = jax.random.fold_in(jax.random.fold_in(ctx.dropout_key, layer.index), PROJECTIONS.index(role))
-        keep = jax.random.bernoulli(key, 1 - ctx.dropout, x.shape)
-        x = jnp.where(keep, x / (1 - ctx.dropout), 0).astype(x.dtype)
-    down = jnp.tensordot(x, lora["a"].astype(x.dtype), n_in)
-    scale = jax.lax.stop_gradient(lora["scale"]).astype(x.dtype)  # a constant of the adapter, never trained
-    return y + scale * jnp.tensordot(down, lora["b"].astype(x.dtype), 1)
+    adapter = layer.adapter[role]
+    x = lora.dropout(x, ctx.dropout, ctx.dropout_key, layer.index, role)
+    scale = jax.lax.stop_gradient(adapter["scale"])  # a constant of the adapter, never trained
+    return y + lora.delta(adapter["a"], adapter["b"], scale, x)
 
 
 def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:

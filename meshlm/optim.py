@@ -12,6 +12,7 @@ import optax
 
 from meshlm import model
 from meshlm.config import LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.lora import adapter_abstract, adapter_axes
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -29,14 +30,14 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 def trainable_axes(model_cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:
     """Logical axes of what a run trains: the whole model, or with `lora` only the adapter."""
-    return model.logical_axes(model_cfg) if lora is None else model.logical_axes(model_cfg, lora)["lora"]
+    return model.logical_axes(model_cfg) if lora is None else adapter_axes(model.projections(model_cfg), lora)
 
 
 def trainable_abstract(model_cfg: ModelConfig, lora: LoraConfig | None = None, dtype: str = "float32") -> Any:
     """ShapeDtypeStructs of what a run trains (see `trainable_axes`)."""
     if lora is None:
         return model.abstract_params(model_cfg, dtype)
-    return jax.eval_shape(lambda: model.init_adapter(model_cfg, lora, jax.random.key(0), dtype))
+    return adapter_abstract(model.projections(model_cfg), lora, dtype)
 
 
 def decay_mask(cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params:

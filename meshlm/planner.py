@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from meshlm import engine, footprint, metrics, model, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, gib
+from meshlm.lora import adapter_size
 from meshlm.pages import pages_for
 from meshlm.sharding import (
     MESH_AXES,
@@ -276,7 +277,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     chunk = tokens if seq_len <= model.LOSS_CHUNK or seq_len % model.LOSS_CHUNK else rows * model.LOSS_CHUNK
     head = chunk * 7 * (m.vocab_size // tp)
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
-    trained = metrics.adapter_size(m, cfg.lora) if cfg.lora else model.count_params(m)
+    trained = adapter_size(model.projections(m), cfg.lora) if cfg.lora else model.count_params(m)
     return tokens * (m.n_layer * saved + block) + head + adam * trained // math.prod(sizes.values())
 
 

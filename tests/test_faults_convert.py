@@ -19,6 +19,7 @@ import meshlm
 from meshlm import cli, model
 from meshlm.config import CheckpointError, LoraConfig, preset
 from meshlm.formats import adapters, hf
+from meshlm.lora import init_adapter
 from tests.small_disk import tmpfs
 
 TOKENS = np.arange(24).reshape(2, 12)
@@ -236,7 +237,7 @@ def test_overwrite_replaces_a_finished_checkpoint_but_nothing_else(folders, tmp_
 
 def test_merge_takes_overwrite_too(folders, tmp_path, capsys):
     cfg = meshlm.load(folders["zarr"]).config
-    adapter = jax.tree.map(np.asarray, model.init_adapter(cfg, LoraConfig(rank=2), jax.random.key(0)))
+    adapter = jax.tree.map(np.asarray, init_adapter(model.projections(cfg), LoraConfig(rank=2), jax.random.key(0)))
     adapters.write_peft(tmp_path / "adapter", adapter, cfg, hf.export_arch(cfg))
     merge = ["merge", folders["zarr"], tmp_path / "adapter", tmp_path / "merged"]
     assert run(capsys, *merge)[0] == 0

@@ -21,6 +21,7 @@ import meshlm
 from meshlm import CheckpointError, ConfigError, api, cli, model, quant
 from meshlm.config import LoraConfig
 from meshlm.formats import adapters, hf
+from meshlm.lora import adapter_table, delta, init_adapter
 from tests import oracle
 from tests.test_family_hf import ARCHS as FAMILY
 from tests.test_generate import greedy, hf_greedy
@@ -153,7 +154,7 @@ def test_merge_equals_merge_and_unload(arch, bases, saved_adapters, tmp_path):
 
 
 def _random_adapter(lm: api.LanguageModel, lora: LoraConfig, seed: int) -> model.Params:
-    fresh = model.init_adapter(lm.config, lora, jax.random.key(seed))
+    fresh = init_adapter(model.projections(lm.config), lora, jax.random.key(seed))
     return {
         role: {**parts, "b": 0.3 * jax.random.normal(jax.random.key(seed + 1), parts["b"].shape)}
         for role, parts in fresh.items()
@@ -178,9 +179,8 @@ def test_meshlm_adapter_to_peft_folder_gives_meshlm_logits(arch, bases, tmp_path
 
 def test_fresh_adapter_changes_nothing(bases):
     lm = meshlm.load(bases["gptj"])
-    fresh = model.init_adapter(
-        lm.config, LoraConfig(targets=("q", "k", "v", "out", "fc_in", "fc_out")), jax.random.key(0)
-    )
+    lora = LoraConfig(targets=("q", "k", "v", "out", "fc_in", "fc_out"))
+    fresh = init_adapter(model.projections(lm.config), lora, jax.random.key(0))
     for parts in fresh.values():  # A random (PEFT's bound 1 / sqrt(fan_in)), B zero
         fan_in = np.prod(parts["a"].shape[1:-1])
         assert 0.5 / np.sqrt(fan_in) < float(jnp.abs(parts["a"]).max()) <= 1 / np.sqrt(fan_in)
@@ -188,6 +188,19 @@ def test_fresh_adapter_changes_nothing(bases):
     base = np.asarray(model.forward(lm.params, jnp.asarray(TOKENS), lm.config))
     with_fresh = np.asarray(model.forward({**lm.params, "lora": fresh}, TOKENS, lm.config))
     np.testing.assert_allclose(with_fresh, base, atol=1e-5, rtol=0)  # another program: only rounding differs
+
+
+@pytest.mark.parametrize(("ins", "outs"), [((4, 8), (32,)), ((32,), (4, 8))])  # as out; as q, k, v
+def test_the_forward_pass_adds_what_merging_adds_to_the_weight(ins, outs):
+    """One update for both: the adapter's term for an input x (jax, the forward pass) is x times the
+    weight update merging adds (numpy, on the host)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((*ins, 3), np.float32), rng.standard_normal((3, *outs), np.float32)
+    x, scale = rng.standard_normal((2, 5, *ins), np.float32), np.float32(0.5)
+    weight = delta(a, b, scale)
+    assert isinstance(weight, np.ndarray) and weight.shape == (*ins, *outs)
+    got = delta(jnp.asarray(a), jnp.asarray(b), jnp.asarray(scale), jnp.asarray(x))
+    np.testing.assert_allclose(got, np.tensordot(x, weight, len(ins)), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,7 +233,7 @@ def test_dora_and_non_adapters_are_refused(bases, saved_adapters, tmp_path):
 def test_bad_lora_settings_are_one_line_errors(bases):
     cfg = meshlm.load(bases["gptj"]).config
     with pytest.raises(ConfigError, match="rank 65 exceeds projection 'q'"):
-        model.adapter_table(cfg, LoraConfig(rank=65, targets=("q",)))
+        adapter_table(model.projections(cfg), LoraConfig(rank=65, targets=("q",)))
     for bad, match in (
         ({"rank": 0}, "rank must be"),
         ({"targets": ["wq"]}, "target 'wq'"),

@@ -15,6 +15,7 @@ import pytest
 import meshlm
 from meshlm import checkpoint, metrics, model, quant, train
 from meshlm.config import CheckpointError, ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.lora import adapter_size
 from meshlm.sharding import make_mesh
 from tests.test_train import SEQ, metrics_losses, start_run, tiny_config, write_dataset
 
@@ -95,7 +96,7 @@ def test_the_checkpoint_holds_the_adapter_and_its_optimizer_state_only(lora_run)
 
 
 def test_flops_of_a_lora_step_skip_the_frozen_weights_gradients():
-    assert metrics.adapter_size(CFG, LoraConfig(**LORA)) == ADAPTER_SIZE
+    assert adapter_size(model.projections(CFG), LoraConfig(**LORA)) == ADAPTER_SIZE
     full, lora = metrics.flops_per_token(CFG, SEQ), metrics.flops_per_token(CFG, SEQ, LoraConfig(**LORA))
     matmul_params = model.count_params(CFG) - CFG.vocab_size * CFG.d_model  # the embedding is a gather
     assert full - lora == 2 * matmul_params - 6 * ADAPTER_SIZE

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm import cli, footprint, metrics, planner, train
+from meshlm import cli, footprint, model, planner, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig, preset
+from meshlm.lora import adapter_size
 from tests.test_train import SEQ, write_dataset
 
 TINY = preset("test-tiny")
@@ -187,7 +188,7 @@ def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
     cfg = tiny_train(model=wide, lora={"rank": 4, "targets": ["q", "v"]}, base_dtype="nf4", mesh="fsdp=2,model=2")
     plan = planner.plan_train(cfg, "cpu", search=False)
     full = planner.plan_train(cfg.replace(lora=None, base_dtype=None), "cpu", search=False)
-    adapter = metrics.adapter_size(wide, cfg.lora)
+    adapter = adapter_size(model.projections(wide), cfg.lora)
     assert plan.config.compiled is not None and plan.config.fits
     assert plan.config.params < 4 * adapter  # the adapter's shards, fp32
     assert 0 < plan.config.base < full.config.params  # NF4 projections: smaller than the fp32 model

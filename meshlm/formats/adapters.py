@@ -9,7 +9,7 @@ one A for its three parts: read, each part gets that A and its own rows of B; wr
 are stacked and B is block-diagonal (rank = parts x rank, alpha scaled to keep alpha / rank), both exact.
 
 In memory an adapter is meshlm's: per projection role, A [layers, in..., rank], B [layers, rank,
-out...] and the scale alpha / rank per layer (see `model.adapter_table`). Layers an adapter skips get
+out...] and the scale alpha / rank per layer (see `lora.adapter_table`). Layers an adapter skips get
 zeros; ranks that differ between layers are padded with zeros (which change nothing).
 """
 
@@ -25,10 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm import checkpoint, model
+from meshlm import checkpoint, lora, model
 from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of, read_json
 from meshlm.formats import hf
 from meshlm.formats.slices import SliceSource, normalise
+from meshlm.param import axes_of
 from meshlm.sharding import from_host, plan, to_host
 
 CONFIG = "adapter_config.json"
@@ -123,8 +124,9 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> Adapter:
     r_default, alpha_default = conf.get("r", 8), conf.get("lora_alpha", 8)
     rslora = bool(conf.get("use_rslora", False))
     found: dict[str, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}  # role -> layer -> (a, b, scale)
+    projections = model.projections(cfg)
     for role, (template, layout) in modules.items():
-        ins, outs = model.projection_dims(cfg, role)
+        ins, outs = projections[role].ins, projections[role].outs
         for layer in range(cfg.n_layer):
             module = template.format(layer)
             if module not in pairs:
@@ -151,7 +153,8 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> Adapter:
 
 def _stack(layers: dict[int, tuple[np.ndarray, np.ndarray, float]], cfg: ModelConfig, role: str) -> dict[str, Any]:
     """One role's per-layer (a, b, scale) as stacked arrays: zeros for missing layers, ranks padded to the largest."""
-    ins, outs = model.projection_dims(cfg, role)
+    projection = model.projections(cfg)[role]
+    ins, outs = projection.ins, projection.outs
     rank = max(a.shape[-1] for a, _, _ in layers.values())
     a = np.zeros((cfg.n_layer, *ins, rank), np.float32)
     b = np.zeros((cfg.n_layer, rank, *outs), np.float32)
@@ -205,9 +208,9 @@ def read(path: str | Path, cfg: ModelConfig) -> Adapter:
 
 
 def load(path: str | Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str = "float32") -> model.Params:
-    """An adapter placed on `mesh`, sharded like its base (see `model.adapter_table`)."""
-    adapter = read(path, cfg)
-    axes = {role: model.axes_of(model.adapter_params(cfg, role, parts["a"].shape[-1], 0.0))
+    """An adapter placed on `mesh`, sharded like its base (see `lora.adapter_params`)."""
+    adapter, projections = read(path, cfg), model.projections(cfg)
+    axes = {role: axes_of(lora.adapter_params(projections[role], parts["a"].shape[-1], 0.0))
             for role, parts in adapter.items()}  # fmt: skip
     arrays = jax.tree.map(lambda x: x.astype(dtype_of(dtype)) if x.ndim > 1 else x, adapter)
     shardings = plan(arrays, axes, mesh)
@@ -323,26 +326,25 @@ def export_run(run: str | Path, folder: str | Path, overwrite: bool = False) -> 
 
 
 def merged_source(cfg: ModelConfig, source: SliceSource, adapter: Adapter) -> SliceSource:
-    """`source` with W + scale * A B in place of each adapted projection, slice by slice: merging streams
-    through any writer in the memory a slice takes."""
+    """`source` with W + scale · A B (`lora.delta`) in place of each adapted projection, slice by slice:
+    merging streams through any writer in the memory a slice takes."""
     names = {model.projection_name(role): role for role in adapter}
+    projections = model.projections(cfg)
 
     def merged(name: str, shape: tuple[int, ...]) -> Any:
         read = source(name, shape)
         if name not in names:
             return read
-        parts, n_in = adapter[names[name]], model.PROJECTION_PATHS[names[name]][1]
+        parts, n_in = adapter[names[name]], projections[names[name]].n_in
 
         def read_merged(index: tuple[slice, ...]) -> np.ndarray:
             index = normalise(index, shape)
             layers, ins, outs = index[0], index[1 : 1 + n_in], index[1 + n_in :]
             a = parts["a"][(layers, *ins)]  # [l, in..., r]
             b = parts["b"][(layers, slice(None), *outs)]  # [l, r, out...]
-            n, r = a.shape[0], a.shape[-1]
-            delta = np.einsum("lir,lro->lio", a.reshape(n, -1, r), b.reshape(n, r, -1))
-            delta = delta * parts["scale"][layers][:, None, None]
+            delta = np.stack([lora.delta(*layer) for layer in zip(a, b, parts["scale"][layers], strict=True)])
             base = read(index)
-            return (base.astype(np.float32) + delta.reshape(base.shape)).astype(base.dtype)
+            return (base.astype(np.float32) + delta).astype(base.dtype)
 
         return read_merged
 

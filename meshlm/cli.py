@@ -382,7 +382,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    """Tokenize text, JSON Lines (.jsonl, .jsonl.zst) or the seed's TFRecords into packed training rows."""
+    """Tokenize text, JSON Lines (.jsonl, .jsonl.zst), Parquet or the seed's TFRecords into training rows: pretraining
+    text, prompt/completion and chat records with loss masks, or preference pairs."""
     from meshlm.prepare import prepare
 
     summary = prepare(
@@ -397,12 +398,23 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         workers=args.workers,
         shard_rows=args.shard_rows,
         overwrite=args.overwrite,
+        record_format=args.format,
+        chat_template=args.chat_template,
+        train_on=args.train_on,
+        pack=not args.no_pack,
+        truncate=args.truncate,
+        objective=args.objective,
     )
     for name, split in summary["splits"].items():
-        print(
-            f"{name}: {split['rows']} rows of {args.seq_len + 1} tokens from {split['documents']} documents "
-            f"({split['tokens']} tokens, {split['dropped_tokens']} dropped in the last partial row)"
-        )
+        line = f"{name}: {split['rows']} rows of {args.seq_len + 1} tokens"
+        if split["documents"] or not split["examples"]:
+            line += (f" from {split['documents']} documents ({split['tokens'] - split['example_tokens']} tokens, "
+                     f"{split['dropped_tokens']} dropped in the last partial row)")  # fmt: skip
+        if split["examples"] or split["dropped"]:
+            filled = split["example_tokens"] / max(1, split["example_tokens"] + split["padding"])
+            line += (f"; {split['examples']} examples ({split['truncated']} truncated, {split['dropped']} dropped), "
+                     f"{split['padding']} padding tokens (their rows {filled:.1%} filled)")  # fmt: skip
+        print(line)
     print(f"wrote {summary['out']} in {summary['seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)")
 
 
@@ -588,14 +600,15 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare",
         help=cmd_prepare.__doc__,
         description=cmd_prepare.__doc__
-        + " Documents are joined with the end-of-text token and cut into rows of SEQ_LEN + 1 tokens, kept in input"
-        " order; the output folder is what `meshlm train` reads. See docs/data.md.",
+        + " Text documents are joined with the end-of-text token and cut into rows of SEQ_LEN + 1 tokens, kept in input"
+        " order; instruction examples are packed whole into rows (best-fit), preference pairs take two padded rows"
+        " each. The output folder is what `meshlm train` reads. See docs/data.md.",
     )
     p.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="text file, directory (recursed), .jsonl, .jsonl.zst or the seed's .tfrecord(s) file",
+        help="text file, directory (recursed), .jsonl, .jsonl.zst, .parquet or the seed's .tfrecord(s) file",
     )
     p.add_argument("--out", required=True, help="output folder: absent or empty, unless --overwrite")
     p.add_argument(
@@ -612,6 +625,39 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--val", nargs="+", metavar="FILE", help="inputs that form the validation split instead")
     p.add_argument("--text-field", default="text", help="JSONL field (or TFRecord feature) holding the text")
     _add_tokenizer(p, default="default: GPT-2 BPE; give the model you will train, e.g. a Pythia folder")
+    p.add_argument(
+        "--format",
+        choices=["text", "prompt-completion", "messages", "preference"],
+        help="the records' format (default: told from each file's first record: text, prompt+completion, messages,"
+        " or prompt+chosen+rejected)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for chat records (default: the tokenizer's model folder's, chat_template.jinja or"
+        " chat_template in tokenizer_config.json)",
+    )
+    p.add_argument(
+        "--train-on",
+        choices=["completion", "all"],
+        default="completion",
+        help="tokens of prompt/completion and chat examples that carry loss: the completion and assistant turns"
+        " (default), or all (no effect on text)",
+    )
+    p.add_argument(
+        "--no-pack", action="store_true", help="one instruction example per row, padded, instead of packing them"
+    )
+    p.add_argument(
+        "--truncate",
+        choices=["right", "left", "drop"],
+        default="right",
+        help="an example longer than SEQ_LEN + 1 tokens: keep its start (default), its end, or drop it",
+    )
+    p.add_argument(
+        "--objective",
+        choices=["dpo", "orpo"],
+        help="preference pairs are tokenized as trl's DPOTrainer (default) or ORPOTrainer does",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
     p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")

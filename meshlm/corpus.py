@@ -1,11 +1,17 @@
-"""Raw corpora for `meshlm prepare`, streamed as documents without ever holding a whole file in memory.
+"""Raw corpora for `meshlm prepare`, streamed as documents or records without ever holding a whole file in memory.
 
 Accepted inputs: plain text files (one file = one document), directories (every non-hidden file below,
-in sorted path order), JSON Lines (`.jsonl`, one document per line, text in a configurable field),
-zstandard-compressed JSON Lines (`.jsonl.zst`) and the seed's TFRecord files (`.tfrecord`/`.tfrecords`,
-each record a `tf.train.Example` whose int64-list feature `text` holds already-tokenized ids, as
-mesh-transformer-jax's `create_finetune_tfrecords.py` wrote them). TFRecords are parsed here directly
-(framing, masked CRC32C, the few protobuf fields needed), so TensorFlow is not needed.
+in sorted path order), JSON Lines (`.jsonl`, one record per line), zstandard-compressed JSON Lines
+(`.jsonl.zst`), Parquet files (`.parquet`, one record per row, read a row group at a time) and the seed's
+TFRecord files (`.tfrecord`/`.tfrecords`, each record a `tf.train.Example` whose int64-list feature `text`
+holds already-tokenized ids, as mesh-transformer-jax's `create_finetune_tfrecords.py` wrote them).
+TFRecords are parsed here directly (framing, masked CRC32C, the few protobuf fields needed), so TensorFlow
+is not needed.
+
+A record file holds one of four formats, told apart by the keys of its first record (`record_format`):
+`{"text"}` (a document, its field chosen by `--text-field`), `{"prompt", "completion"}`, `{"messages"}`
+and `{"prompt", "chosen", "rejected"}`. Text documents are streamed in pieces (`documents`); the other
+formats are handed on whole (`records`) to be tokenized by `meshlm.prepare`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from meshlm.config import DataError
 
 READ_CHARS = 1 << 20  # text goes to the tokenizer in pieces of about this many characters
 MAX_PIECE_CHARS = 16 * READ_CHARS  # a piece without any safe cut point is cut here regardless
-KINDS = "text files, directories, .jsonl, .jsonl.zst and .tfrecord(s)"
+PARQUET_BATCH = 1024  # rows of a Parquet row group decoded at a time
+KINDS = "text files, directories, .jsonl, .jsonl.zst, .parquet and .tfrecord(s)"
+RECORD_FILES = ("jsonl", "jsonl.zst", "parquet")  # file kinds whose records may be of any format
 # Extensions of formats that are not text; reading them as text would silently train on garbage.
-NOT_TEXT = (".json", ".zst", ".gz", ".xz", ".bz2", ".zip", ".tar", ".7z", ".parquet", ".arrow", ".npy", ".npz",
+NOT_TEXT = (".json", ".zst", ".gz", ".xz", ".bz2", ".zip", ".tar", ".7z", ".arrow", ".npy", ".npz",
             ".bin", ".pkl", ".pt", ".safetensors", ".pdf")  # fmt: skip
+# Record formats, each with the keys that make it (a record with keys of several is the first listed here).
+FORMATS = {"preference": ("prompt", "chosen", "rejected"), "messages": ("messages",),
+           "prompt-completion": ("prompt", "completion"), "text": ()}  # fmt: skip
 # A cut before a space or newline that sits between two non-whitespace characters is a boundary of GPT-2's
 # pre-tokenizer regex whatever surrounds it, so tokenizing the pieces separately gives the same ids as the whole.
 _SAFE_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
@@ -65,6 +76,8 @@ def kind_of(path: Path) -> str:
         return "jsonl"
     if name.endswith((".tfrecord", ".tfrecords")):
         return "tfrecord"
+    if name.endswith(".parquet"):
+        return "parquet"
     with open(path, "rb") as f:
         binary = b"\0" in f.read(8192)
     if name.endswith(NOT_TEXT) or binary:
@@ -73,16 +86,80 @@ def kind_of(path: Path) -> str:
 
 
 def documents(path: Path, kind: str, text_field: str, progress: Callable[[int], None]) -> Iterator[Piece]:
-    """The pieces of every document of one file, in order; `progress` hears how many bytes were consumed."""
+    """The pieces of every document of a text or TFRecord file, in order; `progress` hears how many bytes
+    were consumed. (Record files are read with `records`.)"""
     with open(path, "rb") as raw:
-        stream = io.BufferedReader(_ZstdFrames(raw, path)) if kind == "jsonl.zst" else raw
-        readers = {"text": _text_file, "jsonl": _jsonl, "jsonl.zst": _jsonl, "tfrecord": _tfrecord}
+        reader = _text_file if kind == "text" else _tfrecord
         done = 0
-        for piece in readers[kind](path, stream, text_field):
+        for piece in reader(path, raw, text_field):
             progress(raw.tell() - done)
             done = raw.tell()
             yield piece
         progress(raw.tell() - done)
+
+
+def records(path: Path, kind: str, progress: Callable[[int], None]) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every record of a JSONL or Parquet file, in order: `where` names the file and
+    the line (JSONL, from 1) or row (Parquet, from 0) for messages about the record."""
+    if kind == "parquet":
+        yield from _parquet(path, progress)
+        return
+    with open(path, "rb") as raw:
+        stream = io.BufferedReader(_ZstdFrames(raw, path)) if kind == "jsonl.zst" else raw
+        done = 0
+        for item in _jsonl(path, stream):
+            progress(raw.tell() - done)
+            done = raw.tell()
+            yield item
+        progress(raw.tell() - done)
+
+
+def record_format(record: Any, text_field: str = "text") -> str | None:
+    """The format a record's keys make (the first of FORMATS it has all the keys of), None for none."""
+    if not isinstance(record, dict):
+        return None
+    for name, keys in FORMATS.items():
+        if all(k in record for k in keys or (text_field,)):
+            return name
+    return None
+
+
+def first_record(path: Path, kind: str) -> tuple[str, Any] | None:
+    """The first record of a record file (where, record), None for a file without any."""
+    return next(records(path, kind, lambda n: None), None)
+
+
+def detect_format(where: str, record: Any, text_field: str = "text") -> str:
+    """The format of a record (`record_format`); DataError for a record of none."""
+    found = record_format(_object(where, record), text_field)
+    if found is None:
+        raise DataError(
+            f"{where}: no {text_field!r} field (choose the field with --text-field), nor the fields of "
+            "another record format (prompt/completion, messages, prompt/chosen/rejected)"
+        )
+    return found
+
+
+def check_record(where: str, record: Any, fmt: str, forced: bool, text_field: str = "text") -> None:
+    """Refuse a record that is not of its file's format `fmt` (its first record's, or the one `forced` by
+    --format): keys missing, or those of another format (a file holds one format). A text record's text
+    must be a string; the other formats' fields are checked where they are tokenized."""
+    found = record_format(_object(where, record), text_field)
+    if not forced and found not in (None, fmt):
+        raise DataError(f"{where}: a {found} record in a file of {fmt} records (its first record's); a file "
+                        "holds records of one format")  # fmt: skip
+    missing = [k for k in FORMATS[fmt] or (text_field,) if k not in record]
+    if missing:
+        hint = " (choose the field with --text-field)" if fmt == "text" else ""
+        raise DataError(f"{where}: no {missing[0]!r} field{hint}, which {fmt} records have")
+    if fmt == "text" and not isinstance(record[text_field], str):
+        raise DataError(f"{where}: field {text_field!r} is {type(record[text_field]).__name__}, expected a string")
+
+
+def _object(where: str, record: Any) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    return record
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -178,7 +255,7 @@ def _text_file(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterat
         yield buf, True
 
 
-def _jsonl(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[Piece]:
+def _jsonl(path: Path, stream: io.BufferedIOBase) -> Iterator[tuple[str, Any]]:
     for lineno, line in enumerate(stream, 1):
         if not line.strip():
             continue
@@ -189,13 +266,30 @@ def _jsonl(path: Path, stream: io.BufferedIOBase, text_field: str) -> Iterator[P
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}){cut}") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise DataError(f"{path}:{lineno}: no {text_field!r} field (choose the field with --text-field)")
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
-        if text:
-            yield from split_text(text)
+        yield f"{path}:{lineno}", record
+
+
+def _parquet(path: Path, progress: Callable[[int], None]) -> Iterator[tuple[str, Any]]:
+    """Rows as dicts, one row group at a time (a batch of its rows decoded at once), so memory stays bounded."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+        row = done = 0
+        for group in range(file.num_row_groups):
+            for batch in file.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group]):
+                for record in batch.to_pylist():
+                    yield f"{path}: row {row}", record
+                    row += 1
+            meta = file.metadata.row_group(group)
+            size = sum(meta.column(c).total_compressed_size for c in range(meta.num_columns))
+            progress(size)
+            done += size
+        progress(max(0, path.stat().st_size - done))  # the footer and headers
+    except (pa.ArrowException, OSError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
 
 
 def masked_crc32c(data: bytes) -> int:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from meshlm.config import RUN_CHECKPOINTS, ConfigError, as_path, has_path
 
@@ -33,33 +34,73 @@ CACHE_FILE = Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshl
 
 
 # A model folder's tokenizer: tokenizer.json is what meshlm reads; the rest travel with it when a model is
-# saved or converted, so `transformers.AutoTokenizer` keeps working on the copy.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+# saved or converted, so `transformers.AutoTokenizer` (and its chat template) keeps working on the copy.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+    "merges.txt",
+)  # fmt: skip
+# transformers' named special tokens (`special_tokens_map`): chat templates see them as variables.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+GPT2_SPECIAL_TOKENS = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}  # as GPT-2's own
 
 
 class Tokenizer(Protocol):
     name: str
     eot_id: int
     vocab_size: int
+    special_tokens: dict[str, str]  # named special tokens (bos_token, eos_token, ...), as transformers reads them
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
     def decode_bytes(self, ids: list[int]) -> bytes: ...
+    def token_id(self, token: str) -> int | None: ...
+
+
+def special_token_id(tok: Tokenizer, name: str) -> int | None:
+    """The id of the named special token (`"eos_token"`, ...), None when the tokenizer has none."""
+    token = tok.special_tokens.get(name)
+    return None if token is None else tok.token_id(token)
+
+
+def pad_id(tok: Tokenizer) -> int:
+    """What fills the padding of a row: the pad token, else EOS (as trl pads), else the end-of-text id."""
+    found = special_token_id(tok, "pad_token")
+    found = special_token_id(tok, "eos_token") if found is None else found
+    return tok.eot_id if found is None else found
 
 
 class TiktokenTokenizer:
-    """GPT-2 BPE through tiktoken. `<|endoftext|>` in text becomes the EOT id; no other special tokens."""
+    """GPT-2 BPE through tiktoken. `<|endoftext|>` in text becomes the EOT id; no other special tokens, and
+    nothing is added around a text (GPT-2's tokenizer adds no BOS)."""
 
     name = "gpt2-r50k_base"
     eot_id = EOT_ID
+    special_tokens = GPT2_SPECIAL_TOKENS
 
     def __init__(self, encoding: object):
         self._enc = encoding
         self.vocab_size = encoding.n_vocab  # type: ignore[attr-defined]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._enc.encode(text, allowed_special={EOT_TEXT})  # type: ignore[attr-defined]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's character span in `text`: a token holding part of a multi-byte character
+        spans that character, so it overlaps whatever the character does."""
+        ids = self.encode(text)
+        _, starts = self._enc.decode_with_offsets(ids)  # type: ignore[attr-defined]
+        pieces = self._enc.decode_tokens_bytes(ids)  # type: ignore[attr-defined]
+        continues = [0x80 <= piece[0] < 0xC0 for piece in pieces[1:]]  # the next token starts inside a character
+        ends = [start + cont for start, cont in zip(starts[1:], continues, strict=True)] + [len(text)] * bool(ids)
+        return ids, list(zip(starts, ends, strict=True))
+
+    def token_id(self, token: str) -> int | None:
+        try:
+            return self._enc.encode_single_token(token)  # type: ignore[attr-defined]
+        except KeyError:
+            return None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._enc.encode_batch(texts, allowed_special={EOT_TEXT})  # type: ignore[attr-defined]
@@ -72,7 +113,12 @@ class TiktokenTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` (through the `tokenizers` library); its `<|endoftext|>` ends documents."""
+    """A Hugging Face `tokenizer.json` (through the `tokenizers` library); its `<|endoftext|>` ends documents.
+
+    The `tokenizer_config.json` (and `special_tokens_map.json`) beside it name the special tokens (bos_token,
+    eos_token, ...). `encode(text, add_special_tokens=True)` adds what the file's post-processor adds (a BOS
+    for Llama's, nothing for GPT-2's or GPT-NeoX's), as transformers 5 does whatever the config's
+    `add_bos_token` says: the ids trl's trainers tokenize a text with."""
 
     def __init__(self, path: Path):
         try:
@@ -91,9 +137,18 @@ class HFTokenizer:
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size()
         self.eot_id = eot
+        self.special_tokens = named_special_tokens(tokenizer_config(as_path(path).parent))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's character span in `text`."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -103,6 +158,25 @@ class HFTokenizer:
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self.decode(ids).encode("utf-8")
+
+
+def tokenizer_config(folder: str | Path) -> dict[str, Any]:
+    """A model folder's tokenizer_config.json with its special_tokens_map.json over it, as transformers reads
+    them; {} for files that are absent or unreadable."""
+    config: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            found = json.loads((as_path(folder) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        config |= found if isinstance(found, dict) else {}
+    return config
+
+
+def named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The named special tokens of a tokenizer config: a string each, or an AddedToken dict with its content."""
+    text = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items() if k in SPECIAL_TOKEN_NAMES}
+    return {k: v for k, v in text.items() if isinstance(v, str)}
 
 
 def sha256(path: Path) -> str:

@@ -17,7 +17,7 @@ def test_rows_read_back_across_shards_in_the_order_asked(tmp_path):
     ds = data.TokenDataset(tmp_path)
     assert len(ds) == 8 and ds.seq_len == 8
     pick = [7, 0, 3, 2, 5]
-    np.testing.assert_array_equal(ds[pick], rows[pick])
+    np.testing.assert_array_equal(ds[pick].tokens, rows[pick])
 
 
 def test_damaged_or_missing_data_is_named(tmp_path):

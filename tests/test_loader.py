@@ -17,7 +17,7 @@ def dataset(tmp_path_factory):
 
 
 def row_ids(batch):
-    return (batch[..., 0] // 5).tolist()
+    return (batch.tokens[..., 0] // 5).tolist()
 
 
 def test_each_epoch_is_a_seeded_permutation_without_repeats(dataset):
@@ -43,14 +43,16 @@ def test_resumed_loader_continues_with_the_same_batches(dataset):
     expected = [next(loader) for _ in range(6)]
     resumed = TrainLoader(dataset, batch_size=6, seed=3, state=saved)
     for want in expected:
-        np.testing.assert_array_equal(next(resumed), want)
+        for got, wanted in zip(next(resumed), want, strict=True):
+            np.testing.assert_array_equal(got, wanted)
 
 
 def test_processes_read_disjoint_slices_that_make_up_the_global_batch(dataset):
     whole = next(TrainLoader(dataset, batch_size=8, micro_batches=2, seed=1))
     parts = [next(TrainLoader(dataset, 8, 2, seed=1, process_index=p, process_count=2)) for p in range(2)]
-    assert parts[0].shape == (2, 2, 5)
-    np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+    assert parts[0].tokens.shape == (2, 2, 5) and parts[0].rows.shape == (2, 2)
+    for p, field in enumerate(whole):
+        np.testing.assert_array_equal(np.concatenate([part[p] for part in parts], axis=1), field)
 
 
 def test_validation_is_in_order_and_pads_the_last_batch_with_zero_weight(dataset):

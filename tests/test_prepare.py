@@ -112,7 +112,7 @@ def rows_of(ids: list[int]) -> np.ndarray:
 
 def read_rows(folder: Path, split: str = "train") -> np.ndarray:
     ds = data.TokenDataset(folder, split)
-    return ds[np.arange(len(ds))]
+    return ds[np.arange(len(ds))].tokens
 
 
 def write_jsonl(path: Path, texts: list[str], compress: bool = False) -> None:
@@ -161,7 +161,8 @@ def test_two_runs_are_byte_identical_whatever_the_worker_count(prepare, corpus_d
     prepare([root], tmp_path / "one", SEQ, val_fraction=0.3, seed=1)
     prepare([root], tmp_path / "two", SEQ, val_fraction=0.3, seed=1, workers=2)
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
-    assert [str(f) for f in files] == ["index.json", "train/00000.bin", "val/00000.bin"]
+    shards = [f"{split}/00000.{part}bin" for split in ("train", "val") for part in ("", "segments.", "weights.")]
+    assert [str(f) for f in files] == ["index.json", *shards]
     for f in files:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
 

@@ -1,0 +1,238 @@
+"""Chat templates: meshlm renders and tokenizes chats exactly as transformers' `apply_chat_template` does, and its
+loss mask covers exactly the assistant turns."""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from meshlm.chat import ChatTemplate, load_chat_template
+from meshlm.config import ConfigError, DataError
+from meshlm.tokenizer import load_tokenizer
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>",
+           "<|system|>"]  # fmt: skip
+NAMED = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<|endoftext|>"}
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' }}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# meta-llama/Llama-2-7b-chat-hf's template: the system prompt folded into the first user turn
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+# HuggingFaceH4/zephyr-7b-beta's: newlines between its tags, which trim_blocks and lstrip_blocks remove
+ZEPHYR = (
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
+)
+# ChatML whose assistant turns are marked with {% generation %}, for transformers' own assistant mask
+CHATML_GENERATION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# What each template renders for one assistant message: content and end-of-turn, the tokens trained on
+ASSISTANT_TURN = {
+    "chatml": lambda content: content + "<|im_end|>\n",
+    "llama2": lambda content: " " + content.strip() + " </s>",
+    "zephyr": lambda content: content + "</s>\n",
+}
+TEMPLATES = {"chatml": CHATML, "llama2": LLAMA2, "zephyr": ZEPHYR, "generation": CHATML_GENERATION}
+
+CHAT = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is a list in Python?"},
+    {"role": "assistant", "content": "A mutable sequence of items."},
+    {"role": "user", "content": "And a tuple?"},
+    {"role": "assistant", "content": "🙂 An immutable sequence: naïve café."},
+]
+
+
+@functools.cache
+def _bpe():
+    """A byte-level BPE of 600 ids trained here (no hub) on Python's own help texts."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([topics[k] for k in sorted(topics)[:60]], trainer)
+    return tok.to_str()
+
+
+def tokenizer_folder(
+    folder: Path, template: str | None = None, jinja_file: bool = False, bos: bool = False, **config
+) -> Path:
+    """A Hugging Face tokenizer folder as `save_pretrained` writes it (bos <s>, eos </s>, pad <pad>), with `template`
+    in tokenizer_config.json or, with `jinja_file`, in chat_template.jinja; `bos`: its post-processor puts <s> before
+    every text, as Llama's does; `config` adds to tokenizer_config.json."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_bpe())
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **NAMED)
+    if template:
+        fast.chat_template = template
+    fast.save_pretrained(str(folder), save_jinja_files=jinja_file)
+    if config:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    return {name: tokenizer_folder(tmp_path_factory.mktemp(name), t) for name, t in TEMPLATES.items()}
+
+
+def reference(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def chats() -> list[list[dict]]:
+    """Chats of several shapes: with and without a system prompt, one or two assistant turns, ending on the user."""
+    return [CHAT, CHAT[1:], CHAT[:3], CHAT[1:4]]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama2", "zephyr", "generation"])
+def test_token_ids_equal_transformers_apply_chat_template(folders, name):
+    folder = folders[name]
+    hf, tok = reference(folder), load_tokenizer(folder)
+    template = ChatTemplate.from_model_folder(folder)
+    for chat in chats():
+        for generation_prompt in (False, True):
+            if generation_prompt and chat[-1]["role"] == "assistant":
+                continue
+            want = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=generation_prompt)["input_ids"]
+            assert template.encode(chat, tok, add_generation_prompt=generation_prompt) == want, (name, chat)
+            assert template.render(chat, generation_prompt) == hf.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+
+def test_the_generation_prompt_is_rendered(folders):
+    template = ChatTemplate.from_model_folder(folders["zephyr"])
+    assert template.render(CHAT[:2], add_generation_prompt=True) == template.render(CHAT[:2]) + "<|assistant|>\n"
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama2", "zephyr"])
+def test_the_mask_covers_exactly_each_assistant_turn(folders, name):
+    """The masked tokens form one run per assistant message, decoding to its content and end-of-turn marker."""
+    folder = folders[name]
+    tok = load_tokenizer(folder)
+    template = ChatTemplate.from_model_folder(folder)
+    for chat in chats():
+        ids, mask = template.encode_with_mask(chat, tok)
+        assert ids == template.encode(chat, tok)
+        runs, run = [], []
+        for token, on in zip(ids, mask, strict=True):
+            if on:
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        runs += [run] if run else []
+        expected = [ASSISTANT_TURN[name](m["content"]) for m in chat if m["role"] == "assistant"]
+        assert [tok.decode(r) for r in runs] == expected, (name, chat)
+
+
+def test_generation_blocks_give_transformers_assistant_mask(folders):
+    """A template with {% generation %} blocks: the mask is transformers' `return_assistant_tokens_mask` (what trl's
+    `assistant_only_loss=True` trains on), which here leaves out the newline after each `<|im_end|>`."""
+    folder = folders["generation"]
+    hf, tok = reference(folder), load_tokenizer(folder)
+    template = ChatTemplate.from_model_folder(folder)
+    for chat in chats():
+        want = hf.apply_chat_template(chat, tokenize=True, return_assistant_tokens_mask=True)
+        ids, mask = template.encode_with_mask(chat, tok)
+        assert ids == want["input_ids"]
+        assert [int(m) for m in mask] == want["assistant_masks"]
+        assert any(mask)
+
+
+def test_template_sources_follow_transformers(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json; a list of named templates gives its "default"; a folder
+    without one has none; --chat-template's file renders with the tokenizer's special tokens."""
+    jinja = tokenizer_folder(tmp_path / "jinja", LLAMA2, jinja_file=True, chat_template=CHATML)
+    assert (jinja / "chat_template.jinja").is_file()
+    assert ChatTemplate.from_model_folder(jinja).source == reference(jinja).chat_template == LLAMA2
+    named = tokenizer_folder(tmp_path / "named", chat_template=[{"name": "tool_use", "template": CHATML},
+                                                                {"name": "default", "template": ZEPHYR}])  # fmt: skip
+    assert ChatTemplate.from_model_folder(named).source == ZEPHYR
+    assert reference(named).apply_chat_template(CHAT, tokenize=False) == ChatTemplate.from_model_folder(named).render(
+        CHAT
+    )
+    plain = tokenizer_folder(tmp_path / "plain")
+    assert load_chat_template(load_tokenizer(plain)) is None
+    with pytest.raises(ConfigError, match="no chat template"):
+        ChatTemplate.from_model_folder(plain)
+    (tmp_path / "llama2.jinja").write_text(LLAMA2)
+    given = load_chat_template(load_tokenizer(plain), tmp_path / "llama2.jinja")
+    assert given.render(CHAT[1:3]) == "<s>[INST] What is a list in Python? [/INST] A mutable sequence of items. </s>"
+
+
+def test_template_errors_are_one_line(folders, tmp_path):
+    template = ChatTemplate.from_model_folder(folders["llama2"])
+    with pytest.raises(DataError, match="refused this chat: Conversation roles must alternate"):
+        template.render([CHAT[1], CHAT[1]])
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ConfigError, match=r"bad.jinja: not a valid Jinja template \(line 1"):
+        ChatTemplate.from_file(tmp_path / "bad.jinja")
+
+
+def test_the_sandbox_holds(folders):
+    """Templates are untrusted code: the sandbox refuses attribute access to Python internals, as transformers'."""
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(Exception, match="unsafe|not safely|SecurityError|access"):
+        template.render(CHAT)
+    assert ChatTemplate("{{ messages | tojson }}").render(CHAT[:1]) == json.dumps(CHAT[:1], ensure_ascii=False)
+
+
+def test_gpt2_bpe_through_tiktoken(gpt2_bpe_file, tmp_path):
+    """GPT-J's own tokenizer (tiktoken; ChatML's tags are plain text to it): the ids of transformers' GPT-2 tokenizer
+    built from the same BPE file, and the assistant turns masked through tiktoken's character offsets."""
+    from meshlm.tokenizer import save_hf_tokenizer
+
+    save_hf_tokenizer(tmp_path, gpt2_bpe_file)
+    hf = reference(tmp_path)
+    tok = load_tokenizer(gpt2_bpe_file)
+    template = ChatTemplate(CHATML, tok.special_tokens)
+    for chat in chats():
+        want = hf.apply_chat_template(chat, chat_template=CHATML, tokenize=True)["input_ids"]
+        ids, mask = template.encode_with_mask(chat, tok)
+        assert ids == want
+        trained = tok.decode_bytes([t for t, on in zip(ids, mask, strict=True) if on]).decode()
+        assert trained == "".join(ASSISTANT_TURN["chatml"](m["content"]) for m in chat if m["role"] == "assistant")
+    # a {% generation %} block that starts inside a token (':' + ':::' are one pre-token): that token is the
+    # assistant's too, as transformers counts it
+    straddle = "{% for m in messages %}{{ m.role + ':' }}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+    straddle += "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '\n' }}{% endfor %}"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "::: it straddles"}]
+    want = hf.apply_chat_template(chat, chat_template=straddle, tokenize=True, return_assistant_tokens_mask=True)
+    ids, mask = ChatTemplate(straddle).encode_with_mask(chat, tok)
+    assert ids == want["input_ids"] and [int(m) for m in mask] == want["assistant_masks"]
+    assert tok.decode_bytes([t for t, on in zip(ids, mask, strict=True) if on]) == b":::: it straddles"

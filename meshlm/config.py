@@ -427,6 +427,69 @@ class LoraConfig:
         return cls(**values)
 
 
+# What a run trains for (`meshlm.objectives` holds their math): next-token loss on the weighted targets, or
+# on preference pairs DPO and ORPO, each with its settings named as trl names them.
+OBJECTIVE_NAMES = ("lm", "dpo", "orpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_REFERENCES = ("precompute", "copy")
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """DPO against a frozen reference model (the starting model), as trl's DPOConfig names its settings.
+
+    `loss_type`: "sigmoid" (DPO; with `label_smoothing` eps > 0 conservative DPO, which assumes each label is
+    flipped with probability eps, as trl's CPO and pre-1.0 DPO compute it), "ipo" (the squared log-ratio
+    gap, per completion token), "hinge" (SLiC). `reference` applies to full fine-tuning: "precompute"
+    computes the reference log-probs once before the first step and stores them beside the run;
+    "copy" keeps a frozen copy of the starting model in device memory. A LoRA run's reference is
+    always its base with the adapter switched off."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "precompute"
+
+    def __post_init__(self) -> None:
+        _check_float("dpo.beta", self.beta, lambda v: v > 0, "> 0")
+        _check_choice("dpo.loss_type", self.loss_type, DPO_LOSSES)
+        _check_float("dpo.label_smoothing", self.label_smoothing, lambda v: 0 <= v < 0.5, "in [0, 0.5)")
+        _check_choice("dpo.reference", self.reference, DPO_REFERENCES)
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(
+                f"train config: dpo.label_smoothing applies to loss_type sigmoid only (conservative DPO); "
+                f"{self.loss_type} has none, so set it to 0"
+            )
+
+
+@dataclass(frozen=True)
+class OrpoConfig:
+    """ORPO: the chosen completion's NLL minus beta * log sigmoid of the chosen-over-rejected log odds
+    ratio; no reference model. `beta` is trl's ORPOConfig's (the paper's lambda)."""
+
+    beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_float("orpo.beta", self.beta, lambda v: v > 0, "> 0")
+
+
+def _section(cls: type, values: Any, name: str) -> Any:
+    """A nested train-config section (`dpo`, `orpo`) from its mapping; YAML's "1e-1" strings read as numbers."""
+    if isinstance(values, cls):
+        return values
+    known = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(values, dict):
+        raise ConfigError(f"train config: {name} must be a mapping of {known}, got {values!r}")
+    if unknown := sorted(set(values) - set(known)):
+        raise ConfigError(f"train config: {name}: unknown key(s) {unknown}; allowed: {known}")
+    values = dict(values)
+    for f in dataclasses.fields(cls):
+        if f.type == "float" and isinstance(values.get(f.name), str):
+            with contextlib.suppress(ValueError):
+                values[f.name] = float(values[f.name])
+    return cls(**values)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training configuration
 
@@ -485,6 +548,11 @@ class TrainConfig:
     # (a float dtype, "int8" or "nf4"; default param_dtype). Checkpoints then hold the adapter alone.
     lora: LoraConfig | None = None
     base_dtype: str | None = None
+    # The objective (see OBJECTIVE_NAMES): "lm" trains on text (plain or with loss weights), "dpo" and
+    # "orpo" on preference pairs; each reads its own section.
+    objective: str = "lm"
+    dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    orpo: OrpoConfig = dataclasses.field(default_factory=OrpoConfig)
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "micro_batches", "total_steps", "anneal_steps", "val_batches", "keep_last"):
@@ -544,6 +612,21 @@ class TrainConfig:
                 "train config: resume_optimizer continues the seed's moments as stored; keep adam_dtype float32"
             )
         _ = self.policy  # checks the dtypes, remat and attention names
+        _check_choice("objective", self.objective, OBJECTIVE_NAMES)
+        object.__setattr__(self, "dpo", _section(DpoConfig, self.dpo, "dpo"))
+        object.__setattr__(self, "orpo", _section(OrpoConfig, self.orpo, "orpo"))
+        for section in ("dpo", "orpo"):  # settings that would be silently ignored
+            if self.objective != section and getattr(self, section) != type(getattr(self, section))():
+                raise ConfigError(
+                    f"train config: {section} settings apply to objective {section}, but objective is {self.objective}"
+                )
+        if self.z_loss and self.objective != "lm":
+            raise ConfigError(f"train config: z_loss applies to objective lm only, not {self.objective}")
+        if self.lora is not None and self.dpo.reference == "copy":
+            raise ConfigError(
+                "train config: dpo.reference copy is for full fine-tuning; a LoRA run's reference is its base with "
+                "the adapter switched off (no second copy), so leave dpo.reference out"
+            )
         if self.base_dtype is not None:
             if self.base_dtype not in QUANTIZED:
                 dtype_of(self.base_dtype)
@@ -601,6 +684,11 @@ class TrainConfig:
 def _check_int(key: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"train config: {key} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"train config: {key} must be one of {list(allowed)}, got {value!r}")
 
 
 def _check_float(key: str, value: Any, ok: Any, what: str) -> None:
@@ -743,12 +831,12 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             current = {"preset": current} if isinstance(current, str) else dict(current)
             current[".".join(path[1:])] = value
             values["model"] = current
-        elif path[0] == "lora" and len(path) == 2:
-            values["lora"] = {**(values.get("lora") or {}), path[1]: value}
+        elif path[0] in ("lora", "dpo", "orpo") and len(path) == 2:
+            values[path[0]] = {**(values.get(path[0]) or {}), path[1]: value}
         elif len(path) == 1:
             values[path[0]] = value
         else:
-            raise ConfigError(f"--set {item!r}: only model.* and lora.* keys are nested")
+            raise ConfigError(f"--set {item!r}: only model.*, lora.*, dpo.* and orpo.* keys are nested")
     return values
 
 

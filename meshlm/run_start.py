@@ -1,13 +1,16 @@
-"""Where a training run starts: its tokenizer and datasets, the model it trains (its own latest
-checkpoint, else `init_from`'s config, else the config's), a LoRA run's frozen base, and a seed run's
-optimizer state to continue. Every check here needs no weights, so a run that cannot start says so before
-compiling or loading anything."""
+"""Where a training run starts: its tokenizer and datasets (of the kind its objective trains on), the model
+it trains (its own latest checkpoint, else `init_from`'s config, else the config's), a LoRA run's frozen
+base, a seed run's optimizer state to continue, and a full DPO run's precomputed reference log-probs.
+Every check here needs no weights, so a run that cannot start says so before compiling or loading anything."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import api, checkpoint
@@ -15,6 +18,7 @@ from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.formats import mtj, registry
 from meshlm.lora import base_storage
+from meshlm.objectives import OBJECTIVES
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
 
 
@@ -39,6 +43,11 @@ def open_datasets(
     demo corpus is tokenized with `tokenizer` (default GPT-2 BPE); prepared data must end its documents
     with that tokenizer's end-of-text id, the sign that it was prepared with the same tokenizer."""
     if cfg.data is None:
+        if OBJECTIVES[cfg.objective].data != "lm":
+            raise ConfigError(
+                f"objective {cfg.objective} trains on preference pairs: set data to a folder `meshlm prepare` made "
+                'from {"prompt", "chosen", "rejected"} records (the built-in demo corpus is plain text)'
+            )
         from meshlm.demo_corpus import prepare_demo_corpus
 
         folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128, tokenizer)
@@ -61,12 +70,28 @@ def open_datasets(
         if vals[name].seq_len != train_ds.seq_len:
             raise ConfigError(f"val_data {name}: seq_len {vals[name].seq_len} differs from the training data's")
     for ds in (train_ds, *vals.values()):
+        check_kind(cfg, ds)
         if tokenizer is not None and ds.eos_id != tokenizer.eot_id:
             raise ConfigError(
                 f"{ds.folder}: prepared with end-of-text id {ds.eos_id}, but the model's tokenizer ({tokenizer.name}) "
                 f"has {tokenizer.eot_id}; prepare the data with `meshlm prepare --tokenizer {cfg.init_from or out_dir}`"
             )
     return train_ds, vals
+
+
+def check_kind(cfg: TrainConfig, ds: TokenDataset) -> None:
+    """Refuse data of the other kind than the objective trains on: text for lm, preference pairs for dpo and orpo."""
+    if ds.kind == OBJECTIVES[cfg.objective].data:
+        return
+    if ds.kind == "preference":
+        raise ConfigError(
+            f"{ds.folder}: split {ds.split!r} holds preference pairs, but objective is {cfg.objective}; "
+            "train on pairs with objective dpo or orpo"
+        )
+    raise ConfigError(
+        f"{ds.folder}: split {ds.split!r} holds text, not the preference pairs objective {cfg.objective} trains on; "
+        'prepare a dataset from {"prompt", "chosen", "rejected"} records'
+    )
 
 
 def _splits(folder: str) -> list[str]:
@@ -210,3 +235,75 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
             "total_steps counts from the seed run's start, so set it above the checkpoint's step"
         )
     return seed
+
+
+# A full DPO run's reference log-probs (`dpo.reference: precompute`), stored beside its checkpoints.
+REFERENCE_LOGPS = "reference_logps.npz"
+
+
+def reference_identity(cfg: TrainConfig, datasets: dict[str, TokenDataset]) -> dict[str, Any]:
+    """What precomputed reference log-probs are of: the starting model (`init_from`'s weights, else the
+    random model of the seed, run in the config's dtypes) and each dataset (`dataset_identity`)."""
+    start = base_reference(cfg)
+    starting_model = {
+        "init_from": start["init_from"],
+        "seed": start["seed"],
+        "param_dtype": cfg.param_dtype,
+        "compute_dtype": cfg.compute_dtype,
+        "model": cfg.model.to_dict(),
+    }
+    return {"model": starting_model, "datasets": {name: dataset_identity(ds) for name, ds in datasets.items()}}
+
+
+def dataset_identity(ds: TokenDataset, sample: int = 16) -> dict[str, Any]:
+    """A split as values computed from it depend on it: its size, and a digest of its index and of a sample
+    of its rows, so that a folder prepared again from other records differs. Where it is only names it."""
+    digest = hashlib.sha256((ds.folder / "index.json").read_bytes())
+    batch = ds[np.unique(np.linspace(0, ds.rows - 1, sample).astype(np.int64))]
+    for array in (batch.tokens, batch.weights, batch.segments):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return {"folder": str(ds.folder.absolute()), "split": ds.split, "rows": ds.rows, "digest": digest.hexdigest()}
+
+
+def read_reference_logps(out_dir: Path, identity: dict[str, Any], resumed: bool) -> dict[str, np.ndarray] | None:
+    """The reference log-probs stored in `out_dir` when they are those of `identity`. None where there are
+    none, or in a fresh run where an earlier start in the folder left others. A resumed run refuses others:
+    its steps so far were trained against the ones it started with."""
+    path = out_dir / REFERENCE_LOGPS
+    if not path.exists():
+        return None
+    with path.open("rb") as f, np.load(f) as stored:
+        values = {name: stored[name] for name in stored.files}
+    recorded = json.loads(str(values.pop("identity")))
+    difference = _difference(recorded, identity)
+    if difference is None:
+        return values
+    if resumed:
+        raise ConfigError(
+            f"{path}: the run's reference log-probs are of {difference}; a resumed DPO run keeps the reference and "
+            "data it started with (restore them, or train in a new out_dir)"
+        )
+    return None
+
+
+def _difference(recorded: dict[str, Any], identity: dict[str, Any]) -> str | None:
+    """How stored reference log-probs differ from what the run needs, in words; None where they do not."""
+    if recorded["model"] != identity["model"]:
+        was = recorded["model"]["init_from"] or f"the random model of seed {recorded['model']['seed']}"
+        return f"another starting model ({was})"
+    for name, ds in identity["datasets"].items():
+        was = recorded["datasets"].get(name)
+        if was is None:
+            return f"the datasets {sorted(recorded['datasets'])}, not {name} ({ds['folder']})"
+        if {**was, "folder": None} != {**ds, "folder": None}:  # a dataset moved elsewhere is the same dataset
+            return f"{was['folder']} split {was['split']!r}, not {ds['folder']} split {ds['split']!r}"
+    return None
+
+
+def write_reference_logps(out_dir: Path, identity: dict[str, Any], values: dict[str, np.ndarray]) -> Path:
+    """Store reference log-probs with their identity, whole or not at all (a kill midway leaves none)."""
+    path, tmp = out_dir / REFERENCE_LOGPS, out_dir / (REFERENCE_LOGPS + ".tmp")
+    with tmp.open("wb") as f:
+        np.savez(f, identity=np.array(json.dumps(identity)), **values)
+    tmp.replace(path)
+    return path

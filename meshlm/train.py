@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from meshlm import api, checkpoint, footprint, model, run_start
 from meshlm.config import (
@@ -36,17 +36,26 @@ from meshlm.config import (
     as_path,
     is_url,
 )
-from meshlm.data import TokenDataset
+from meshlm.data import Batch, TokenDataset
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
-from meshlm.metrics import MetricsLog, NoiseScale, adapter_size, flops_per_token, peak_flops
-from meshlm.sharding import describe, make_mesh, named_sharding
+from meshlm.lora import adapter_size, init_adapter
+from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
+from meshlm.objectives import OBJECTIVES
+from meshlm.sharding import describe, make_mesh
 from meshlm.train_step import (
+    ROW_TOKENS,
     StepProgram,
     TrainState,
+    abstract_batch,
+    batch_keys,
     check_batch,
     check_fits,
+    eval_keys,
+    frozen_model,
     make_eval_step,
+    make_reference_step,
     out_of_memory,
+    rows_per_micro_batch,
     step_program,
 )
 
@@ -85,8 +94,12 @@ def _stop_on_signals() -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
-def _global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+def _place(local: dict[str, np.ndarray], spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """A batch's arrays from this process's rows, as global arrays laid out as `spec` says (its keys only)."""
+    return {
+        k: jax.make_array_from_process_local_data(s.sharding, np.asarray(local[k], s.dtype), s.shape)
+        for k, s in spec.items()
+    }
 
 
 def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
@@ -139,18 +152,17 @@ def _train(
     run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
     jax.block_until_ready(run.state)  # nothing in flight when a signal stops the run here
     _stop_if_signalled(signals)
-    batch_sharding = named_sharding(mesh, (None, "batch", "seq"))
-    global_shape = (cfg.micro_batches, cfg.micro_batch_size, train_ds.seq_len + 1)
+    run.prepare_reference(progress, lambda: _stop_if_signalled(signals))
     result = TrainResult(run.out_dir, run.step, memory=used)
     log = StepLog(cfg, mesh, train_ds.seq_len, run, result, progress)
-    run.show(f"meshlm train: {run.describe()} on {describe(mesh)}; {len(train_ds):,} train sequences")
+    examples = "pairs" if OBJECTIVES[cfg.objective].data == "preference" else "sequences"
+    run.show(f"meshlm train: {run.describe()} on {describe(mesh)}; {len(train_ds):,} train {examples}")
 
     first = step = run.step
     pending = None
     with jax.set_mesh(mesh), log:
         while step < cfg.total_steps and not _any_process(bool(signals)):
-            batch = _global_batch(next(run.loader), batch_sharding, global_shape)
-            run.state, metrics = step_fn(run.state, batch, *run.base_args)
+            run.state, metrics = step_fn(run.state, run.batch(next(run.loader)), *run.frozen_args)
             step += 1
             ckpts.check()  # a background save that failed stops the run now, not at the next save
             if pending:  # a step's metrics are read once the next step is queued: the devices never wait
@@ -219,10 +231,14 @@ class Run:
         val_sets: dict[str, TokenDataset],
     ):
         self.cfg, self.mesh, self.ckpts, self.val_sets, self.out_dir = cfg, mesh, ckpts, val_sets, as_path(cfg.out_dir)
+        self.program, self.train_ds, self.resumed = program, train_ds, start.latest is not None
         self.base_ref = start.base_ref
         self.base_lm = None if start.base_ref is None else run_start.load_base(start.base_ref, cfg.model, mesh, cfg)
-        self.base = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.base_shardings)
+        self.frozen = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.frozen_shardings)
         self.state, loader_state, self.step = self._initial_state(program, start)
+        if frozen_model(cfg) == "reference":
+            self.frozen = self._reference_model(copy=True)
+        self.reference: dict[str, np.ndarray] | None = None  # precomputed reference log-probs (`prepare_reference`)
         self.last_saved = self.step
         process, processes = jax.process_index(), jax.process_count()
         self.loader = TrainLoader(
@@ -241,14 +257,10 @@ class Run:
                 return TrainState(step, params, opt_state), LoaderState.from_dict(desc["loader"]), start.latest
             if cfg.lora is not None:
                 key = jax.random.fold_in(jax.random.key(cfg.seed), ADAPTER_KEY)
-                init = lambda k: model.init_adapter(cfg.model, cfg.lora, k, cfg.param_dtype)
+                init = lambda k: init_adapter(model.projections(cfg.model), cfg.lora, k, cfg.param_dtype)
                 params = jax.jit(init, out_shardings=shardings.params)(key)
-            elif cfg.init_from:
-                params = api.load(cfg.init_from, mesh=self.mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
-                params = jax.device_put(params.params, shardings.params)
             else:
-                init = lambda k: model.init(cfg.model, k, cfg.param_dtype)
-                params = jax.jit(init, out_shardings=shardings.params)(jax.random.key(cfg.seed))
+                params = self._starting_model()
             opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(params)
             first = 0
             if start.seed_opt is not None:  # a seed run continued: its moments, count and step
@@ -257,14 +269,91 @@ class Run:
             step = jax.device_put(jnp.asarray(first, jnp.int32), shardings.step)
             return TrainState(step, params, opt_state), LoaderState(), first
 
+    def _starting_model(self) -> model.Params:
+        """A full run's model at step 0: `init_from`'s weights, else the random model of the seed."""
+        cfg, shardings = self.cfg, self.program.shardings
+        if cfg.init_from:
+            lm = api.load(cfg.init_from, mesh=self.mesh, dtype=cfg.param_dtype, seed_config=cfg.seed_config)
+            return jax.device_put(lm.params, shardings.params)
+        init = lambda k: model.init(cfg.model, k, cfg.param_dtype)
+        return jax.jit(init, out_shardings=shardings.params)(jax.random.key(cfg.seed))
+
+    def _reference_model(self, copy: bool) -> model.Params:
+        """A full DPO run's reference, its starting model: before the first step the state's own parameters
+        (a `copy` where they must outlive the step, which donates them), on resume rebuilt as they were."""
+        if self.resumed:
+            with jax.set_mesh(self.mesh):
+                return self._starting_model()
+        if not copy:
+            return self.state.params
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.program.shardings.params)(
+            self.state.params
+        )
+
+    def prepare_reference(self, progress: bool, stop: Callable[[], None]) -> None:
+        """A full DPO run's reference log-probs (`dpo.reference: precompute`) of every row of its datasets:
+        those stored beside the run, or computed from the starting model before the first step, in one
+        jitted pass over each dataset, and stored there. `stop()` runs between batches: a signal ends the pass."""
+        if "reference" not in batch_keys(self.cfg):
+            return
+        cfg = self.cfg
+        datasets = {"train": self.train_ds, **{f"val/{name}": ds for name, ds in self.val_sets.items()}}
+        identity = run_start.reference_identity(cfg, datasets)
+        self.reference = run_start.read_reference_logps(self.out_dir, identity, self.resumed)
+        if self.reference is not None:
+            return
+        began, params = time.perf_counter(), self._reference_model(copy=False)
+        fn = make_reference_step(cfg, cfg.model, self.mesh)
+        self.reference = {
+            name: self._reference_logps(fn, params, name, ds, progress, stop) for name, ds in datasets.items()
+        }
+        if self.main:
+            path = run_start.write_reference_logps(self.out_dir, identity, self.reference)
+            rows = sum(len(v) for v in self.reference.values())
+            self.show(
+                f"meshlm train: reference log-probs of {rows:,} rows computed in {time.perf_counter() - began:.1f} s; "
+                f"stored in {path}"
+            )
+
+    def _reference_logps(
+        self, fn: Callable[..., Any], params: model.Params, name: str, ds: TokenDataset, progress: bool, stop: Callable
+    ) -> np.ndarray:
+        """The reference log-prob of each row of `ds`, by row id, a micro-batch of rows at a time."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        spec = abstract_batch(self.mesh, (*ROW_TOKENS, "rows"), (rows_per_micro_batch(cfg),), ds.seq_len)
+        values = np.full(ds.rows, np.nan, np.float32)
+        n = -(-len(ds) // cfg.micro_batch_size)
+        batches = eval_batches(ds, cfg.micro_batch_size, n, jax.process_index(), jax.process_count())
+        bar = tqdm(batches, total=n, desc=f"reference log-probs ({name})", disable=not (progress and self.main))
+        for batch, examples in bar:
+            stop()
+            rows = np.where(examples > 0, batch.rows, -1)  # a row that only pads the last batch is dropped
+            logps, ids = (_local(x) for x in fn(params, _place({**batch._asdict(), "rows": rows}, spec)))
+            values[ids[ids >= 0]] = logps[ids >= 0]
+        assert not np.isnan(values).any(), f"{ds.folder}: the pass left rows without a reference log-prob"
+        return values
+
     @property
-    def base_args(self) -> tuple[model.Params, ...]:
-        """The step's arguments after the batch: a LoRA run's frozen base."""
-        return () if self.base is None else (self.base,)
+    def frozen_args(self) -> tuple[model.Params, ...]:
+        """The step's arguments after the batch: its frozen model, where it has one (`frozen_model`)."""
+        return () if self.frozen is None else (self.frozen,)
+
+    def _arrays(self, batch: Batch, name: str) -> dict[str, np.ndarray]:
+        """A batch's arrays by name, with its rows' reference log-probs where the run precomputed them."""
+        arrays = batch._asdict()
+        if self.reference is not None:
+            arrays["reference"] = self.reference[name][batch.rows]
+        return arrays
+
+    def batch(self, batch: Batch) -> dict[str, jax.Array]:
+        """The step's batch: the loader's rows of this process, laid out over the mesh."""
+        return _place(self._arrays(batch, "train"), self.program.inputs[1])
 
     def full(self) -> model.Params:
         """The model the trained parameters are part of: themselves, or the base with them as its adapter."""
-        return self.state.params if self.base is None else {**self.base, "lora": self.state.params}
+        return self.state.params if self.cfg.lora is None else {**self.frozen, "lora": self.state.params}
 
     def language_model(self) -> api.LanguageModel:
         cfg = self.cfg
@@ -279,7 +368,7 @@ class Run:
         cfg, what = self.cfg, f"{model.count_params(self.cfg.model):,} params"
         if cfg.lora is None:
             return what
-        trainable = adapter_size(cfg.model, cfg.lora)
+        trainable = adapter_size(model.projections(cfg.model), cfg.lora)
         targets = ", ".join(cfg.lora.targets)
         return (
             f"LoRA rank {cfg.lora.rank} on {targets}: {trainable:,} trainable of {what}; base {self.base_ref['dtype']}"
@@ -308,20 +397,24 @@ class Run:
         return f"the last checkpoint, step {self.last_saved}, is intact"
 
     def validate(self) -> dict[str, float]:
-        """Mean loss per token of each validation set's first `val_batches` batches."""
-        cfg, mesh = self.cfg, self.mesh
-        rows, weights_sharding = named_sharding(mesh, ("batch", "seq")), named_sharding(mesh, ("batch",))
-        values = {}
+        """The objective on each validation set's first `val_batches` batches: its mean loss (per token, or
+        per pair) as `val/<name>`, and its other metrics (trl's, for preference data) as `val/<name>/<metric>`."""
+        cfg, values = self.cfg, {}
         for name, ds in self.val_sets.items():
-            total = count = 0.0
-            for tokens, weights in eval_batches(
+            spec = abstract_batch(self.mesh, eval_keys(cfg), (rows_per_micro_batch(cfg),), ds.seq_len)
+            sums: dict[str, float] = {}
+            count = 0.0
+            for batch, examples in eval_batches(
                 ds, cfg.micro_batch_size, cfg.val_batches, jax.process_index(), jax.process_count()
             ):
-                t = _global_batch(tokens, rows, (cfg.micro_batch_size, ds.seq_len + 1))
-                w = _global_batch(weights, weights_sharding, (cfg.micro_batch_size,))
-                s, c = self.eval_fn(self.full(), t, w)
-                total, count = total + _scalar(s), count + _scalar(c)
-            values[f"val/{name}"] = total / count
+                arrays = {**self._arrays(batch, f"val/{name}"), "examples": examples}
+                result = self.eval_fn(self.state.params, self.frozen, _place(arrays, spec))
+                n = _scalar(result.count)
+                count += n
+                for key, value in result.metrics.items():
+                    sums[key] = sums.get(key, 0.0) + n * _scalar(value)
+            for key in sorted(sums, key=lambda k: k != "loss"):  # the loss first
+                values[f"val/{name}" if key == "loss" else f"val/{name}/{key}"] = sums[key] / count
         return values
 
     def evaluate_tasks(self) -> dict[str, float]:
@@ -346,7 +439,7 @@ class StepLog:
         from tqdm import tqdm
 
         self.cfg, self.result, self.run = cfg, result, run
-        self.tokens_per_step = cfg.batch_size * seq_len
+        self.tokens_per_step = cfg.micro_batches * rows_per_micro_batch(cfg) * seq_len
         self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
         self.peak = peak_flops(mesh, cfg.compute_dtype)
         self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
@@ -410,9 +503,13 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
+def _local(x: jax.Array) -> np.ndarray:
+    """A replicated array's value, read from this process's own copy (works across hosts)."""
+    return np.asarray(x.addressable_data(0))
+
+
 def _scalar(x: jax.Array) -> float:
-    """A replicated scalar's value, read from this process's own copy (works across hosts)."""
-    return float(np.asarray(x.addressable_data(0)))
+    return float(_local(x))
 
 
 def _any_process(flag: bool) -> bool:

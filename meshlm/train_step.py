@@ -2,9 +2,13 @@
 accumulation over micro-batches inside it, built before anything is allocated (`step_program`), so that
 `meshlm train` runs and `meshlm plan` measures the same compiled program.
 
+The step runs the model on a batch of rows (tokens, loss weights, document segments) and takes the loss
+from the objective table (`meshlm.objectives`): next-token loss, DPO or ORPO, never a branch here.
+
 Parameters are kept in `param_dtype` and cast to `compute_dtype` inside the model; the optimizer state
 takes the parameters' shardings, so with an `fsdp` axis it is sharded ZeRO-3 style. With a `lora`
-section only the adapter has gradients and optimizer state; the frozen base is a separate argument.
+section only the adapter has gradients and optimizer state; the frozen base is a separate argument, as is
+a full DPO run's frozen copy of its starting model.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshlm import footprint, model
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, Policy, TrainConfig
 from meshlm.lora import base_storage
+from meshlm.objectives import OBJECTIVES, Inputs, Result, sequence_logps
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
 from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
@@ -59,55 +64,136 @@ def abstract_state(
     return with_shardings(abstract, shardings.params), with_shardings(opt, shardings.opt_state)
 
 
+# The arrays of a batch: per row and token [..., rows, seq_len + 1], or per row [..., rows].
+ROW_TOKENS = {"tokens": jnp.int32, "weights": jnp.float32, "segments": jnp.int32}
+PER_ROW = {"reference": jnp.float32, "examples": jnp.float32, "rows": jnp.int32}
+
+
+def frozen_model(cfg: TrainConfig) -> str | None:
+    """What the step's frozen argument (after the batch) is: a LoRA run's "base", a full DPO run's frozen copy
+    of its starting model ("reference", with `dpo.reference: copy`), or None: no such argument."""
+    if cfg.lora is not None:
+        return "base"
+    if OBJECTIVES[cfg.objective].reference and cfg.dpo.reference == "copy":
+        return "reference"
+    return None
+
+
+def batch_keys(cfg: TrainConfig) -> tuple[str, ...]:
+    """The arrays of a training batch: the rows, and for a full DPO run without a frozen copy the reference
+    log-probs precomputed before training."""
+    reference = OBJECTIVES[cfg.objective].reference and frozen_model(cfg) is None
+    return (*ROW_TOKENS, *(("reference",) if reference else ()))
+
+
+def rows_per_micro_batch(cfg: TrainConfig) -> int:
+    """Rows in a micro-batch: `batch_size` counts examples, and a preference pair is two rows."""
+    return cfg.micro_batch_size * OBJECTIVES[cfg.objective].rows_per_example
+
+
+def batch_shardings(mesh: Mesh, keys: tuple[str, ...], leading: int = 0) -> dict[str, NamedSharding]:
+    """Rows split over the mesh's batch axes; `leading` axes (the micro-batches) whole."""
+    lead = (None,) * leading
+    return {k: named_sharding(mesh, (*lead, "batch", "seq") if k in ROW_TOKENS else (*lead, "batch")) for k in keys}
+
+
+def abstract_batch(mesh: Mesh, keys: tuple[str, ...], rows: tuple[int, ...], seq_len: int) -> dict[str, Any]:
+    """ShapeDtypeStructs with shardings of a batch's arrays, `rows` [..., rows] of `seq_len + 1` tokens each."""
+    shardings = batch_shardings(mesh, keys, len(rows) - 1)
+    return {
+        k: jax.ShapeDtypeStruct((*rows, seq_len + 1), ROW_TOKENS[k], sharding=s)
+        if k in ROW_TOKENS
+        else jax.ShapeDtypeStruct(rows, PER_ROW[k], sharding=s)
+        for k, s in shardings.items()
+    }
+
+
+def row_logps(params: model.Params, batch: dict[str, jax.Array], model_cfg: ModelConfig, policy: Policy) -> jax.Array:
+    """Each row's log-prob [R] of its weighted targets, without dropout: the DPO reference's, computed in
+    the step or once before training by the same code."""
+    nll, _ = model.target_nll(params, batch["tokens"], model_cfg, policy, segments=batch["segments"])
+    return sequence_logps(nll, batch["weights"][:, 1:])
+
+
+def objective_forward(cfg: TrainConfig, model_cfg: ModelConfig, policy: Policy) -> Callable[..., Result]:
+    """`forward(params, frozen, batch, dropout_key=None) -> Result`: the run's objective on a batch of rows.
+    The model is `params`, or a LoRA run's `frozen` base with `params` as its adapter; DPO's reference
+    log-probs come with the batch, or from the `frozen` model (a LoRA run's base: the adapter switched off)."""
+    objective = OBJECTIVES[cfg.objective]
+
+    def forward(
+        params: model.Params, frozen: model.Params | None, batch: dict[str, jax.Array], key: jax.Array | None = None
+    ) -> Result:
+        full = params if cfg.lora is None else {**frozen, "lora": params}
+        tokens, segments = batch["tokens"], batch["segments"]
+        nll, log_z = model.target_nll(full, tokens, model_cfg, policy, segments=segments, dropout_key=key)
+        reference = batch.get("reference")
+        if objective.reference and reference is None:
+            reference = jax.lax.stop_gradient(row_logps(frozen, batch, model_cfg, policy))
+        return objective.loss(cfg, Inputs.of(nll, log_z, batch, reference))
+
+    return forward
+
+
+def _nonzero(count: jax.Array) -> jax.Array:
+    return jnp.where(count > 0, count, 1.0)
+
+
 def make_train_step(
     cfg: TrainConfig,
     model_cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     shardings: TrainState,
-    base_shardings: Any = None,
+    frozen_shardings: Any = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """One optimizer step over a batch [micro_batches, micro_batch_size, seq_len + 1]: `step(state, batch)`,
-    or for a LoRA run `step(state, batch, base)`, where `base` is the frozen model (laid out as
-    `base_shardings`): only the adapter in `state.params` has gradients and optimizer state.
+    """One optimizer step over a batch {"tokens", "weights", "segments"} [micro_batches, rows, seq_len + 1]
+    (and "reference" [micro_batches, rows] where `batch_keys` says): `step(state, batch)`, or
+    `step(state, batch, frozen)` with the frozen model that `frozen_model` names, laid out as
+    `frozen_shardings`. In a LoRA run only the adapter in `state.params` has gradients and optimizer state.
 
-    Gradients of the micro-batches are summed inside a `lax.scan`, so accumulation costs one compiled
-    step and one micro-batch of activation memory. The state's buffers are donated; the base's are not.
+    Each micro-batch's objective is a mean over its units (tokens, pairs); its gradient is weighted by its
+    count of units and the sum divided by the batch's count, so a step's loss and update are the same
+    whatever `micro_batches` is. The gradients are summed inside a `lax.scan`: accumulation costs one
+    compiled step and one micro-batch of activation memory. The state's buffers are donated; the frozen
+    model's are not.
     """
-    policy = cfg.policy
+    forward = objective_forward(cfg, model_cfg, cfg.policy)
     schedule = lr_schedule(cfg)
 
-    def objective(params: model.Params, tokens: jax.Array, base: model.Params | None, key: jax.Array) -> Any:
-        full = params if base is None else {**base, "lora": params}
-        return model.loss(full, tokens, model_cfg, policy, z_loss=cfg.z_loss, dropout_key=key)
+    def weighted(params: model.Params, frozen: Any, batch: dict[str, jax.Array], key: jax.Array) -> Any:
+        result = forward(params, frozen, batch, key)
+        return result.loss * result.count, result
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(weighted, has_aux=True)
 
-    def step(state: TrainState, batch: jax.Array, base: model.Params | None) -> tuple[TrainState, dict[str, Any]]:
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step), batch.shape[0])
+    def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any) -> tuple[TrainState, dict[str, Any]]:
+        micro_batches = batch["tokens"].shape[0]
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step), micro_batches)
 
-        def micro(acc: model.Params, xs: tuple[jax.Array, jax.Array]) -> tuple[model.Params, tuple[jax.Array, ...]]:
-            tokens, key = xs
-            (total, aux), grads = grad_fn(state.params, tokens, base, key)
+        def micro(acc: model.Params, xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[model.Params, Any]:
+            rows, key = xs
+            (_, result), grads = grad_fn(state.params, frozen, rows, key)
             acc = jax.tree.map(jnp.add, acc, grads)
             acc = jax.lax.with_sharding_constraint(acc, shardings.params)
-            return acc, (total, aux["ce"], jnp.square(optax.tree.norm(grads)))
+            mean_sq = jnp.square(optax.tree.norm(grads) / _nonzero(result.count))  # the micro-batch's mean gradient
+            return acc, (result.metrics, result.count, mean_sq)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (totals, ces, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
-        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+        grads, (metrics, counts, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
+        count = _nonzero(counts.sum())
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": ces.mean(),
-            "loss_with_z": totals.mean(),
+        metrics = {k: (v * counts).sum() / count for k, v in metrics.items()}
+        metrics |= {
             "grad_norm": optax.tree.norm(grads),
             "micro_grad_sq": micro_sq.mean(),
             "lr": schedule(schedule_count(state.opt_state)),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    batch_sharding = named_sharding(shardings.step.mesh, (None, "batch", "seq"))
-    if cfg.lora is None:
+    batch_sharding = batch_shardings(shardings.step.mesh, batch_keys(cfg), leading=1)
+    if frozen_shardings is None:
         return jax.jit(
             lambda state, batch: step(state, batch, None),
             in_shardings=(shardings, batch_sharding),
@@ -116,7 +202,7 @@ def make_train_step(
         )
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding, base_shardings),
+        in_shardings=(shardings, batch_sharding, frozen_shardings),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
@@ -129,7 +215,7 @@ class StepProgram:
     runs what `compile()` returns; `meshlm plan` reports its footprint."""
 
     fn: Callable[..., Any]
-    inputs: tuple[Any, ...]  # (state, batch), or (state, batch, base) for a LoRA run
+    inputs: tuple[Any, ...]  # (state, batch), or (state, batch, frozen): see `frozen_model`
     optimizer: optax.GradientTransformation
     shardings: TrainState
     mesh: Mesh
@@ -140,8 +226,21 @@ class StepProgram:
             return footprint.compile_for(self.fn.lower(*self.inputs))
 
     @property
-    def base_shardings(self) -> Any:
+    def frozen_shardings(self) -> Any:
         return None if len(self.inputs) < 3 else jax.tree.map(lambda a: a.sharding, self.inputs[2])
+
+
+def _frozen_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shardings: TrainState) -> Any:
+    """ShapeDtypeStructs with shardings of the step's frozen model (`frozen_model`): a LoRA run's base as
+    `base_storage` keeps it, a DPO reference laid out like the model it copies; None without one."""
+    kind = frozen_model(cfg)
+    if kind == "reference":
+        return with_shardings(model.abstract_params(model_cfg, cfg.param_dtype), shardings.params)
+    if kind == "base":
+        dtype, quantize = base_storage(cfg)
+        base = model.abstract_params(model_cfg, dtype, quantize)
+        return with_shardings(base, plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh))
+    return None
 
 
 def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: int) -> StepProgram:
@@ -150,16 +249,11 @@ def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: 
     shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
     params, opt_state = abstract_state(shardings, model_cfg, optimizer, cfg.lora, cfg.param_dtype)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt_state)
-    batch_shape = (cfg.micro_batches, cfg.micro_batch_size, seq_len + 1)
-    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=named_sharding(mesh, (None, "batch", "seq")))
-    inputs: tuple[Any, ...] = (state, batch)
-    base_shardings = None
-    if cfg.lora is not None:
-        dtype, quantize = base_storage(cfg)
-        base = model.abstract_params(model_cfg, dtype, quantize)
-        base_shardings = plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh)
-        inputs += (with_shardings(base, base_shardings),)
-    fn = make_train_step(cfg, model_cfg, optimizer, shardings, base_shardings)
+    batch = abstract_batch(mesh, batch_keys(cfg), (cfg.micro_batches, rows_per_micro_batch(cfg)), seq_len)
+    frozen = _frozen_abstract(cfg, model_cfg, mesh, shardings)
+    frozen_shardings = None if frozen is None else jax.tree.map(lambda a: a.sharding, frozen)
+    fn = make_train_step(cfg, model_cfg, optimizer, shardings, frozen_shardings)
+    inputs = (state, batch) if frozen is None else (state, batch, frozen)
     return StepProgram(fn, inputs, optimizer, shardings, mesh)
 
 
@@ -192,17 +286,30 @@ def out_of_memory(cfg: TrainConfig, mesh: Mesh, needed: int | None, capacity: in
     return f"the train step needs {needs}{has}{try_line} (`meshlm plan` finds a setting that fits)"
 
 
-def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable:
-    """Summed target loss and target count over rows [B, seq_len + 1] weighted per row."""
+def eval_keys(cfg: TrainConfig) -> tuple[str, ...]:
+    """The arrays of an evaluation batch: a training batch's, and each row's weight (0: it only pads)."""
+    return (*batch_keys(cfg), "examples")
+
+
+def make_eval_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable[..., Result]:
+    """`evaluate(params, frozen, batch) -> Result`: the objective on a batch of rows [rows, seq_len + 1]
+    (`eval_keys`), without dropout; batches combine by their `count`, as the step's micro-batches do."""
+    forward = objective_forward(cfg, model_cfg, replace(cfg.policy, remat="none"))
+    shardings = batch_shardings(mesh, eval_keys(cfg))
+    return jax.jit(lambda params, frozen, batch: forward(params, frozen, batch), in_shardings=(None, None, shardings))
+
+
+def make_reference_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable[..., Any]:
+    """`reference(params, batch) -> (logps, rows)`, both [rows] and on every process: the row log-probs of a
+    batch {"tokens", "weights", "segments", "rows"} (the rows' ids, -1 for a row that only pads) under the
+    model `params`, for the pass over the data before training."""
     policy = replace(cfg.policy, remat="none")
-
-    def evaluate(params: model.Params, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-        mask = jnp.broadcast_to(weights[:, None], (tokens.shape[0], tokens.shape[1] - 1))
-        _, aux = model.loss(params, tokens, model_cfg, policy, loss_mask=mask)
-        return aux["ce"] * aux["tokens"], aux["tokens"]
-
-    shard = named_sharding(mesh, ("batch", "seq"))
-    return jax.jit(evaluate, in_shardings=(None, shard, named_sharding(mesh, ("batch",))))
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(
+        lambda params, batch: (row_logps(params, batch, model_cfg, policy), batch["rows"]),
+        in_shardings=(None, batch_shardings(mesh, (*ROW_TOKENS, "rows"))),
+        out_shardings=(replicated, replicated),
+    )
 
 
 def check_batch(cfg: TrainConfig, mesh: Mesh) -> None:

@@ -92,7 +92,7 @@ def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, 
 
     params = hf_params(seed_run.model, tmp_path / "hf_params")
     mu, nu = hf_params(seed_run.mu, tmp_path / "hf_mu"), hf_params(seed_run.nu, tmp_path / "hf_nu")
-    tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed))[0]
+    tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed)).tokens[0]
     model_cfg = meshlm.load(seed_run.step_dir, seed_config=seed_run.seed_config).config
     grads = jax.tree.map(np.asarray, jax.grad(lambda p: model.loss(p, tokens, model_cfg)[0])(params))
     mask = optim.decay_mask(model_cfg)

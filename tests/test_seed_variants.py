@@ -258,7 +258,7 @@ def test_a_full_variant_run_continues_with_its_adam_state(seed, tmp_path):
     start = meshlm.load(ck.step_dir, seed_config=ck.seed_config)
     moments = mtj.load_optimizer_moments(ck.step_dir, make_mesh(None), seed_config=ck.seed_config)
     params, mu, nu = (jax.tree.map(np.asarray, t) for t in (start.params, moments.mu, moments.nu))
-    tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed))[0]
+    tokens = next(TrainLoader(data.TokenDataset(dataset), cfg.batch_size, seed=cfg.seed)).tokens[0]
     grads = jax.tree.map(np.asarray, jax.grad(lambda p: model.loss(p, tokens, start.config)[0])(params))
     want, want_mu, _ = adamw_step(params, grads, mu, nu, ck.adam_count, optim.decay_mask(start.config))
 

@@ -138,14 +138,15 @@ def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Pa
     shardings = train_step.state_shardings(cfg.model, opt, mesh)
     step_fn = train_step.make_train_step(cfg, cfg.model, opt, shardings)
     loader = TrainLoader(data.TokenDataset(dataset), cfg.batch_size, cfg.micro_batches, seed=cfg.seed)
-    batch_sharding = meshlm.sharding.named_sharding(mesh, (None, "batch", "seq"))
+    batch_shardings = train_step.batch_shardings(mesh, train_step.batch_keys(cfg), leading=1)
     with jax.set_mesh(mesh):
         params = jax.device_put(init_params, shardings.params)
         opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
         state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
         losses = []
         for _ in range(n_steps):
-            state, metrics = step_fn(state, jax.device_put(next(loader), batch_sharding))
+            batch = next(loader)._asdict()
+            state, metrics = step_fn(state, {k: jax.device_put(batch[k], s) for k, s in batch_shardings.items()})
             losses.append(float(metrics["loss"]))
     return losses, jax.tree.map(np.asarray, state.params), state
 
@@ -244,7 +245,7 @@ def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorise
     resumed = train.train(saved.replace(out_dir=str(run), total_steps=121, mesh="fsdp=4,model=2"), progress=False)
     assert list(resumed.losses) == [121]
     loader = TrainLoader(data.TokenDataset(saved.data), 8, seed=0, state=LoaderState.from_dict(desc["loader"]))
-    next_batch = next(loader)[0]
+    next_batch = next(loader).tokens[0]
     want = jax.jit(lambda p, t: model.loss(p, t, CFG8)[0])(memorised.lm.params, next_batch)
     assert resumed.losses[121] == pytest.approx(float(want), rel=1e-5, abs=1e-6)
     fc_in = resumed.lm.params["layers"]["mlp"]["fc_in"]["w"]
@@ -275,7 +276,7 @@ def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):
     folder = write_dataset(tmp_path / "data", rows)
     cfg = tiny_config(folder, tmp_path / "run", total_steps=2, init_from=str(hf_tiny.path))
     result = train.train(cfg, progress=False)
-    first = next(TrainLoader(data.TokenDataset(folder), 8, seed=0))[0]
+    first = next(TrainLoader(data.TokenDataset(folder), 8, seed=0)).tokens[0]
     logits = torch.as_tensor(hf_tiny.logits(first[:, :-1]))
     targets = torch.as_tensor(first[:, 1:], dtype=torch.long).reshape(-1)
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
@@ -291,7 +292,7 @@ def test_built_in_demo_corpus_is_tokenized_python_documentation(gpt2_bpe_file, t
     folder = prepare_demo_corpus(tmp_path / "demo", seq_len=64)
     train_rows, val_rows = data.TokenDataset(folder, "train"), data.TokenDataset(folder, "val")
     assert len(train_rows) > 2000 and len(val_rows) > 100 and train_rows.eos_id == 50256
-    text = load_tokenizer(gpt2_bpe_file).decode(train_rows[list(range(5))].reshape(-1).tolist())
+    text = load_tokenizer(gpt2_bpe_file).decode(train_rows[list(range(5))].tokens.reshape(-1).tolist())
     assert 'The "assert" statement' in text
 
 

@@ -109,6 +109,13 @@ def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
     return "float32" if need <= 0.85 * memory else "bfloat16"
 
 
+def token_batch(tokens: jax.Array) -> dict[str, jax.Array]:
+    """The step's batch for rows cut from one stream, [micro_batches, rows, seq_len + 1]: every token a
+    target but column 0 (as `meshlm.data.default_weights`), one document per row."""
+    weights = jnp.ones(tokens.shape, jnp.float32).at[..., 0].set(0)
+    return {"tokens": tokens.astype(jnp.int32), "weights": weights, "segments": jnp.ones(tokens.shape, jnp.int32)}
+
+
 def bench_train(
     cfg: config.ModelConfig,
     shapes: Shapes,
@@ -156,18 +163,19 @@ def bench_train(
             continue
         state = make_state(jax.random.key(0))
         tokens = jax.random.randint(jax.random.key(1), (1, batch_size, shapes.seq_len + 1), 0, cfg.n_vocab_used)
+        batch = token_batch(tokens)
         try:
             start = time.perf_counter()
-            compiled = step_fn.lower(state, tokens).compile()
+            compiled = step_fn.lower(state, batch).compile()
             compile_s = time.perf_counter() - start
             footprint = Footprint.of(compiled).total
             if footprint > memory:  # fail fast instead of an allocation error part-way through the step
                 raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
-            state, stats = compiled(state, tokens)  # warm-up; each step donates and replaces the state
+            state, stats = compiled(state, batch)  # warm-up; each step donates and replaces the state
             first_loss = float(stats["loss"])
             start = time.perf_counter()
             for _ in range(shapes.train_steps):
-                state, stats = compiled(state, tokens)
+                state, stats = compiled(state, batch)
             loss = float(stats["loss"])
             step_s = (time.perf_counter() - start) / shapes.train_steps
         except Exception as err:  # an OOM tries the next batch; anything else is the section's error

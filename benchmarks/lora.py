@@ -26,11 +26,20 @@ import torch
 from family import torch_model  # benchmarks/family.py and timing.py, beside this script
 from timing import best_time
 
-from meshlm import api, config, metrics, model, optim, train_step
+from meshlm import api, config, model, optim, train_step
 from meshlm.config import QUANTIZED
+from meshlm.data import default_weights
+from meshlm.lora import adapter_size, init_adapter
 from meshlm.sharding import make_mesh
 
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "out": "out_proj", "fc_in": "fc_in", "fc_out": "fc_out"}
+
+
+def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's batch for rows cut from one stream, [micro_batches, rows, seq_len + 1]: every token a
+    target but column 0, one document per row."""
+    tokens = np.asarray(tokens, np.int32)
+    return {"tokens": tokens, "weights": default_weights(tokens).astype(np.float32), "segments": np.ones_like(tokens)}
 
 
 def meshlm_step(
@@ -47,10 +56,12 @@ def meshlm_step(
     opt = optim.make_optimizer(tcfg, cfg)
     shardings = train_step.state_shardings(cfg, opt, mesh, lora)
     step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings, jax.tree.map(lambda x: x.sharding, base))
-    init = jax.jit(lambda k: model.init_adapter(cfg, lora, k, "float32"), out_shardings=shardings.params)
+    init = jax.jit(lambda k: init_adapter(model.projections(cfg), lora, k, "float32"), out_shardings=shardings.params)
     adapter = init(jax.random.key(1))
-    state = train_step.TrainState(jnp.int32(0), adapter, jax.jit(opt.init, out_shardings=shardings.opt_state)(adapter))
-    batch = jnp.asarray(tokens[None])
+    opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(adapter)
+    # the counter on its sharding, as the step returns it: an unplaced one would compile the step twice
+    state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), adapter, opt_state)
+    batch = token_batch(tokens[None])
 
     def step() -> None:
         nonlocal state
@@ -58,7 +69,7 @@ def meshlm_step(
             state, metrics = step_fn(state, batch, base)
         metrics["loss"].block_until_ready()
 
-    return step, metrics.adapter_size(cfg, lora)
+    return step, adapter_size(model.projections(cfg), lora)
 
 
 def peft_step(cfg: config.ModelConfig, lora: config.LoraConfig, tokens: np.ndarray) -> tuple[Callable[[], None], int]:

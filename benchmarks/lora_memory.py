@@ -26,10 +26,19 @@ import numpy as np
 
 from meshlm import api, config, model, planner, train_step
 from meshlm.config import QUANTIZED
+from meshlm.data import default_weights
 from meshlm.footprint import Footprint, gib
+from meshlm.lora import init_adapter
 from meshlm.sharding import make_mesh
 
 GIB = 2**30
+
+
+def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's batch for rows cut from one stream, [micro_batches, rows, seq_len + 1]: every token a
+    target but column 0, one document per row."""
+    tokens = np.asarray(tokens, np.int32)
+    return {"tokens": tokens, "weights": default_weights(tokens).astype(np.float32), "segments": np.ones_like(tokens)}
 
 
 def lora_config(
@@ -104,14 +113,15 @@ def cpu_run(cfg: config.ModelConfig, lora: config.LoraConfig, base: str, micro_b
     used = Footprint.of(compiled)
     quantize = base if base in QUANTIZED else None
     frozen = jax.device_put(
-        api.from_config(cfg, mesh, "bfloat16", seed=0, quantize=quantize).params, program.base_shardings
+        api.from_config(cfg, mesh, "bfloat16", seed=0, quantize=quantize).params, program.frozen_shardings
     )
     shardings = program.shardings
-    adapter = jax.jit(lambda k: model.init_adapter(cfg, lora, k), out_shardings=shardings.params)(jax.random.key(1))
+    init = jax.jit(lambda k: init_adapter(model.projections(cfg), lora, k), out_shardings=shardings.params)
+    adapter = init(jax.random.key(1))
     opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(adapter)
     state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), adapter, opt_state)
-    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (1, micro_batch, seq + 1)).astype(np.int32)
-    batch = jax.device_put(tokens, program.inputs[1].sharding)
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab_used, (1, micro_batch, seq + 1))
+    batch = jax.device_put(token_batch(tokens), jax.tree.map(lambda a: a.sharding, program.inputs[1]))
     jax.block_until_ready((frozen, state, batch))
     before = rss()
     with PeakRSS() as watch:

@@ -19,6 +19,7 @@ import torch
 from family import ARCHS, shaped_as, torch_model  # benchmarks/family.py, beside this script
 
 from meshlm import config, metrics, model, optim, train_step
+from meshlm.data import default_weights
 from meshlm.sharding import make_mesh
 
 
@@ -32,6 +33,13 @@ def time_steps(step: callable, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's batch for rows cut from one stream, [micro_batches, rows, seq_len + 1]: every token a
+    target but column 0, one document per row."""
+    tokens = np.asarray(tokens, np.int32)
+    return {"tokens": tokens, "weights": default_weights(tokens).astype(np.float32), "segments": np.ones_like(tokens)}
+
+
 def meshlm_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
     tcfg = config.TrainConfig(model=cfg, batch_size=len(tokens), warmup_steps=0, anneal_steps=10)
     mesh = make_mesh(None)
@@ -39,8 +47,10 @@ def meshlm_step(cfg: config.ModelConfig, tokens: np.ndarray) -> callable:
     shardings = train_step.state_shardings(cfg, opt, mesh)
     step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
     params = jax.jit(lambda k: model.init(cfg, k), out_shardings=shardings.params)(jax.random.key(0))
-    state = train_step.TrainState(jnp.int32(0), params, jax.jit(opt.init)(params))
-    batch = jnp.asarray(tokens[None])
+    opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
+    # the state on its shardings, as the step returns it: unplaced counters would compile the step twice
+    state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
+    batch = token_batch(tokens[None])
 
     def step() -> None:
         nonlocal state

@@ -148,7 +148,7 @@ def test_prepare_tokenizes_with_a_model_folders_tokenizer(folder, reference, tmp
     stream = [t for d in docs for t in [*reference.encode(d), 0]]
     ds = data.TokenDataset(out)
     assert ds.eos_id == 0
-    rows = ds[list(range(len(ds)))]
+    rows = ds[list(range(len(ds)))].tokens
     np.testing.assert_array_equal(rows.reshape(-1), stream[: rows.size])
 
 

@@ -85,7 +85,7 @@ class Target:
             sizes = parse_mesh_spec(spec or "data=1", math.prod(_sizes_of(spec or "data=1")))
             return AbstractMesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
         devices = self.devices
-        if self.platform == "cpu" and spec and -1 not in _sizes_of(spec):  # a mesh over some of this host's devices
+        if spec and -1 not in _sizes_of(spec):  # a mesh over some of the devices (one chip of a v5e slice)
             devices = devices[: math.prod(_sizes_of(spec))]
             spec = spec if "data" in spec else f"{spec},data=1"
         spec = spec or f"fsdp={self.n_devices}"
@@ -261,7 +261,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     """
     m = cfg.model
     c = jnp.dtype(dtype_of(cfg.compute_dtype)).itemsize
-    rows = max(cfg.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
+    rows = max(train_step.rows_per_micro_batch(cfg) // (sizes["data"] * sizes["fsdp"]), 1)
     tokens = rows * seq_len
     tp = sizes["model"]
     d, f = m.d_model, m.d_ff // tp
@@ -308,7 +308,8 @@ def plan_train(
     own, compiled = fit_train(cfg, tgt, device_mesh, seq)
     say(describe_fit(own))
     result = TrainPlan(tgt, _mesh_spec(device_mesh), seq, own, None, [own], limit=max_micro_batch)
-    result.flops_per_step = metrics.flops_per_token(cfg.model, seq, cfg.lora) * cfg.batch_size * seq
+    rows = train_step.rows_per_micro_batch(cfg) * cfg.micro_batches  # a preference pair is two sequences
+    result.flops_per_step = metrics.flops_per_token(cfg.model, seq, cfg.lora) * rows * seq
     if compiled is not None:
         result.xla_flops = _flops(compiled)
     if search:
@@ -553,8 +554,9 @@ def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
     peak = p.target.peak_flops * devices
     if p.flops_per_step and not math.isnan(peak):
         at_peak = p.flops_per_step / peak
+        sequences = train_step.rows_per_micro_batch(cfg) * cfg.micro_batches
         lines.append(
-            f"step of {cfg.batch_size} sequences: {p.flops_per_step:.3e} model FLOPs; {_seconds(at_peak)} at the "
+            f"step of {sequences} sequences: {p.flops_per_step:.3e} model FLOPs; {_seconds(at_peak)} at the "
             f"chips' peak, {_seconds(at_peak / STATED_MFU)} at {STATED_MFU:.0%} MFU"
         )
     if p.xla_flops:

@@ -328,12 +328,17 @@ def evaluate_tasks(lm: LanguageModel | MeshLM, tasks: Sequence[str], **kwargs: A
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
-    """Documents to score, read as `meshlm prepare` reads text: a text file is one document, each line of a
-    .jsonl / .jsonl.zst file one document (its `text_field`), a directory all of its files in order."""
+    """Documents to score, read as `meshlm prepare` reads text: a text file is one document, each record of a
+    .jsonl / .jsonl.zst / .parquet file one document (its `text_field`), a directory all of its files in order."""
     docs, pieces = [], []
     for file, kind in corpus.expand([path]):
         if kind == "tfrecord":
             raise ConfigError(f"{file}: TFRecords hold token ids, not text; perplexity needs the text")
+        if kind != "text":  # a record file: each record's text
+            for where, record in corpus.records(file, kind, progress=lambda _: None):
+                corpus.check_record(where, record, "text", True, text_field)
+                docs.append(record[text_field])
+            continue
         for piece, last in corpus.documents(file, kind, text_field, progress=lambda _: None):
             pieces.append(piece)
             if last:

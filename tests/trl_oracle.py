@@ -426,18 +426,7 @@ def dpo_metrics(
         return _train(trainer, capture, save_initial_adapter)
 
 
-ORPO_KEYS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "nll_loss",
-    "log_odds_ratio",
-    "log_odds_chosen",
-)
+ORPO_KEYS = (*DPO_KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def orpo_metrics(

@@ -500,7 +500,7 @@ class TrainConfig:
     overrides all feed this one dataclass; the defaults are the built-in CPU demo."""
 
     model: ModelConfig = PRESETS["gptj-demo"]
-    data: str | None = None  # a prepared dataset folder; None trains on the built-in demo corpus
+    data: str | None = None  # a prepared dataset folder; None: the built-in demo corpus; demo:chats, demo:pairs
     val_data: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "folder" or "folder:split"
     out_dir: str = "runs/demo"
     log_dir: str | None = None  # metrics (JSONL, TensorBoard, W&B files): out_dir unless set; local
@@ -592,7 +592,7 @@ class TrainConfig:
                 f"train config: out_dir {self.out_dir} is a URL; set log_dir to a local folder for the metrics "
                 "(checkpoints go to the URL)"
             )
-        if is_url(self.out_dir) and self.data is None:
+        if is_url(self.out_dir) and (self.data is None or self.data.startswith("demo:")):
             raise ConfigError(
                 f"train config: out_dir {self.out_dir} is a URL; set data to a prepared dataset (the built-in "
                 "corpus is written into a local run folder)"

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from meshlm import api, checkpoint
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
+from meshlm.demo_corpus import DEMO_DATA, prepare_demo_corpus, prepare_demo_records
 from meshlm.formats import mtj, registry
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES
@@ -42,18 +43,23 @@ def open_datasets(
     """The training split and the named validation sets (the data folder's `val` split by default). The
     demo corpus is tokenized with `tokenizer` (default GPT-2 BPE); prepared data must end its documents
     with that tokenizer's end-of-text id, the sign that it was prepared with the same tokenizer."""
+    if cfg.data in DEMO_DATA:
+        folder = prepare_demo_records(out_dir / "data", cfg.data, cfg.seq_len or 128, tokenizer)
+        train_ds, val = TokenDataset(folder, "train"), TokenDataset(folder, "val")
+        check_kind(cfg, train_ds)
+        return train_ds, {"val": val}
     if cfg.data is None:
         if OBJECTIVES[cfg.objective].data != "lm":
             raise ConfigError(
                 f"objective {cfg.objective} trains on preference pairs: set data to a folder `meshlm prepare` made "
-                'from {"prompt", "chosen", "rejected"} records (the built-in demo corpus is plain text)'
+                'from {"prompt", "chosen", "rejected"} records, or to the built-in demo:pairs'
             )
-        from meshlm.demo_corpus import prepare_demo_corpus
 
         folder = prepare_demo_corpus(out_dir / "data", cfg.seq_len or 128, tokenizer)
         return TokenDataset(folder, "train"), {"val": TokenDataset(folder, "val")}
     if not Path(cfg.data).exists():
-        raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`")
+        builtin = f" (the built-in data sets are {', '.join(DEMO_DATA)})" if cfg.data.startswith("demo:") else ""
+        raise ConfigError(f"data folder {cfg.data} does not exist; create it with `meshlm prepare`{builtin}")
     train_ds = TokenDataset(cfg.data, "train")
     if cfg.seq_len is not None and cfg.seq_len != train_ds.seq_len:
         raise ConfigError(

@@ -37,6 +37,7 @@ from meshlm.config import (
     is_url,
 )
 from meshlm.data import Batch, TokenDataset
+from meshlm.demo_corpus import DEMO_DATA
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
@@ -194,8 +195,10 @@ def _train(
         saved = f"checkpoint saved in {ckpts.folder}" if step > first else "no new step to save"
         run.show(f"meshlm train: stopped by {why} at step {step}; {saved}")
     result.lm = run.language_model()
-    if sample and cfg.sample_tokens and not signals and cfg.data is None and jax.process_count() == 1:
-        print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens)
+    demo = cfg.data is None or cfg.data in DEMO_DATA
+    if sample and cfg.sample_tokens and not signals and demo and jax.process_count() == 1:
+        penalty = 1.2 if cfg.data is None else 1.0
+        print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens, repetition_penalty=penalty)
     return result
 
 
@@ -471,9 +474,13 @@ class StepLog:
         self.bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
         self.bar.update(1)
         if step % self.cfg.log_every == 0:
+            rewards = ""
+            if "rewards/margins" in values:  # a preference objective: what it is learning, beside its loss
+                margin, accuracy = values["rewards/margins"], values["rewards/accuracies"]
+                rewards = f", reward margin {margin:.3f}, accuracy {accuracy:.2f}"
             self.say(
-                f"step {step}: loss {values['loss']:.4f}, lr {values['lr']:.3e}, grad norm {values['grad_norm']:.3f}, "
-                f"{values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"
+                f"step {step}: loss {values['loss']:.4f}{rewards}, lr {values['lr']:.3e}, grad norm "
+                f"{values['grad_norm']:.3f}, {values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"
             )
 
     def write(self, step: int, values: dict[str, float], into: dict[int, dict[str, float]] | None = None) -> None:
@@ -525,6 +532,9 @@ def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.to_dict()))
 
 
-def print_sample(lm: api.LanguageModel, prompt: str, n: int) -> None:
-    (text,) = lm.generate([prompt], max_new_tokens=n, temperature=0.0, repetition_penalty=1.2)
-    print(f"sample (greedy, repetition penalty 1.2): {prompt + text!r}")
+def print_sample(lm: api.LanguageModel, prompt: str, n: int, repetition_penalty: float = 1.2) -> None:
+    """A greedy sample; the text demo's small model loops without a repetition penalty, a chat model's answer
+    repeats the question's words and must not be penalised for it."""
+    (text,) = lm.generate([prompt], max_new_tokens=n, temperature=0.0, repetition_penalty=repetition_penalty)
+    penalty = f", repetition penalty {repetition_penalty:g}" if repetition_penalty != 1.0 else ""
+    print(f"sample (greedy{penalty}): {prompt + text!r}")

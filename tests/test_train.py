@@ -296,6 +296,28 @@ def test_built_in_demo_corpus_is_tokenized_python_documentation(gpt2_bpe_file, t
     assert 'The "assert" statement' in text
 
 
+@pytest.mark.parametrize("name", ["demo:chats", "demo:pairs"])
+def test_built_in_chats_and_pairs_carry_loss_on_the_answers_only(name, gpt2_bpe_file, tmp_path):
+    """The SFT and DPO demos' data, prepared through `meshlm prepare` with the demo chat template: the loss
+    covers each assistant answer and its end-of-text; a pair is the full correct sentence, then another answer."""
+    from meshlm.demo_corpus import prepare_demo_records
+    from meshlm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(gpt2_bpe_file)
+    folder = prepare_demo_records(tmp_path / "data", name, 128, tok)
+    train_rows, val_rows = data.TokenDataset(folder, "train"), data.TokenDataset(folder, "val")
+    assert train_rows.kind == ("lm" if name == "demo:chats" else "preference")
+    assert len(train_rows) > 8 * len(val_rows) > 0
+    rows = train_rows[list(range(4))]
+    for tokens, weights in zip(rows.tokens, rows.weights, strict=True):
+        text, answers = tok.decode(tokens.tolist()), tok.decode(tokens[weights > 0].tolist())
+        assert "User: " in text and "User" not in answers and "Assistant" not in answers
+        assert answers.count("<|endoftext|>") == text.count("Assistant: ") >= 1
+    chosen, rejected = (tok.decode(r[w > 0].tolist()) for r, w in zip(rows.tokens[:2], rows.weights[:2], strict=True))
+    if name == "demo:pairs":
+        assert chosen != rejected and chosen.startswith(" The" if "capital" in chosen or "opposite" in chosen else " ")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Interrupted runs
 
@@ -392,6 +414,8 @@ def test_yaml_config_and_overrides_feed_the_same_dataclass(tmp_path):
 
 def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
     assert load_train_config(REPO / "configs" / "demo-tiny.yaml") == TrainConfig()
+    sft, dpo = (load_train_config(REPO / "configs" / f"demo-{name}.yaml") for name in ("sft", "dpo"))
+    assert (sft.data, dpo.data, dpo.init_from, dpo.objective) == ("demo:chats", "demo:pairs", sft.out_dir, "dpo")
     ft = load_train_config(REPO / "configs" / "gptj-6b-finetune.yaml")
     assert (ft.compute_dtype, ft.remat, ft.mesh, ft.init_from) == ("bfloat16", "full", "fsdp=-1", "gpt-j-6b")
 

@@ -2,6 +2,7 @@
 same numbers; lm's loss is normalised over the whole batch; precomputed reference log-probs equal those computed in
 the step; DPO, ORPO and LoRA-DPO runs train, validate, resume and refuse what they cannot use."""
 
+import dataclasses
 import functools
 import json
 import signal
@@ -292,8 +293,38 @@ def dpo_run(preferences, tmp_path_factory):
             "end_lr": 3e-2,
             "val_every": 3,
         },
+        {  # QLoRA on GPT-NeoX: an NF4 base, two LayerNorms per block, rotate-half rotary, biased projections
+            "model": dataclasses.replace(
+                CFG, residual="parallel_two_norms", rotary_style="half", qkv_bias=True, out_bias=True, head_bias=False
+            ),
+            "lora": {"rank": 4, "targets": ["q", "k", "v", "out", "fc_in"]},
+            "base_dtype": "nf4",
+            "lr": 3e-2,
+            "end_lr": 3e-2,
+        },
+        {  # ORPO with LoRA on GPT-Neo: an int8 base, sequential blocks, learned positions, a local window, tied head
+            "model": dataclasses.replace(
+                CFG,
+                rotary_dim=0,
+                residual="sequential",
+                position="learned",
+                attention_layers=("global", "local"),
+                local_window=4,
+                scale_attn=False,
+                out_bias=True,
+                tie_embeddings=True,
+                head_bias=False,
+            ),
+            "objective": "orpo",
+            "dpo": {},
+            "orpo": {"beta": 0.5},
+            "lora": {"rank": 4, "targets": ["q", "v", "fc_in", "fc_out"]},
+            "base_dtype": "int8",
+            "lr": 3e-2,
+            "end_lr": 3e-2,
+        },
     ],
-    ids=["dpo", "orpo", "lora-ipo"],
+    ids=["dpo", "orpo", "lora-ipo", "neox-qlora-nf4", "neo-orpo-lora-int8"],
 )
 def test_preference_runs_log_trls_metrics_and_raise_the_reward_margin(changes, dpo_run, preferences, tmp_path):
     out = dpo_run.out_dir if not changes else tmp_path

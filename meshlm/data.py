@@ -89,6 +89,7 @@ class TokenDataset:
         self.seq_len: int = index["seq_len"]
         self.eos_id: int = index.get("eos_id", 50256)
         self.kind: str = index.get("kind", "lm")
+        self.objective: str | None = index.get("objective")  # the trainer whose tokenization pairs follow
         self.version: int = index["version"]
         info = index["splits"][split]
         self._shards: list[tuple[np.memmap, np.memmap | None, np.memmap | None]] = []

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -86,8 +88,15 @@ def open_datasets(
 
 
 def check_kind(cfg: TrainConfig, ds: TokenDataset) -> None:
-    """Refuse data of the other kind than the objective trains on: text for lm, preference pairs for dpo and orpo."""
+    """Refuse data of the other kind than the objective trains on: text for lm, preference pairs for dpo and orpo;
+    warn of pairs tokenized for the other preference objective (trl tokenizes DPO's and ORPO's pairs differently)."""
     if ds.kind == OBJECTIVES[cfg.objective].data:
+        if ds.objective not in (None, cfg.objective) and jax.process_index() == 0:
+            print(
+                f"meshlm train: warning: {ds.folder} holds pairs tokenized for {ds.objective}, trained with "
+                f"{cfg.objective}; `meshlm prepare --objective {cfg.objective}` tokenizes them as trl does for it",
+                file=sys.stderr,
+            )
         return
     if ds.kind == "preference":
         raise ConfigError(

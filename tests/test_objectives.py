@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm import data, model, objectives, train, train_step
+from meshlm import data, model, objectives, run_start, train, train_step
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.objectives import Inputs
 from meshlm.sharding import make_mesh
@@ -459,3 +459,18 @@ def test_data_of_the_wrong_kind_is_refused_at_start_naming_the_dataset(preferenc
     with pytest.raises(ConfigError, match="objective orpo trains on preference pairs: set data to a folder"):
         train.train(run_config(None, tmp_path / "c", objective="orpo", dpo={}), progress=False)
     assert not list(tmp_path.glob("*/checkpoints/[0-9]*"))
+
+
+def test_pairs_tokenized_for_the_other_preference_objective_are_trained_with_a_warning(tmp_path, capsys):
+    folder = tmp_path / "orpo-pairs"
+    rows = preference_rows(2, seed=0)
+    data.write_index(folder, SEQ, {"train": data.write_split(folder, "train", [rows], SEQ)}, eos_id=0,
+                     kind="preference", objective="orpo")  # fmt: skip
+    run_start.check_kind(run_config(folder, tmp_path / "run"), data.TokenDataset(folder))
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"meshlm train: warning: {folder} holds pairs tokenized for orpo, trained with dpo; "
+        "`meshlm prepare --objective dpo` tokenizes them as trl does for it"
+    )
+    run_start.check_kind(run_config(folder, tmp_path / "run", objective="orpo", dpo={}), data.TokenDataset(folder))
+    assert capsys.readouterr().err == ""

@@ -21,11 +21,14 @@ from meshlm.lora import adapter_size
 from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
 
 
-def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None) -> float:
+def flops_per_token(
+    model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None, reference_pass: bool = False
+) -> float:
     """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention).
 
     With `lora` the frozen weights cost 4 x, not 6 x: the forward and the activations' gradient, but no
-    gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight.
+    gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight. A
+    `reference_pass` (DPO's reference model run in each step) adds one forward: a third of the full count.
     """
     # the embedding and learned positions are gathers (a tied embedding is the head's matmul too)
     gathered = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
@@ -33,9 +36,10 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | Non
         gathered += model_cfg.max_seq_len * model_cfg.d_model
     matmul_params = model.count_params(model_cfg) - gathered
     attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+    reference = (2 * matmul_params + attention / 3) if reference_pass else 0.0
     if lora is None:
-        return 6 * matmul_params + attention
-    return 4 * matmul_params + 6 * adapter_size(model.projections(model_cfg), lora) + attention
+        return 6 * matmul_params + attention + reference
+    return 4 * matmul_params + 6 * adapter_size(model.projections(model_cfg), lora) + attention + reference
 
 
 def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:

@@ -309,7 +309,8 @@ def plan_train(
     say(describe_fit(own))
     result = TrainPlan(tgt, _mesh_spec(device_mesh), seq, own, None, [own], limit=max_micro_batch)
     rows = train_step.rows_per_micro_batch(cfg) * cfg.micro_batches  # a preference pair is two sequences
-    result.flops_per_step = metrics.flops_per_token(cfg.model, seq, cfg.lora) * rows * seq
+    per_token = metrics.flops_per_token(cfg.model, seq, cfg.lora, train_step.reference_in_step(cfg))
+    result.flops_per_step = per_token * rows * seq
     if compiled is not None:
         result.xla_flops = _flops(compiled)
     if search:

@@ -56,6 +56,7 @@ from meshlm.train_step import (
     make_eval_step,
     make_reference_step,
     out_of_memory,
+    reference_in_step,
     rows_per_micro_batch,
     step_program,
 )
@@ -443,7 +444,8 @@ class StepLog:
 
         self.cfg, self.result, self.run = cfg, result, run
         self.tokens_per_step = cfg.micro_batches * rows_per_micro_batch(cfg) * seq_len
-        self.flops_per_step = flops_per_token(cfg.model, seq_len, cfg.lora) * self.tokens_per_step
+        per_token = flops_per_token(cfg.model, seq_len, cfg.lora, reference_in_step(cfg))
+        self.flops_per_step = per_token * self.tokens_per_step
         self.peak = peak_flops(mesh, cfg.compute_dtype)
         self.noise = NoiseScale(cfg.micro_batch_size, cfg.batch_size, cfg.noise_scale_alpha)
         resumed = run.step if run.ckpts.latest_step() is not None else None

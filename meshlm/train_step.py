@@ -79,11 +79,17 @@ def frozen_model(cfg: TrainConfig) -> str | None:
     return None
 
 
+def reference_in_step(cfg: TrainConfig) -> bool:
+    """Whether each step runs a reference model's forward pass: DPO with LoRA (the base, adapter off) or with
+    a frozen copy; a full DPO run's precomputed log-probs cost the step nothing."""
+    return OBJECTIVES[cfg.objective].reference and frozen_model(cfg) is not None
+
+
 def batch_keys(cfg: TrainConfig) -> tuple[str, ...]:
     """The arrays of a training batch: the rows, and for a full DPO run without a frozen copy the reference
     log-probs precomputed before training."""
-    reference = OBJECTIVES[cfg.objective].reference and frozen_model(cfg) is None
-    return (*ROW_TOKENS, *(("reference",) if reference else ()))
+    precomputed = OBJECTIVES[cfg.objective].reference and not reference_in_step(cfg)
+    return (*ROW_TOKENS, *(("reference",) if precomputed else ()))
 
 
 def rows_per_micro_batch(cfg: TrainConfig) -> int:

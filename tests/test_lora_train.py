@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import meshlm
-from meshlm import checkpoint, metrics, model, quant, train
+from meshlm import checkpoint, metrics, model, quant, train, train_step
 from meshlm.config import CheckpointError, ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.lora import adapter_size
 from meshlm.sharding import make_mesh
@@ -100,6 +100,11 @@ def test_flops_of_a_lora_step_skip_the_frozen_weights_gradients():
     full, lora = metrics.flops_per_token(CFG, SEQ), metrics.flops_per_token(CFG, SEQ, LoraConfig(**LORA))
     matmul_params = model.count_params(CFG) - CFG.vocab_size * CFG.d_model  # the embedding is a gather
     assert full - lora == 2 * matmul_params - 6 * ADAPTER_SIZE
+    # DPO's reference, the base with the adapter off, adds one forward pass: a third of a full step's count
+    dpo = metrics.flops_per_token(CFG, SEQ, LoraConfig(**LORA), reference_pass=True)
+    assert dpo - lora == pytest.approx(full / 3)
+    dpo_cfg = TrainConfig(model=CFG, lora=LoraConfig(**LORA), objective="dpo")
+    assert train_step.reference_in_step(dpo_cfg) and not train_step.reference_in_step(dpo_cfg.replace(lora=None))
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def decode_speed(lm, prompt: list[int], new_tokens: int, repeats: int, **options
         t0 = time.perf_counter()
         (done,) = engine.generate([prompt], params, chunk=16)
         best = max(best, len(done.tokens) / (time.perf_counter() - t0))
-    return best, engine.stats.accepted / max(engine.stats.proposed, 1)
+    return best, engine.snapshot().accepted / max(engine.snapshot().proposed, 1)
 
 
 def forward_ms(lm, tokens: int, repeats: int = 50) -> float:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from meshlm import engine, footprint, metrics, model, train_step
+from meshlm import footprint, metrics, model, runner, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
@@ -453,20 +453,21 @@ def fit_serve(
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh))
     ways = batch_ways(mesh)
     n_rows = -(-rows // ways) * ways
-    width = pages_for(context, engine.PAGE_SIZE)
-    cache, slots = engine.abstract_state(cfg, policy, mesh, n_rows * width + 1, engine.PAGE_SIZE, n_rows)
+    width = pages_for(context, runner.PAGE_SIZE)
+    cache, slots = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, runner.PAGE_SIZE, n_rows)
     weights, capacity = shard_bytes(params), tgt.capacity
     state = shard_bytes((cache, slots))
     if tgt.estimated:
         one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
         return ServeFit(rows, weights, state, weights + state + one, capacity, estimated=True)
-    state_args = (params, cache, slots)
-    decode_args = engine.decode_args(mesh, n_rows, width)
-    prefill_args = engine.prefill_args(cfg, mesh, ways, context, width)
+    pages = n_rows * width + 1
     try:
         with jax.set_mesh(mesh):
-            decode = footprint.compile_for(engine._decode.lower(*state_args, *decode_args, cfg=cfg, policy=policy))
-            prefill = footprint.compile_for(engine._prefill.lower(*state_args, *prefill_args, cfg=cfg, policy=policy))
+            decode = runner.lower("decode", cfg, policy, mesh, rows=n_rows, pages=pages, width=width, params=params)
+            prefill = runner.lower(
+                "prefill", cfg, policy, mesh, rows=ways, pages=pages, width=width, length=context, params=params
+            )
+            decode, prefill = footprint.compile_for(decode), footprint.compile_for(prefill)
     except OutOfMemory as e:
         return ServeFit(rows, weights, state, e.needed, e.capacity or capacity, refused=str(e))
     decoding, prefilling = Footprint.of(decode), Footprint.of(prefill)

@@ -1,9 +1,9 @@
 """HTTP serving: OpenAI-compatible `/v1/completions` (plus `/v1/models`, `/health`, Prometheus `/metrics`)
 and the seed's `/complete`.
 
-One background thread (`Scheduler`) owns the generation engine (`meshlm.engine`): requests become rows
-in a bounded queue, join the running batch between decode chunks and leave as soon as they finish.
-The HTTP side (FastAPI on uvicorn) only validates, enqueues and relays; it never compiles anything,
+The generation engine (`meshlm.engine`) steps on its own thread: requests become rows in its bounded
+queue, join the running batch between decode chunks and leave as soon as they finish. The HTTP side
+(FastAPI on uvicorn) only validates, adds requests and relays their outputs; it never compiles anything,
 since the engine compiled every shape it can use before the server started listening.
 """
 
@@ -15,12 +15,9 @@ import errno
 import json
 import secrets
 import socket
-import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
@@ -36,8 +33,9 @@ from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
 from meshlm.config import ConfigError, InputError
-from meshlm.engine import Engine, Request
-from meshlm.generate import RowOutput, SamplingParams, check_chunk
+from meshlm.engine import Engine, QueueFull, Request
+from meshlm.generate import SamplingParams
+from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
@@ -52,61 +50,6 @@ UNSUPPORTED = {
 BACKLOG = 2048  # connections the kernel queues before the server accepts them (uvicorn's default)
 STOPPING = -1  # the update that tells a handler the server is stopping
 SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for requests to answer once stopping, then cancels them
-
-
-class QueueFull(Exception):
-    """The queue is full; the client should retry later."""
-
-
-class Scheduler:
-    """The engine's thread: takes submitted rows into the engine and steps it while there is work.
-
-    The HTTP side never touches the engine: it submits here (bounded by `max_queue` waiting rows) and
-    sets `cancelled` on rows it no longer wants; the engine frees their slots and pages at its next step."""
-
-    def __init__(self, engine: Engine, chunk: int = 4, max_queue: int = 64):
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise InputError(f"max_queue must be an integer >= 1, got {max_queue!r}")
-        self.engine, self.chunk, self.max_queue = engine, check_chunk(chunk), max_queue
-        self.incoming: deque[Request] = deque()
-        self.wake = threading.Condition()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        with self.wake:
-            self.stopped = True
-            self.wake.notify()
-        self.thread.join(timeout=10)
-
-    @property
-    def queued(self) -> int:
-        return len(self.incoming) + len(self.engine.queue)
-
-    def submit(self, rows: list[Request]) -> None:
-        with self.wake:
-            if self.queued + len(rows) > self.max_queue:
-                raise QueueFull
-            self.incoming.extend(rows)
-            self.wake.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self.wake:
-                while not self.stopped and not self.incoming and not self.engine.has_work():
-                    self.wake.wait()
-                if self.stopped:
-                    return
-                self.engine.submit(list(self.incoming))  # checked by the handler already
-                self.incoming.clear()
-            try:
-                self.engine.step(self.chunk)
-            except Exception as e:  # a device failure fails the rows in flight, never the server
-                traceback.print_exc()
-                self.engine.fail_all(f"generation failed: {type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -161,15 +104,15 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 class Group:
     """The rows of one HTTP request and the queue that wakes its handler (with a row's index) on every change."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.updates: asyncio.Queue[int] = asyncio.Queue()
         self.rows: list[Request] = []
 
-    def add(self, prompt: list[int], output: RowOutput) -> Request:
-        row = Request(prompt, output, notify=partial(self._changed, len(self.rows)))
-        self.rows.append(row)
-        return row
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], tokenizer: Tokenizer) -> None:
+        """Add the rows to the engine (all or none)."""
+        self.rows = self.engine.add_requests(prompts, params, on_update=self._changed, tokenizer=tokenizer)
 
     def _changed(self, index: int) -> None:
         """Wake the handler; called from the engine's thread, which may outlive the event loop at shutdown."""
@@ -179,28 +122,26 @@ class Group:
     def cancel(self) -> None:
         """Stop every row still running (client gone, timeout, or done): the engine frees them at its next step."""
         for row in self.rows:
-            if not row.output.finished:
-                row.cancelled = True
+            self.engine.abort(row.id)
 
 
 def create_app(
     lm: LanguageModel,
-    scheduler: Scheduler,
+    engine: Engine,
     model_name: str,
     api_key: str | None = None,
     request_timeout: float | None = None,
 ) -> FastAPI:
-    """The HTTP API over a running scheduler. With `api_key`, every route but /health needs
-    `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408).
+    """The HTTP API over an engine stepping on its own thread (`engine.start`). With `api_key`, every route but
+    /health needs `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408).
     `app.state.stop()` answers every request in flight 503 and refuses new ones (the server is stopping)."""
     if request_timeout is not None and not request_timeout > 0:
         raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
     app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
-    engine = scheduler.engine
     tok = lm.tokenizer
     ctx = engine.max_len
     created = int(time.time())
-    metrics = Metrics(engine, scheduler)
+    metrics = Metrics(engine)
     open_paths = {"/health"}
     in_flight: set[Group] = set()
     app.state.stopping = False
@@ -246,18 +187,19 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        s = engine.stats
+        s = engine.snapshot()
+        rate = s.acceptance_rate
         return {
             "status": "ok",
-            "active": len(engine.running),
-            "queued": scheduler.queued,
-            "max_batch": engine.max_batch,
-            "kv_tokens": engine.pool.capacity * engine.page_size,
-            "kv_tokens_used": engine.pool.used * engine.page_size,
-            "kv_live_tokens": sum(r.length for r in engine.running),
-            "kv_bytes_per_token": engine.kv_bytes_per_token(),
-            "prefix_cache_hit_rate": round(engine.pool.hit_rate, 4),
-            "speculative_acceptance_rate": round(s.accepted / s.proposed, 4) if s.proposed else None,
+            "active": s.running,
+            "queued": s.queued,
+            "max_batch": s.max_batch,
+            "kv_tokens": s.kv_tokens,
+            "kv_tokens_used": s.kv_pages_used * s.page_size,
+            "kv_live_tokens": s.kv_live_tokens,
+            "kv_bytes_per_token": s.kv_bytes_per_token,
+            "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4),
+            "speculative_acceptance_rate": None if rate is None else round(rate, 4),
             "tokens_generated": s.tokens_generated,
             "decode_calls": s.decode_calls,
             "prefill_calls": s.prefill_calls,
@@ -285,6 +227,9 @@ def create_app(
         return prompt
 
     def make_group(prompts: list[list[int]], body: CompletionRequest) -> Group:
+        """The request's rows (`n` per prompt) added to the engine."""
+        if app.state.stopping:
+            raise APIError(503, "the server is shutting down", kind="server_error")
         max_tokens = body.max_tokens if body.max_tokens is not None else ctx - max(map(len, prompts))
         for p in prompts:
             if len(p) + max_tokens > ctx:
@@ -294,6 +239,8 @@ def create_app(
                     param="max_tokens" if len(p) < ctx else "prompt",
                 )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        group = Group(engine)
+        seed = secrets.randbits(31) if body.seed is None else body.seed
         try:
             base = SamplingParams(
                 max_new_tokens=max_tokens,
@@ -304,28 +251,13 @@ def create_app(
                 stop=tuple(s for s in stop if s),
                 stop_token_ids=(tok.eot_id,),
             )
-            for p in prompts:
-                engine.check(len(p), max_tokens)
-        except ValueError as e:
+            group.add([p for p in prompts for _ in range(body.n)],
+                      [base.replace(seed=seed + j) for _ in prompts for j in range(body.n)], tok)  # fmt: skip
+        except ValueError as e:  # InputError among them: a request that can never run
             raise APIError(400, str(e)) from None
-        group = Group()
-        seed = secrets.randbits(31) if body.seed is None else body.seed
-        for p in prompts:
-            for j in range(body.n):
-                group.add(p, RowOutput(base.replace(seed=seed + j), tok))
-        return group
-
-    def submit(group: Group) -> None:
-        if app.state.stopping:
-            raise APIError(503, "the server is shutting down", kind="server_error")
-        if len(group.rows) > scheduler.max_queue:
-            raise APIError(
-                400, f"request asks for {len(group.rows)} completions; this server takes at most {scheduler.max_queue}"
-            )
-        try:
-            scheduler.submit(group.rows)
         except QueueFull:
             raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
+        return group
 
     async def next_update(group: Group, deadline: float | None) -> int:
         """The index of the next row that changed; 408 once the request's time is up, 503 once the server stops."""
@@ -401,11 +333,10 @@ def create_app(
         if not raw:
             raise APIError(400, "prompt: must not be an empty list", param="prompt")
         prompts = [encode(p) for p in raw]
-        group = make_group(prompts, body)
         prefixes = [
             (p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)
         ]
-        submit(group)
+        group = make_group(prompts, body)
         cid = f"cmpl-{secrets.token_hex(12)}"
         now = int(time.time())
 
@@ -496,7 +427,6 @@ def create_app(
         except ValidationError as e:
             raise APIError(400, e.errors()[0]["msg"]) from None
         group = make_group([prompt], completion)
-        submit(group)
         await wait(group, request)
         return {"completion": group.rows[0].output.text}
 
@@ -512,9 +442,9 @@ async def _disconnected(request: HTTPRequest, every: float = 0.25) -> None:
 class Metrics:
     """Prometheus metrics: the engine's state read at scrape time, and the latencies of finished requests."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler):
+    def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
-        self.engine, self.scheduler = engine, scheduler
+        self.engine = engine
         self.ttft = Histogram(
             "meshlm_time_to_first_token_seconds", "From submission to the first token", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
@@ -533,24 +463,24 @@ class Metrics:
                 self.latency.observe(now - row.submitted)
 
     def collect(self) -> Iterator[Any]:
-        e, s = self.engine, self.engine.stats
+        s = self.engine.snapshot()
         gauges = {
-            "meshlm_queue_depth": ("Rows waiting for a slot", self.scheduler.queued),
-            "meshlm_running_rows": ("Rows being generated", len(e.running)),
-            "meshlm_kv_pages_used": ("KV cache pages held by rows", e.pool.used),
-            "meshlm_kv_pages_total": ("KV cache pages", e.pool.capacity),
-            "meshlm_tokens_per_second": (
-                "Generated tokens per second over the last few seconds",
-                s.tokens_per_second(),
-            ),
+            "meshlm_queue_depth": ("Rows waiting for a slot", s.queued),
+            "meshlm_running_rows": ("Rows being generated", s.running),
+            "meshlm_kv_pages_used": ("KV cache pages held by rows", s.kv_pages_used),
+            "meshlm_kv_pages_total": ("KV cache pages", s.kv_pages),
+            "meshlm_tokens_per_second": ("Generated tokens per second over the last few seconds", s.tokens_per_second),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "meshlm_generated_tokens": ("Tokens generated", s.tokens_generated),
             "meshlm_prompt_tokens": ("Prompt tokens taken in", s.prompt_tokens),
-            "meshlm_prefix_cache_lookup_tokens": ("Prompt tokens looked up in the prefix cache", e.pool.lookups),
-            "meshlm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", e.pool.hits),
+            "meshlm_prefix_cache_lookup_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_cache_lookups,
+            ),
+            "meshlm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             "meshlm_decode_calls": ("Decode chunks run", s.decode_calls),
             "meshlm_prefill_calls": ("Prefills run", s.prefill_calls),
             "meshlm_compiles_since_warm_up": (
@@ -634,11 +564,11 @@ def serve(
             ngram=ngram,
             speculate=speculate,
         )
-        scheduler = Scheduler(engine, chunk=chunk, max_queue=max_queue)
-        app = create_app(lm, scheduler, model_name, api_key=api_key, request_timeout=request_timeout)
+        app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout)
+        state = engine.snapshot()
         print(
-            f"meshlm serve: {engine.max_batch} rows, {engine.pool.capacity * engine.page_size} KV tokens "
-            f"({engine.kv_bytes_per_token() * engine.page_size * engine.pool.n_pages / 2**30:.2f} GiB per device), "
+            f"meshlm serve: {engine.max_batch} rows, {state.kv_tokens} KV tokens "
+            f"({state.kv_bytes_per_token * state.page_size * (state.kv_pages + 1) / 2**30:.2f} GiB per device), "
             f"context {engine.max_len}; compiling ...",
             flush=True,
         )
@@ -650,12 +580,12 @@ def serve(
         except OSError as e:  # another socket bound the port with SO_REUSEADDR too, and listened first
             raise _listen_error(e, where) from None
         config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT)
-        scheduler.start()
+        engine.start(chunk=chunk, max_queue=max_queue)
         print(f"meshlm serve: {lm} as {model_name!r} on http://{where}", flush=True)
         try:
             asyncio.run(_Server(config, app.state.stop).serve(sockets=[sock]))
         finally:
-            scheduler.stop()
+            engine.stop()
 
 
 class _Server(uvicorn.Server):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm import engine as engine_module
+from meshlm import runner
 from meshlm.pages import PagePool, pages_for
+from meshlm.scheduler import lookup
 from tests.test_generate import greedy, hf_greedy
 
 PAGE = 4  # small pages, so short prompts span several and share some
@@ -38,10 +39,10 @@ def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
     if prefix_caching:
         # the first two rows are prefilled together; the two that join later each find the opening pages
-        assert engine.pool.hits == 2 * 3 * PAGE
+        assert engine.scheduler.pool.hits == 2 * 3 * PAGE
     else:
-        assert engine.pool.hits == 0
-    assert engine.pool.used == 0 and not engine.has_work()
+        assert engine.scheduler.pool.hits == 0
+    assert engine.scheduler.pool.used == 0 and not engine.has_work()
 
 
 def test_a_row_holds_pages_only_for_its_tokens(lm):
@@ -49,29 +50,29 @@ def test_a_row_holds_pages_only_for_its_tokens(lm):
     prompts = [[7] * n for n in (3, 10, 17)]
     budgets = sum(pages_for(len(p) + 30, PAGE) for p in prompts)
     for step, _ in enumerate(engine.run(prompts, [greedy(30)] * 3, chunk=2)):
-        assert engine.pool.used == sum(len(r.pages) for r in engine.running)
-        for r in engine.running:  # pages for the tokens it has (its last chunk's included), not its budget
+        assert engine.scheduler.pool.used == sum(len(r.pages) for r in engine.scheduler.running)
+        for r in engine.scheduler.running:  # pages for the tokens it has (its last chunk's included), not its budget
             assert len(r.pages) == pages_for(r.length, PAGE)
         if step == 0:
-            assert engine.pool.used == sum(pages_for(n + 2, PAGE) for n in (3, 10, 17)) < budgets / 2
-    assert engine.pool.used == 0
+            assert engine.scheduler.pool.used == sum(pages_for(n + 2, PAGE) for n in (3, 10, 17)) < budgets / 2
+    assert engine.scheduler.pool.used == 0
 
 
 def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypatch):
     engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=128)
     stream = engine.run([[1, 2, 3, 4, 5]], [greedy(40)], chunk=2)
     next(stream), next(stream)
-    assert engine.pool.used > 0
+    assert engine.scheduler.pool.used > 0
     stream.close()  # the consumer stopped reading
-    assert engine.pool.used == 0 and not engine.has_work()
+    assert engine.scheduler.pool.used == 0 and not engine.has_work()
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_module, "_decode", broken)
+    monkeypatch.setattr(runner, "_decode", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate([[1, 2, 3]] * 3, [greedy(10)] * 3)
-    assert engine.pool.used == 0 and not engine.has_work()
+    assert engine.scheduler.pool.used == 0 and not engine.has_work()
     monkeypatch.undo()
     (after,) = engine.generate([[1, 2, 3]], [greedy(10)])  # the engine still works, from a fresh pool
     assert after.tokens == lm.generate_tokens([[1, 2, 3]], greedy(10))[0].tokens
@@ -117,20 +118,21 @@ def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
 def test_every_shape_is_compiled_by_warm_up(lm):
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
     shapes, _ = engine.warm_up()
-    assert shapes == len(engine._prefill_shapes()) + len(engine._decode_batches()) * len(engine._page_buckets())
+    programs = engine.runner.shapes
+    assert shapes == len(programs.prefill_shapes()) + len(programs.decode_batches()) * len(programs.page_buckets())
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 512, n).tolist() for n in (1, 15, 16, 17, 40)]
     params = [greedy(int(m)) for m in (8, 30, 4, 20, 8)]
     params[1] = params[1].replace(temperature=0.7, seed=3)
     engine.generate(prompts, params, chunk=5)
-    assert engine.stats.compiles_since_warm_up == 0
+    assert engine.runner.compiles_since_warm_up == 0
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    assert engine_module.lookup([1, 2, 3, 4, 1, 2, 9, 1, 2], ngram=2, k=3) == [9, 1, 2]
-    assert engine_module.lookup([5, 6, 7, 6], ngram=3, k=2) == [7, 6]  # down to a one-token match
-    assert engine_module.lookup([5, 6, 7], ngram=2, k=2) == []
-    assert engine_module.lookup([1, 1], ngram=2, k=0) == []
+    assert lookup([1, 2, 3, 4, 1, 2, 9, 1, 2], ngram=2, k=3) == [9, 1, 2]
+    assert lookup([5, 6, 7, 6], ngram=3, k=2) == [7, 6]  # down to a one-token match
+    assert lookup([5, 6, 7], ngram=2, k=2) == []
+    assert lookup([1, 1], ngram=2, k=0) == []
 
 
 def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, shared_prompts):
@@ -142,8 +144,8 @@ def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, sh
     got = engine.generate(repetitive, [greedy(n) for n in budgets])
     for prompt, n, completion in zip(repetitive, budgets, got, strict=True):
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
-    assert 0 < engine.stats.accepted <= engine.stats.proposed
-    assert engine.pool.used == 0
+    assert 0 < engine.scheduler.stats.accepted <= engine.scheduler.stats.proposed
+    assert engine.scheduler.pool.used == 0
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +170,16 @@ def test_a_draft_model_leaves_greedy_output_token_identical(lm, hf_tiny, shared_
     got = engine.generate(shared_prompts[:4], [greedy(n) for n in budgets])
     for prompt, n, completion in zip(shared_prompts[:4], budgets, got, strict=True):
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
-    assert 0 <= engine.stats.accepted <= engine.stats.proposed
+    assert 0 <= engine.scheduler.stats.accepted <= engine.scheduler.stats.proposed
     if draft == "itself":  # only proposals past a row's last token are lost
-        assert engine.stats.accepted >= 0.8 * engine.stats.proposed
+        assert engine.scheduler.stats.accepted >= 0.8 * engine.scheduler.stats.proposed
         # Sampling rows: the draft's q is computed as the target's p, so min(1, p/q) keeps every proposal.
-        before = engine.stats.proposed, engine.stats.accepted
+        before = engine.snapshot()
         sampled = [greedy(16).replace(temperature=t, top_k=k, seed=i) for i, (t, k) in enumerate([(0.8, 0), (1.2, 40)])]
         engine.generate([[5] * 16, [9] * 16], sampled)  # 16 tokens: 1 from the prefill, then 4 + 4 + 4 + 3
-        assert engine.stats.proposed - before[0] == engine.stats.accepted - before[1] == 2 * 4 * 3  # rows x steps x k
-    assert engine.pool.used == 0
+        after = engine.snapshot()
+        assert after.proposed - before.proposed == after.accepted - before.accepted == 2 * 4 * 3  # rows x steps x k
+    assert engine.scheduler.pool.used == 0
 
 
 def test_a_draft_model_must_share_the_vocabulary_and_context(lm, hf_tiny_gpt2_vocab):
@@ -203,7 +206,7 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
         broadcast.append(seeds.copy())
         return np.full_like(seeds, 1234)
 
-    monkeypatch.setattr(engine_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(runner.jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", from_process_0)
     (got,) = engine.generate([[1, 2, 3]], params)
     monkeypatch.undo()

@@ -18,11 +18,9 @@ import httpx
 import pytest
 
 import meshlm
-from meshlm import cli
-from meshlm import engine as engine_module
+from meshlm import cli, runner
 from meshlm.footprint import OutOfMemory
-from meshlm.generate import RowOutput
-from meshlm.server import Group, Scheduler, create_app
+from meshlm.server import Group, create_app
 
 ABSENT = "no-such-checkpoint"  # a refusal that names anything else came before the model would load
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,20 +108,20 @@ def test_the_default_pool_takes_a_share_of_the_free_memory_not_of_the_physical(l
     """What other processes hold is not free: 64 MiB free means a pool of at most 80% of 64 MiB, however many
     full rows `max_batch` asks for, and the rows that do not fit it are refused."""
     free = 64 << 20
-    monkeypatch.setattr(engine_module, "free_memory", lambda device: free)
+    monkeypatch.setattr(runner, "free_memory", lambda device: free)
     engine = lm.engine(max_batch=1024)
-    pool = engine.pool.n_pages * engine.page_size * engine.kv_bytes_per_token()
-    assert 0 < pool <= engine_module.KV_MEMORY_FRACTION * free
+    pool = engine.runner.n_pages * engine.page_size * engine.kv_bytes_per_token()
+    assert 0 < pool <= runner.KV_MEMORY_FRACTION * free
     with pytest.raises(OutOfMemory, match="lower max_batch$"):
         lm.engine(max_batch=2**17)  # its [rows, vocab] logits alone take 256 MiB
 
 
 def test_a_compiled_step_larger_than_the_free_memory_is_refused_before_it_runs(lm, monkeypatch):
     engine = lm.engine(max_batch=1, max_len=16, kv_tokens=16)
-    monkeypatch.setattr(engine_module, "free_memory", lambda device: 1024)
+    monkeypatch.setattr(runner, "free_memory", lambda device: 1024)
     with pytest.raises(OutOfMemory, match="a compiled step needs .* working memory .* but 0.00 GiB are free"):
         engine.warm_up()
-    assert engine.stats.compiled_shapes == 0
+    assert engine.snapshot().compiled_shapes == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,11 +132,15 @@ def test_a_row_changed_after_the_event_loop_closed_wakes_nobody_quietly(lm):
     """At shutdown the engine's thread can finish a step after uvicorn's loop has closed ("Event loop is
     closed" was printed with a traceback)."""
 
-    async def make_row():
-        return Group().add([1, 2, 3], RowOutput(lm.sampling(), lm.tokenizer))
+    engine = lm.engine(max_batch=1, max_len=16, kv_tokens=16)
 
-    row = asyncio.run(make_row())
-    row.notify()  # the loop is closed now
+    async def make_group():
+        group = Group(engine)
+        group.add([[1, 2, 3]], [lm.sampling(max_new_tokens=2)], lm.tokenizer)
+        return group
+
+    group = asyncio.run(make_group())
+    group.rows[0].notify()  # the loop is closed now
 
 
 def test_a_stopping_server_answers_its_requests_in_flight_with_503(lm):
@@ -146,8 +148,8 @@ def test_a_stopping_server_answers_its_requests_in_flight_with_503(lm):
     event), not cancelled mid-way with a traceback; new ones are refused."""
     from fastapi.testclient import TestClient
 
-    scheduler = Scheduler(lm.engine(max_batch=2, max_len=32, kv_tokens=64))  # not started: rows stay queued
-    app = create_app(lm, scheduler, "tiny")
+    engine = lm.engine(max_batch=2, max_len=32, kv_tokens=64)  # not started: rows stay queued
+    app = create_app(lm, engine, "tiny")
     body = {"prompt": "Hello", "max_tokens": 4}
     answers: dict[str, httpx.Response] = {}
     with TestClient(app) as http:
@@ -159,7 +161,7 @@ def test_a_stopping_server_answers_its_requests_in_flight_with_503(lm):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while scheduler.queued < 2 and time.monotonic() < deadline:
+        while engine.snapshot().queued < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         http.portal.call(app.state.stop)
         for t in threads:

@@ -256,8 +256,6 @@ def test_sample_command_streams_and_reads_prompts_from_stdin(
 
 
 def test_a_chunk_or_batch_that_cannot_make_progress_is_refused(text_lm):
-    from meshlm.server import Scheduler
-
     params = text_lm.sampling(max_new_tokens=4, temperature=0)
     for call in (
         lambda: text_lm.generate_tokens([[1, 2, 3]], params, chunk=0),
@@ -265,8 +263,8 @@ def test_a_chunk_or_batch_that_cannot_make_progress_is_refused(text_lm):
         lambda: text_lm.engine(max_batch=0),
         lambda: text_lm.engine(kv_tokens=0),
         lambda: text_lm.engine(page_size=0),
-        lambda: Scheduler(text_lm.engine(max_batch=1, kv_tokens=64), chunk=0),
-        lambda: Scheduler(text_lm.engine(max_batch=1, kv_tokens=64), max_queue=-1),
+        lambda: text_lm.engine(max_batch=1, kv_tokens=64).start(chunk=0),
+        lambda: text_lm.engine(max_batch=1, kv_tokens=64).start(max_queue=-1),
     ):
         with pytest.raises(ValueError, match=r"must be an integer >= 1"):
             call()

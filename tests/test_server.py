@@ -244,12 +244,12 @@ def test_a_full_queue_answers_503_with_retry_after(server):
 def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
     from fastapi.testclient import TestClient
 
-    from meshlm.server import Scheduler, create_app
+    from meshlm.server import create_app
 
-    scheduler = Scheduler(reference.engine(max_batch=1, max_len=64, kv_tokens=64), chunk=1)
-    scheduler.start()
+    engine = reference.engine(max_batch=1, max_len=64, kv_tokens=64)
+    engine.start(chunk=1)
     try:
-        app = create_app(reference, scheduler, "tiny", request_timeout=0.05)
+        app = create_app(reference, engine, "tiny", request_timeout=0.05)
         with TestClient(app) as http:
             r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 50, "temperature": 0})
             assert r.status_code == 408 and r.json()["error"]["type"] == "timeout", r.text
@@ -258,9 +258,9 @@ def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
                 time.sleep(0.05)
             assert http.get("/health").json()["kv_tokens_used"] == 0
     finally:
-        scheduler.stop()
+        engine.stop()
     with pytest.raises(ValueError, match="request_timeout"):
-        create_app(reference, scheduler, "tiny", request_timeout=0)
+        create_app(reference, engine, "tiny", request_timeout=0)
 
 
 def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
@@ -268,13 +268,12 @@ def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
     counts in the response's usage and in /health."""
     from fastapi.testclient import TestClient
 
-    from meshlm.server import Scheduler, create_app
+    from meshlm.server import create_app
 
     engine = reference.engine(draft=reference, max_batch=2, max_len=64, kv_tokens=128, speculate=3)
-    scheduler = Scheduler(engine, chunk=1)
-    scheduler.start()
+    engine.start(chunk=1)
     try:
-        with TestClient(create_app(reference, scheduler, "tiny")) as http:
+        with TestClient(create_app(reference, engine, "tiny")) as http:
             body = {"prompt": PROMPT, "max_tokens": 9, "temperature": 0, "stop": None}
             r = http.post("/v1/completions", json=body).json()
             (expected,) = reference.generate(PROMPT, max_new_tokens=9, temperature=0)
@@ -283,4 +282,4 @@ def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
             assert details["accepted_prediction_tokens"] >= 6 and details["rejected_prediction_tokens"] == 0
             assert http.get("/health").json()["speculative_acceptance_rate"] == 1.0
     finally:
-        scheduler.stop()
+        engine.stop()

@@ -1,0 +1,675 @@
+"""The engine's device side: the compiled prefill, decode and speculation programs, the KV pool and the
+slots they update in place, the shapes they are compiled for, and the memory checks before any of it is
+allocated.
+
+Every shape the runner can be asked for is known in advance (`Shapes`): `warm_up` compiles all of them, so
+nothing compiles while requests are served. The runner takes a plain batch description (`Prefill`,
+`Decode`, `Speculate`: numpy arrays the scheduler fills) and returns what each row produced (`Step`);
+it knows nothing of requests, queues or pages' owners. `lower` gives the planner a program for any shape.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from meshlm import model
+from meshlm.config import InputError, ModelConfig, dtype_of
+from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
+from meshlm.generate import (
+    TOP_LOGPROBS,
+    Settings,
+    Step,
+    argmax,
+    choose,
+    distribution,
+    draw,
+    repetition_penalty,
+    row_keys,
+    settings_for,
+    used_vocabulary,
+)
+from meshlm.pages import pages_for
+from meshlm.sharding import batch_ways, from_host, named_sharding, shard_bytes, to_host
+
+PAGE_SIZE = 16  # tokens per KV page
+SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
+MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
+MIN_PROMPT_BUCKET = 16
+MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
+PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
+KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device state and the compiled steps
+
+
+class Draft(NamedTuple):
+    """A smaller model with the target's tokenizer that proposes tokens for speculative decoding. It keeps
+    its own KV pool, paged exactly like the target's: a row's pages hold both models' keys and values."""
+
+    params: model.Params
+    cfg: ModelConfig
+    policy: model.Policy
+
+
+class Rows(NamedTuple):
+    """Every slot's generation state, on the devices between calls ([max_batch] each)."""
+
+    token: jax.Array  # int32: the last token produced, the next input
+    seen: jax.Array  # [B, V] bool: tokens in the prompt or output (for the repetition penalty)
+    count: jax.Array  # int32: tokens produced so far
+    done: jax.Array  # bool
+    length: jax.Array  # int32: tokens in the KV cache
+    settings: Settings
+
+
+def _advance(rows: Rows, token: jax.Array) -> Rows:
+    """Record each running row's new token; finished rows keep their state."""
+    running = ~rows.done
+    count = rows.count + running
+    stopped = jnp.any(token[:, None] == rows.settings.stop_ids, axis=-1)
+    done = rows.done | stopped | (count >= rows.settings.max_new)
+    seen = rows.seen.at[jnp.arange(token.shape[0]), token].max(running)
+    return rows._replace(token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done)
+
+
+def _choose(
+    logits: jax.Array,
+    rows: Rows,
+    cfg: ModelConfig,
+    proposal: jax.Array | None = None,
+    draft_probs: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs)
+
+
+def _active(rows: Rows, slots: jax.Array) -> Rows:
+    """The rows in `slots`; padding (slots out of range) comes back done."""
+    padding = slots >= rows.token.shape[0]
+    active = jax.tree.map(lambda x: x.at[slots].get(mode="clip"), rows)
+    return active._replace(done=active.done | padding)
+
+
+def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
+    """`new` rows into `rows` at `slots`; slots out of range (padding) are dropped."""
+    return jax.tree.map(lambda dst, src: dst.at[slots].set(src, mode="drop"), rows, new)
+
+
+# Every compiled step takes the target's weights, its KV pool and the slots, then its own arguments; with
+# a draft model also the draft's weights and pool (`draft` names its static config and policy). It
+# returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
+STATIC = ("cfg", "policy", "draft")
+DONATED = ("cache", "rows", "draft_cache")
+Out = tuple[model.KVCache, model.KVCache | None, Rows, tuple[jax.Array, ...]]
+
+
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+def _prefill(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    tokens: jax.Array,
+    mask: jax.Array,
+    table: jax.Array,
+    start: jax.Array,
+    seen: jax.Array,
+    settings: Settings,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
+    """Write new rows' prompts [B, T] (right-padded, after the `start` tokens a cached prefix gave
+    them) into the cache (and the draft's), choose each row's first token and put the rows into `slots`."""
+    n_new = mask.sum(-1, dtype=jnp.int32)
+    at = jnp.maximum(n_new - 1, 0)
+    logits, cache = model.decode(params, tokens, cache, table, start, cfg, policy, mask=mask, at=at)
+    if draft is not None:
+        _, draft_cache = model.decode(draft_params, tokens, draft_cache, table, start, *draft, mask=mask, at=at)
+    zeros = jnp.zeros_like(start)
+    new = Rows(zeros, seen, zeros, settings.max_new <= 0, start + n_new, settings)
+    out = _choose(logits[:, 0], new, cfg)
+    emitted = ~new.done
+    new = _advance(new, out[0])
+    return cache, draft_cache, _scatter(rows, slots, new), (*(o[:, None] for o in out), emitted[:, None], new.done)
+
+
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+def _decode(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    table: jax.Array,
+    n_steps: jax.Array,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
+    """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
+    `while_loop` that stops early once every row is done. (An engine with a draft model speculates instead.)"""
+    active = _active(rows, slots)
+    B = slots.shape[0]
+    bufs = (
+        jnp.full((B, MAX_CHUNK), -1, jnp.int32),
+        jnp.zeros((B, MAX_CHUNK), jnp.float32),
+        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((B, MAX_CHUNK, TOP_LOGPROBS), jnp.float32),
+        jnp.zeros((B, MAX_CHUNK), bool),
+    )
+
+    def cond(carry: tuple) -> jax.Array:
+        i, active, _, _ = carry
+        return (i < n_steps) & ~jnp.all(active.done)
+
+    def body(carry: tuple) -> tuple:
+        i, active, cache, bufs = carry
+        logits, cache = model.decode(params, active.token[:, None], cache, table, active.length, cfg, policy)
+        out = _choose(logits[:, 0], active, cfg)
+        running = ~active.done
+        bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, running), strict=True))
+        active = _advance(active, out[0])._replace(length=active.length + running)
+        return i + 1, active, cache, bufs
+
+    _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
+    return cache, draft_cache, _scatter(rows, slots, active), (*bufs, active.done)
+
+
+@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+def _speculate(
+    params: model.Params,
+    cache: model.KVCache,
+    rows: Rows,
+    slots: jax.Array,
+    table: jax.Array,
+    proposals: jax.Array,
+    draft_params: model.Params | None = None,
+    draft_cache: model.KVCache | None = None,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> Out:
+    """One speculative step of the rows in `slots`: their last token and k proposed tokens run in one
+    forward pass; position j's logits then choose the row's next token, keeping proposal j when the
+    target agrees (`choose`), and the row goes on to position j + 1 only while it keeps them. Each row
+    emits 1 to k + 1 tokens.
+
+    `proposals` [B, k] are prompt lookup's (-1 past a row's own); with a draft model they are -1 and
+    only their shape counts: the draft proposes k tokens per row itself, from its distribution q."""
+    active = _active(rows, slots)
+    B, k = proposals.shape
+    q = None
+    if draft is not None:
+        proposals, q, draft_cache = _propose(draft_params, draft_cache, active, table, k, draft, cfg.vocab_size)
+        q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # nothing is proposed after the last
+    tokens = jnp.concatenate([active.token[:, None], jnp.maximum(proposals, 0)], axis=1)
+    mask = jnp.concatenate([jnp.ones((B, 1), bool), proposals >= 0], axis=1)
+    logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask)
+    offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)
+
+    def position(carry: tuple[Rows, jax.Array], j: jax.Array) -> tuple[tuple[Rows, jax.Array], tuple]:
+        active, going = carry  # going: every proposal so far was kept
+        out = _choose(logits[:, j], active, cfg, jnp.where(going, offered[:, j], -1), None if q is None else q[:, j])
+        running = going & ~active.done
+        advanced = _advance(active._replace(done=~running), out[0])
+        active = advanced._replace(done=jnp.where(running, advanced.done, active.done))
+        active = active._replace(length=active.length + running)  # the token at position j is now in the cache
+        return (active, running & (out[0] == offered[:, j])), (*out, running)
+
+    (active, _), outs = jax.lax.scan(position, (active, jnp.ones(B, bool)), jnp.arange(k + 1))
+    outs = tuple(jnp.moveaxis(o, 0, 1) for o in outs)  # [k + 1, B, ...] -> [B, k + 1, ...]
+    return cache, draft_cache, _scatter(rows, slots, active), (*outs, active.done, offered)
+
+
+def _propose(
+    params: model.Params,
+    cache: model.KVCache,
+    active: Rows,
+    table: jax.Array,
+    k: int,
+    draft: tuple[ModelConfig, model.Policy],
+    vocab_size: int,
+) -> tuple[jax.Array, jax.Array, model.KVCache]:
+    """k tokens per row from the draft model, one step at a time after each row's last token: proposals
+    [B, k], the draft's filtered distributions q [B, k, vocab_size] they were drawn from (a greedy row
+    proposes the draft's argmax), and the draft's pool holding every proposal's keys and values, so the
+    draft's next step can start from any of them."""
+    cfg, policy = draft
+    s = active.settings
+
+    def step(token: jax.Array, i: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+        logits, cache = model.decode(params, token[:, None], cache, table, active.length + i, cfg, policy)
+        return logits[:, 0], cache
+
+    def propose(carry: tuple[jax.Array, model.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+        token, cache = carry
+        logits, cache = step(token, i, cache)
+        logits = used_vocabulary(logits, cfg.n_vocab_used)  # then padded or cut to the target's vocabulary
+        logits = jnp.pad(logits, ((0, 0), (0, max(0, vocab_size - logits.shape[-1]))), constant_values=-jnp.inf)
+        x = repetition_penalty(logits[:, :vocab_size], active.seen, s.penalty)
+        q = distribution(x, s)
+        # apart from the keys `choose` uses at the same count
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 3))(row_keys(s, active.count + i))
+        greedy = argmax(x)
+        sampled = jax.lax.cond(jnp.any(s.temperature > 0), lambda: draw(q, keys), lambda: greedy)
+        token = jnp.where(s.temperature > 0, sampled, greedy)
+        return (token, cache), (token, q)
+
+    (last, cache), (proposals, q) = jax.lax.scan(propose, (active.token, cache), jnp.arange(k))
+    _, cache = step(last, jnp.int32(k), cache)  # the last proposal's keys and values (its logits are unused)
+    return proposals.T, jnp.moveaxis(q, 0, 1), cache
+
+
+def _batch_sharding(mesh: Mesh, ndim: int) -> jax.sharding.NamedSharding:
+    """Rows split over the mesh's batch axes, the other dimensions whole."""
+    return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
+
+
+def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_batch_sharding(mesh, len(shape)))
+
+
+def abstract_state(
+    cfg: ModelConfig, policy: model.Policy, mesh: Mesh, pages: int, page_size: int, max_batch: int
+) -> tuple[model.KVCache, Rows]:
+    """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
+    with jax.set_mesh(mesh):
+        cache = jax.eval_shape(partial(model.init_cache, cfg, pages, page_size, policy.compute_dtype))
+    cache = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, model.CACHE_AXES)), cache
+    )
+    B, spec = max_batch, partial(_batch_spec, mesh)
+    settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
+    int32 = spec((B,), np.int32)
+    return cache, Rows(int32, spec((B, cfg.vocab_size), bool), int32, spec((B,), bool), int32, settings)
+
+
+def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
+    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
+    settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
+    spec = partial(_batch_spec, mesh)
+    return (
+        spec((rows,), np.int32),  # slots
+        spec((rows, length), np.int32),  # tokens
+        spec((rows, length), bool),  # mask
+        spec((rows, table_width), np.int32),  # table
+        spec((rows,), np.int32),  # start
+        spec((rows, cfg.vocab_size), bool),  # seen
+        settings,
+    )
+
+
+def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> tuple[Any, ...]:
+    """Shapes of `_speculate`'s per-call arguments: slots, page tables and k proposals per row."""
+    spec = partial(_batch_spec, mesh)
+    return spec((rows,), np.int32), spec((rows, table_width), np.int32), spec((rows, k), np.int32)
+
+
+def decode_args(mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
+    """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
+    return _batch_spec(mesh, (rows,), np.int32), _batch_spec(mesh, (rows, table_width), np.int32), np.int32(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shapes and batch descriptions
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _powers(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """lo, lo * factor, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= factor
+    return [*out, hi]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The shapes the programs are compiled for: rows bucketed to powers of two the mesh's batch axes divide,
+    prompt lengths to powers of four, page tables to powers of two; the scheduler fills batches to them."""
+
+    max_batch: int
+    max_len: int
+    page_size: int
+    batch_ways: int
+
+    @classmethod
+    def of(cls, max_batch: int, max_len: int, page_size: int, batch_ways: int) -> Shapes:
+        """The shapes for at most `max_batch` rows, rounded up to a bucket."""
+        rows = cls(max_batch, max_len, page_size, batch_ways).batch_bucket(max_batch)
+        return cls(rows, max_len, page_size, batch_ways)
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of one whole row."""
+        return pages_for(self.max_len, self.page_size)
+
+    def batch_bucket(self, n: int) -> int:
+        """Rows are padded to a power of two that the mesh's batch axes divide."""
+        b = _bucket(n)
+        return -(-b // self.batch_ways) * self.batch_ways
+
+    def decode_batches(self) -> list[int]:
+        return sorted({self.batch_bucket(n) for n in _powers(1, self.max_batch)})
+
+    def page_buckets(self) -> list[int]:
+        """Table widths of a decode: powers of two from MIN_DECODE_TOKENS' worth of pages."""
+        return _powers(min(pages_for(MIN_DECODE_TOKENS, self.page_size), self.max_pages), self.max_pages)
+
+    def page_bucket(self, n: int) -> int:
+        return next(b for b in self.page_buckets() if b >= n)
+
+    def prompt_buckets(self) -> list[int]:
+        """Prompt lengths of a prefill: powers of four from MIN_PROMPT_BUCKET."""
+        return _powers(min(MIN_PROMPT_BUCKET, self.max_len), self.max_len, factor=4)
+
+    def prompt_bucket(self, n: int) -> int:
+        return next(b for b in self.prompt_buckets() if b >= n)
+
+    def prefill_rows(self, n: int) -> int:
+        """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""
+        rows = 1
+        while rows < n:
+            rows *= 4
+        return min(self.batch_bucket(rows), self.max_batch)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, prompt bucket) pairs a prefill can take."""
+        rows = sorted({self.prefill_rows(n) for n in range(1, self.max_batch + 1)})
+        return [(b, t) for t in self.prompt_buckets() for b in rows if b == rows[0] or b * t <= PREFILL_TOKENS]
+
+
+class Prefill(NamedTuple):
+    """New rows' prompts (the part not in the prefix cache) into `slots`: tokens and mask [rows, bucket],
+    page tables [rows, max_pages], the cached length each starts from, the tokens each has seen [rows, vocab]
+    (for the repetition penalty) and their sampling settings. Padding rows have slots out of range."""
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    table: np.ndarray
+    start: np.ndarray
+    seen: np.ndarray
+    settings: Settings
+
+
+class Decode(NamedTuple):
+    """Up to `chunk` tokens of the rows in `slots`, over their page tables [rows, bucketed width]."""
+
+    slots: np.ndarray
+    table: np.ndarray
+    chunk: int
+
+
+class Speculate(NamedTuple):
+    """One speculative step: `proposals` [rows, k] (-1: none; all -1 with a draft model, which proposes on the
+    device) verified together."""
+
+    slots: np.ndarray
+    table: np.ndarray
+    proposals: np.ndarray
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runner
+
+
+class Runner:
+    """The device state of one engine: the weights, a KV pool of `n_pages` pages (the draft's beside it) and
+    `max_batch` slots, and the programs that update them in place.
+
+    `kv_tokens` defaults to what fits in `KV_MEMORY_FRACTION` of the device memory free beside the weights
+    (loaded already) and the slots, at most `max_batch` full rows. A pool and slots larger than the free
+    memory are refused before they are allocated."""
+
+    def __init__(
+        self,
+        params: model.Params,
+        cfg: ModelConfig,
+        policy: model.Policy,
+        mesh: Mesh,
+        *,
+        max_batch: int,
+        max_len: int,
+        kv_tokens: int | None,
+        page_size: int,
+        speculate: int,
+        draft: Draft | None,
+    ):
+        self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
+        self.speculate, self.draft = speculate, draft
+        self.shapes = Shapes.of(max_batch, max_len, page_size, batch_ways(mesh))
+        self.max_batch, self.page_size = self.shapes.max_batch, page_size
+        free, slots = free_memory(self._local_device()), self._slot_bytes()
+        chosen = kv_tokens is not None
+        kv_tokens = kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+            raise InputError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
+        self.kv_tokens = max(kv_tokens, page_size)
+        self.n_pages = pages_for(self.kv_tokens, page_size) + 1  # page 0 is padding's
+        self._check_memory(self.n_pages * page_size * self.kv_bytes_per_token(), slots, free, chosen)
+        self.compiled_shapes, self.compile_seconds = 0, 0.0
+        self.compiles_since_warm_up = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
+        self.reset()
+
+    # sizes ----------------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes on each device (the draft model's included)."""
+        sharding = named_sharding(self.mesh, model.CACHE_AXES)
+
+        def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
+            shape = (cfg.n_head, cfg.n_layer, 1, 1, cfg.d_head)
+            return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(policy.compute_dtype), sharding=sharding))
+
+        draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)
+        return per_token(self.cfg, self.policy) + draft
+
+    def _local_device(self) -> jax.Device:
+        return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+    def _slot_bytes(self) -> tuple[int, int]:
+        """Bytes per device that `max_batch` alone sets: the slots' state (a [rows, vocab] mask among it) and
+        one step's float32 logits, [rows, positions, vocab]: the least of a step's working memory (XLA's
+        is several times that)."""
+        _, rows = abstract_state(self.cfg, self.policy, self.mesh, 1, self.page_size, self.max_batch)
+        shape = (self.max_batch, self.speculate + 1, self.cfg.vocab_size)
+        logits = jax.ShapeDtypeStruct(shape, np.float32, sharding=named_sharding(self.mesh, ("batch", None, "vocab")))
+        return shard_bytes(rows), shard_bytes(logits)
+
+    def _default_kv_tokens(self, spare: int | None) -> int:
+        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most `max_batch` full rows."""
+        rows = self.max_batch * self.shapes.max_len
+        if spare is None:
+            return rows
+        return max(self.page_size, min(int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token(), rows))
+
+    def _check_memory(self, pool: int, slots: tuple[int, int], free: int | None, chosen: bool) -> None:
+        """Refuse a pool and slots the device cannot hold before allocating them: past its memory an
+        accelerator fails the allocation, and a CPU host kills the process. `chosen`: kv_tokens was given."""
+        if free is None:
+            return
+        state, logits = slots
+        needed = pool + state + logits
+        if needed > free:
+            rows = f"{self.max_batch} rows (state {gib(state)}, one step's logits {gib(logits)})"
+            if chosen:
+                what, lower = f"{self.kv_tokens:,} KV tokens ({gib(pool)}) and {rows}", "kv_tokens or max_batch"
+            else:  # the default pool is a share of what the rows leave: the rows alone do not fit
+                what, lower = rows, "max_batch"
+            raise OutOfMemory(f"{what} need {gib(needed)} per device, but {gib(free)} are free: lower {lower}",
+                              needed, free)  # fmt: skip
+
+    # device state ---------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """A fresh pool and empty slots (at start, and after a failed device call, which may have
+        consumed the donated buffers)."""
+
+        def pool(cfg: ModelConfig, policy: model.Policy) -> model.KVCache:
+            with jax.set_mesh(self.mesh):
+                return jax.jit(partial(model.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
+
+        self.cache = pool(self.cfg, self.policy)
+        self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)
+        B = self.max_batch
+        zeros = np.zeros(B, np.int32)
+        settings = settings_for([], B)._replace(max_new=zeros)
+        host = Rows(zeros, np.zeros((B, self.cfg.vocab_size), bool), zeros, np.ones(B, bool), zeros, settings)
+        self.rows = jax.tree.map(self._from_host, host)
+
+    def _from_host(self, x: np.ndarray) -> jax.Array:
+        """A host array split over the batch axes (the same on every process when there are several)."""
+        return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
+
+    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What every compiled step takes besides its own arguments (see STATIC)."""
+        draft = {}
+        if self.draft is not None:
+            draft = dict(draft_params=self.draft.params, draft_cache=self.draft_cache, draft=self.draft[1:])
+        return (self.params, self.cache, self.rows), dict(cfg=self.cfg, policy=self.policy, **draft)
+
+    def _call(self, fn: Any, *args: Any) -> Step:
+        """Run a compiled step on the pools and the slots, which it updates in place."""
+        state, options = self._state()
+        with jax.set_mesh(self.mesh):
+            self.cache, self.draft_cache, self.rows, out = fn(*state, *args, **options)
+        return Step(*(to_host(x) for x in out))
+
+    # compiling ------------------------------------------------------------------------------------
+
+    def warm_up(self) -> tuple[int, float]:
+        """Compile every prefill and decode shape the engine can use (on as many threads as there are CPU
+        cores: XLA compiles outside Python's lock), then run each once on padding rows, which write only
+        to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
+        began = time.perf_counter()
+        width = self.shapes.max_pages
+        programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, width)) for b, t in self.shapes.prefill_shapes()]
+        for b in self.shapes.decode_batches():
+            for n in self.shapes.page_buckets():
+                if self.speculate:
+                    programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
+                if not self.draft:  # prompt lookup decodes plainly when it has nothing to propose
+                    programs.append((_decode, decode_args(self.mesh, b, n)))
+        state, options = self._state()
+        with jax.set_mesh(self.mesh):
+            lowered = [fn.lower(*state, *args, **options) for fn, args in programs]
+
+        def compile(lowered: Any) -> Footprint:
+            with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
+                return Footprint.of(lowered.compile())
+
+        free = free_memory(self._local_device())
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            try:  # the steps of the most rows first: a server they do not fit is refused after one compile
+                for step in pool.map(compile, lowered[::-1]):
+                    self._check_working_memory(step, free)
+            except BaseException:  # a refusal or Ctrl-C: the programs not started yet are dropped
+                pool.shutdown(cancel_futures=True)
+                raise
+        for fn, args in programs:
+            self._call(fn, *self._padding(args))
+        seconds = time.perf_counter() - began
+        self.compiled_shapes, self.compile_seconds = len(programs), seconds
+        _count_compiles(weakref.ref(self))
+        return len(programs), seconds
+
+    def _check_working_memory(self, step: Footprint, free: int | None) -> None:
+        """Refuse a compiled step whose working memory (XLA's own figure) exceeds what the weights, the pool
+        and the slots leave free, before a run allocates it."""
+        working = step.outputs - step.aliased + step.temporaries
+        if free is not None and working > free:
+            raise OutOfMemory(
+                f"a compiled step needs {gib(working)} of working memory per device beside the weights, the KV "
+                f"cache and the slots, but {gib(free)} are free: lower max_batch or kv_tokens",
+                working,
+                free,
+            )
+
+    def _padding(self, args: tuple[Any, ...]) -> list[Any]:
+        """Arguments of the given shapes for padding rows only: slots out of range, pages all page 0."""
+        slots, *rest = args
+        zeros = lambda x: self._from_host(np.zeros(x.shape, x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else x
+        return [self._from_host(np.full(slots.shape, self.max_batch, np.int32)), *jax.tree.map(zeros, rest)]
+
+    # requests -------------------------------------------------------------------------------------
+
+    # running a batch --------------------------------------------------------------------------------
+
+    def run(self, batch: Prefill | Decode | Speculate) -> Step:
+        """Run one batch on the pool and the slots; what each of its rows produced."""
+        if isinstance(batch, Prefill):
+            return self.prefill(batch)
+        return self.decode(batch) if isinstance(batch, Decode) else self.verify(batch)
+
+    def prefill(self, batch: Prefill) -> Step:
+        settings = batch.settings
+        if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
+            settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
+        arrays = map(self._from_host, batch[:-1])
+        return self._call(_prefill, *arrays, jax.tree.map(self._from_host, settings))
+
+    def decode(self, batch: Decode) -> Step:
+        return self._call(_decode, self._from_host(batch.slots), self._from_host(batch.table), np.int32(batch.chunk))
+
+    def verify(self, batch: Speculate) -> Step:
+        return self._call(_speculate, *map(self._from_host, batch))
+
+
+def _count_compiles(runner: weakref.ref) -> None:
+    """Count every XLA compilation in this process from now on into `runner` (while it lives)."""
+
+    def listen(event: str, seconds: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and (r := runner()) is not None:
+            r.compiles_since_warm_up += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+
+def lower(
+    program: str,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    mesh: Mesh,
+    *,
+    rows: int,
+    pages: int,
+    width: int,
+    length: int = 0,
+    params: Any = None,
+) -> Any:
+    """The "prefill" (of `rows` prompts of `length` tokens) or "decode" program, lowered for abstract weights
+    (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages and `rows` slots of up to `width`
+    pages: what the planner compiles for a target it does not have."""
+    cache, slots = abstract_state(cfg, policy, mesh, pages, PAGE_SIZE, rows)
+    if program == "prefill":
+        fn, args = _prefill, prefill_args(cfg, mesh, rows, length, width)
+    elif program == "decode":
+        fn, args = _decode, decode_args(mesh, rows, width)
+    else:
+        raise ValueError(f"program must be 'prefill' or 'decode', got {program!r}")
+    with jax.set_mesh(mesh):
+        return fn.lower(params, cache, slots, *args, cfg=cfg, policy=policy)

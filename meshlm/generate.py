@@ -47,6 +47,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many alternatives
 
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
@@ -62,6 +63,8 @@ class SamplingParams:
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         check(len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids")
         check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        n = self.prompt_logprobs
+        check(n is None or (_is_int(n) and 0 <= n <= TOP_LOGPROBS), f"prompt_logprobs must be in [0, {TOP_LOGPROBS}]")
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -301,6 +304,9 @@ class RowOutput:
     finish_reason: str | None = None
     text: str = ""
     sent: int = 0  # characters of `text` already handed out by `take_text`
+    # with `sampling.prompt_logprobs`: each prompt token's logprob and top alternatives (None for the first)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:

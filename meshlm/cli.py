@@ -151,6 +151,15 @@ def cmd_fetch_tokenizer(args: argparse.Namespace) -> None:
     print(tokenizer.fetch_from_pypi())
 
 
+def _add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template (default: the model's own: chat_template.jinja or tokenizer_config.json)",
+    )
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding (default 1.0)")
@@ -163,17 +172,16 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def cmd_sample(args: argparse.Namespace) -> None:
     """Generate text from a checkpoint, streaming tokens as they come. Without --prompt, read prompts from stdin
-    (one per line) until end of input."""
+    (one per line) until end of input. With --chat, a chat in the terminal: each line is the user's turn, the
+    model's reply is streamed, and the conversation so far is rendered with the chat template every turn."""
+    if args.chat and args.prompt is not None:
+        raise ConfigError("--chat reads the user's turns from stdin; it takes no --prompt")
+    if not args.chat and (args.chat_template or args.system):
+        raise ConfigError("--chat-template and --system are for --chat")
     lm = _load(args)
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop,
-        seed=args.seed,
-    )
+    if args.chat:
+        return _sample_chat(lm, args)
+    settings = _sample_settings(args)
     lm.sampling(**settings)  # bad settings fail here, before any prompt is read
     interactive = args.prompt is None
     if interactive and sys.stdin.isatty():
@@ -190,6 +198,48 @@ def cmd_sample(args: argparse.Namespace) -> None:
             print(f"[{time.perf_counter() - start:.2f}s]", file=sys.stderr)
 
 
+def _sample_settings(args: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        seed=args.seed,
+    )
+
+
+def _sample_chat(lm, args: argparse.Namespace) -> None:
+    """`meshlm sample --chat`: the chat rendered with the model's template (or --chat-template), as the server's
+    /v1/chat/completions renders it; a reply ends at <|endoftext|> or the tokenizer's EOS token."""
+    from meshlm.chat import load_chat_template
+    from meshlm.tokenizer import special_token_id
+
+    tok = lm.tokenizer
+    template = load_chat_template(tok, args.chat_template)
+    if template is None:
+        raise ConfigError("this model has no chat template; give one with --chat-template FILE")
+    eos = special_token_id(tok, "eos_token")
+    settings = _sample_settings(args)
+    settings["stop_token_ids"] = list(dict.fromkeys([tok.eot_id] + ([] if eos is None else [eos])))
+    lm.sampling(**settings)  # bad settings fail here, before any turn is read
+    chat = [{"role": "system", "content": args.system}] if args.system else []
+    if sys.stdin.isatty():
+        print(f"{lm}\nChat: type a message and press Enter (Ctrl-D to quit).", file=sys.stderr)
+    for line in _stdin_prompts():
+        chat.append({"role": "user", "content": line})
+        start = time.perf_counter()
+        pieces = []
+        for piece in lm.stream(template.render(chat, add_generation_prompt=True), **settings):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+        print(flush=True)
+        chat.append({"role": "assistant", "content": "".join(pieces)})
+        if sys.stdin.isatty():
+            print(f"[{time.perf_counter() - start:.2f}s]", file=sys.stderr)
+
+
 def _stdin_prompts():
     while True:
         if sys.stdin.isatty():
@@ -202,8 +252,9 @@ def _stdin_prompts():
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """Serve a checkpoint over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, /health and
-    the seed's /complete, with requests batched together as they arrive."""
+    """Serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (streaming too),
+    /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics and the seed's /complete,
+    with requests batched together as they arrive."""
 
     def stop_at_once(signum: int, _: object) -> None:
         """Ctrl-C while loading or compiling (or once uvicorn has stopped serving) ends the process at once:
@@ -232,6 +283,8 @@ def _serve(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise ConfigError(f"--chat-template {args.chat_template}: no such file")
     try:
         from meshlm import server
     except ImportError as e:
@@ -262,6 +315,7 @@ def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
             request_timeout=args.request_timeout,
             sock=sock,
+            chat_template=args.chat_template,
         )
 
 
@@ -336,7 +390,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume_optimizer:
         flags["resume_optimizer"] = True
     cfg = config.load_train_config(args.config, args.set or [], flags)
-    result = train.train(cfg, progress=not args.no_progress)
+    evaluator = None
+    if cfg.eval_tasks:  # lm-eval is an optional extra: imported only when a run asks for its tasks
+        from meshlm.evaluate import evaluate_tasks as evaluator
+    result = train.train(cfg, progress=not args.no_progress, evaluate_tasks=evaluator)
     if jax.process_index() == 0:
         print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / RUN_CHECKPOINTS}")
     return 128 + result.signal if result.signal else 0  # stopped by a signal: the status shells expect
@@ -456,6 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt", default=None, help="the prompt (default: read prompts from stdin, one per line)")
+    p.add_argument(
+        "--chat", action="store_true", help="chat: each stdin line is a user turn; replies use the chat template"
+    )
+    p.add_argument("--system", default=None, metavar="TEXT", help="--chat: a system message to start the chat with")
+    _add_chat_template(p)
     _add_sampling(p)
     _add_tokenizer(p)
     _add_model_options(p)
@@ -510,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, default=None, help="seconds a request may run before it is stopped (408)"
     )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
+    _add_chat_template(p)
     _add_tokenizer(p)
     _add_model_options(p)
     p.set_defaults(handler=cmd_serve)

@@ -61,6 +61,9 @@ from meshlm.train_step import (
     step_program,
 )
 
+# Runs a config's lm-eval tasks on a model: (lm, tasks, limit=, include_path=) -> {"task/metric": value}
+Evaluator = Callable[..., dict[str, float]]
+
 
 @dataclass
 class TrainResult:
@@ -104,11 +107,21 @@ def _place(local: dict[str, np.ndarray], spec: dict[str, jax.ShapeDtypeStruct]) 
     }
 
 
-def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> TrainResult:
+def train(
+    cfg: TrainConfig, progress: bool = True, sample: bool = True, evaluate_tasks: Evaluator | None = None
+) -> TrainResult:
     """Train (or resume, when `out_dir` holds checkpoints) until `total_steps` or a SIGTERM/SIGINT.
+
+    `evaluate_tasks` runs the config's `eval_tasks` on the model every `eval_every` steps: the loop is handed
+    an evaluator rather than importing one (`meshlm train` hands it lm-eval's, `meshlm.evaluate.evaluate_tasks`).
 
     Raises TrainingStopped when the loss turns non-finite or a checkpoint cannot be written (the last good
     checkpoint stays), and Interrupted for a signal that comes before the first step."""
+    if cfg.eval_tasks and cfg.eval_every and evaluate_tasks is None:
+        raise ConfigError(
+            "eval_tasks are run by an evaluator handed to train(): train(cfg, evaluate_tasks="
+            "meshlm.evaluate.evaluate_tasks), as `meshlm train` does"
+        )
     with _stop_on_signals() as signals:
         out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
         _make_folder(out_dir, "out_dir")
@@ -119,7 +132,7 @@ def train(cfg: TrainConfig, progress: bool = True, sample: bool = True) -> Train
         _stop_if_signalled(signals)
         ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
         try:  # the manager's background threads must be stopped on every way out
-            return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample, signals)
+            return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample, signals, evaluate_tasks)
         finally:
             ckpts.close()
 
@@ -146,6 +159,7 @@ def _train(
     progress: bool,
     sample: bool,
     signals: list[int],
+    evaluate_tasks: Evaluator | None,
 ) -> TrainResult:
     start = run_start.resolve(cfg, ckpts, train_ds, val_sets, mesh)
     cfg = start.cfg
@@ -179,7 +193,7 @@ def _train(
                 if validate_now and val_sets:
                     log.write(step, run.validate(), result.val_losses)
                 if evaluate_now:
-                    log.write(step, run.evaluate_tasks())
+                    log.write(step, run.evaluate_tasks(evaluate_tasks))
                 if save_now:
                     run.save(step)
                 log.restart_clock()  # throughput counts training only
@@ -421,11 +435,9 @@ class Run:
                 values[f"val/{name}" if key == "loss" else f"val/{name}/{key}"] = sums[key] / count
         return values
 
-    def evaluate_tasks(self) -> dict[str, float]:
-        from meshlm.evaluate import evaluate_tasks
-
+    def evaluate_tasks(self, evaluator: Evaluator) -> dict[str, float]:
         cfg = self.cfg
-        scores = evaluate_tasks(
+        scores = evaluator(
             self.language_model(), cfg.eval_tasks, limit=cfg.eval_limit, include_path=cfg.eval_include_path
         )
         return {f"eval/{k}": v for k, v in scores.items()}

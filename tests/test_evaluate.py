@@ -241,7 +241,7 @@ def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_model, hf_resul
 def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_file, tmp_path, monkeypatch):
     """`eval_tasks`/`eval_every` in the train config: the logged metrics are those of the weights at that step."""
     from meshlm import data, train
-    from meshlm.config import TrainConfig
+    from meshlm.config import ConfigError, TrainConfig
 
     monkeypatch.setenv("MESHLM_TOKENIZER", gpt2_bpe_file)
     rows = np.random.default_rng(0).integers(0, 50257, (8, 17))
@@ -252,8 +252,10 @@ def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_
         val_every=0, ckpt_every=0, sample_tokens=0, eval_tasks=["meshlm_test_lambada"], eval_every=2,
         eval_include_path=str(TASK_DIR),
     )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"eval_tasks are run by an evaluator handed to train\(\)"):
+        train.train(cfg, progress=False)  # the loop imports no evaluator of its own
     with in_repo_root():
-        result = train.train(cfg, progress=False, sample=False)
+        result = train.train(cfg, progress=False, sample=False, evaluate_tasks=evaluate.evaluate_tasks)
         expected = evaluate.evaluate_tasks(result.lm, ["meshlm_test_lambada"], include_path=TASK_DIR)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = {k: v for r in records if r["step"] == 2 for k, v in r.items() if k.startswith("eval/")}

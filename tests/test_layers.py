@@ -1,0 +1,62 @@
+"""The package's layering, as ../shared/DESIGN.md draws it: every module sits on a floor, and its imports
+(function-level ones too) point to its own floor or below, never up."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "meshlm"
+
+FLOORS = {
+    0: "config",
+    1: "sharding param footprint devices",
+    2: "model quant paged_attention lora tokenizer chat",
+    3: "generate pages",
+    4: "engine runner scheduler checkpoint formats data prepare loader corpus demo_corpus",
+    5: "train_step optim metrics objectives",
+    6: "api __init__",
+    7: "train planner run_start distributed",
+    8: "server evaluate",
+    9: "cli __main__",
+}
+FLOOR = {name: floor for floor, names in FLOORS.items() for name in names.split()}
+
+
+def modules() -> dict[str, Path]:
+    """Each module by its floor-table name: a top-level module's name, or "formats" for the formats package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts)] = path
+    return out
+
+
+def table_name(module: str) -> str:
+    return module.split(".")[0]
+
+
+def imports(path: Path) -> set[str]:
+    """The meshlm modules a file imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "meshlm":
+            if node.module == "meshlm":
+                found |= {a.name for a in node.names}
+            else:
+                found.add(node.module.removeprefix("meshlm."))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("meshlm.") for a in node.names if a.name.startswith("meshlm.")}
+    return found
+
+
+def test_every_module_has_a_floor():
+    assert sorted({table_name(m) for m in modules()} - set(FLOOR)) == []
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_imports_point_down(module):
+    path = modules()[module]
+    here = FLOOR[table_name(module)]
+    above = {m for m in imports(path) if FLOOR.get(table_name(m), here) > here}
+    assert not above, f"{module} (floor {here}) imports {sorted(above)} from above"

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from meshlm import model
+from meshlm import devices, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
 from meshlm.lora import adapter_size
 from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
@@ -24,7 +24,12 @@ from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardi
 def flops_per_token(
     model_cfg: ModelConfig, seq_len: int, lora: LoraConfig | None = None, reference_pass: bool = False
 ) -> float:
-    """Training FLOPs per token: 6 x (parameters used in matmuls) + 12 x layers x d_model x seq (attention).
+    """Training FLOPs per token: 6 x (parameters used in matmuls) + 6 x layers x d_model x seq (attention).
+
+    Attention is counted as MaxText counts it, causal: the scores and the weighted values cost 12 x d_model
+    FLOPs per (query, key) pair in a training step (4 x forward, 8 x backward), and a causal query sees
+    seq / 2 keys on average, half of the full map. A `local` layer's query sees fewer, w - w^2 / (2 x seq)
+    on average for its window w = min(local_window, seq), and costs 12 x d_model x that.
 
     With `lora` the frozen weights cost 4 x, not 6 x: the forward and the activations' gradient, but no
     gradient of their own; the adapter's matmuls cost 6 x its parameters like any trained weight. A
@@ -35,11 +40,18 @@ def flops_per_token(
     if model_cfg.position == "learned":
         gathered += model_cfg.max_seq_len * model_cfg.d_model
     matmul_params = model.count_params(model_cfg) - gathered
-    attention = 12 * model_cfg.n_layer * model_cfg.d_model * seq_len
+    keys = sum(_keys_per_query(kind, model_cfg, seq_len) for kind in model_cfg.layer_kinds)  # seq/2 a global layer
+    attention = 12 * model_cfg.d_model * keys
     reference = (2 * matmul_params + attention / 3) if reference_pass else 0.0
     if lora is None:
         return 6 * matmul_params + attention + reference
     return 4 * matmul_params + 6 * adapter_size(model.projections(model_cfg), lora) + attention + reference
+
+
+def _keys_per_query(kind: str, model_cfg: ModelConfig, seq_len: int) -> float:
+    """Keys a query of a `kind` layer attends to, on average over a causal sequence of `seq_len`."""
+    window = seq_len if kind == "global" else min(model_cfg.local_window, seq_len)
+    return window - window**2 / (2 * seq_len)
 
 
 def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], bytes_per_param: int = 16) -> int:
@@ -51,11 +63,6 @@ def state_bytes_per_device(model_cfg: ModelConfig, mesh_sizes: dict[str, int], b
     mesh = AbstractMesh(tuple(mesh_sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
     shardings = param_shardings(model.logical_axes(model_cfg), mesh)
     return shard_bytes(with_shardings(model.abstract_params(model_cfg), shardings), itemsize=bytes_per_param)
-
-
-# Dense peak FLOP/s per device (bf16) of accelerators, by device_kind substring.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "v5p": 459e12, "v5": 197e12}
-PEAK_FLOPS |= {"v4": 275e12, "v3": 123e12, "v2": 45e12}
 
 
 @functools.cache  # a host's peak does not change: measured once per process, not once per run
@@ -73,14 +80,12 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5)
 
 
 def peak_flops(mesh: Mesh, dtype: str) -> float:
-    """Peak FLOP/s of the whole mesh: the table for accelerators, a measured matmul for a CPU host."""
+    """Peak FLOP/s of the whole mesh: the device table's bf16 peak for accelerators (NaN for one it lacks), a
+    measured matmul in `dtype` for a CPU host."""
     device = mesh.devices.flat[0]
     if device.platform == "cpu":  # simulated CPU devices share one host's cores
         return measure_matmul_peak(dtype)
-    for kind, flops in PEAK_FLOPS.items():
-        if kind.lower() in device.device_kind.lower():
-            return flops * mesh.devices.size
-    return float("nan")
+    return devices.peak_flops(device) * mesh.devices.size
 
 
 @dataclass

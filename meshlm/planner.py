@@ -26,6 +26,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm import footprint, metrics, model, runner, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
 from meshlm.pages import pages_for
@@ -39,26 +40,6 @@ from meshlm.sharding import (
     with_shardings,
 )
 
-# GPUs by name: memory (decimal GB, as sold) and dense bf16 peak FLOP/s. Any "NAME-<N>gb" works too.
-GPUS = {
-    "b200-180gb": (180e9, 2250e12),
-    "h200-141gb": (141e9, 989e12),
-    "h100-80gb": (80e9, 989e12),
-    "a100-80gb": (80e9, 312e12),
-    "a100-40gb": (40e9, 312e12),
-    "l40s-48gb": (48e9, 362e12),
-    "a6000-48gb": (48e9, 155e12),
-    "l4-24gb": (24e9, 121e12),
-    "a10g-24gb": (24e9, 70e12),
-    "rtx4090-24gb": (24e9, 165e12),
-    "rtx3090-24gb": (24e9, 71e12),
-    "v100-32gb": (32e9, 125e12),
-    "v100-16gb": (16e9, 125e12),
-    "t4-16gb": (16e9, 65e12),
-}
-# Dense bf16 peak FLOP/s of one JAX device of each TPU generation (a v2/v3 device is one core).
-TPU_PEAK = {"TPU v2": 22.5e12, "TPU v3": 61.5e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12}
-TPU_PEAK |= {"TPU v6 lite": 918e12}
 # JAX preallocates this share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION) and runs programs within it.
 GPU_MEMORY_FRACTION = 0.75
 
@@ -128,9 +109,7 @@ def target(spec: str) -> Target:
                 "e.g. tpu:v5e:2x2, tpu:v4:2x2x1, tpu:v5p:4x4x4, tpu:v3:8x16"
             ) from None
         kind_name = devices[0].device_kind
-        peak = TPU_PEAK.get(kind_name, float("nan"))
-        if kind_name == "TPU v4" and getattr(devices[0], "num_cores", 2) == 1:  # a v4 slice listed by core
-            peak /= 2
+        peak = peak_flops(devices[0])  # a v4 slice is listed by core: half a chip's peak
         capacity = footprint.compiler_capacity(devices[0])  # once per target: every chip of a slice is alike
         return Target(spec, "tpu", kind_name, len(devices), list(devices), capacity, peak)
     if kind == "gpu" and rest:
@@ -141,7 +120,8 @@ def target(spec: str) -> Target:
                 f"target {spec}: a GPU is named NAME-<memory>gb, e.g. gpu:h100-80gb; known: "
                 + ", ".join(f"gpu:{g}" for g in GPUS)
             )
-        memory, peak = GPUS.get(name, (float(m.group(1)) * 1e9, float("nan")))
+        known = GPUS.get(name)
+        memory, peak = (known.memory, known.peak_flops) if known else (float(m.group(1)) * 1e9, float("nan"))
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION))
         return Target(spec, "gpu", name, None, None, int(memory * fraction), peak)
     raise ConfigError(f"unknown target {spec!r}; expected tpu:<generation>:<topology> (e.g. tpu:v5e:2x2), cpu, "

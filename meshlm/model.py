@@ -602,14 +602,19 @@ def decode(
     *,
     mask: jax.Array | None = None,
     at: jax.Array | None = None,
+    write_from: jax.Array | None = None,
+    hidden: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run tokens [B, T] after the `length[b]` tokens each row already holds in the pages of its
     `table` [B, n]: logits [B, T, vocab_size] (or [B, 1, vocab_size] at index `at[b]` of each row,
-    e.g. a prompt's last real token) and the pool with the new keys and values written.
+    e.g. a prompt's last real token; with `hidden`, the final hidden states instead of logits) and the
+    pool with the new keys and values written.
 
     The same blocks as `forward`; a prompt is one call (prefill), each new token another. `mask` [B, T]
     marks real tokens, which come first in a row (right padding): padding is written to page 0 and
-    its outputs mean nothing. The caller gives each row pages for positions up to length + T.
+    its outputs mean nothing. The caller gives each row pages for positions up to length + T. A row's
+    tokens before index `write_from[b]` are run but not written: they are in the cache already (a
+    cached prefix's last token, run again for the logits that follow it), in pages other rows may share.
     """
     B, T = tokens.shape
     size = cache.page_size
@@ -617,14 +622,17 @@ def decode(
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     positions = length[:, None] + jnp.arange(T, dtype=jnp.int32)
     page = jnp.take_along_axis(table, jnp.minimum(positions // size, table.shape[1] - 1), axis=1)
-    slots = jnp.where(mask & (positions < S), page * size + positions % size, 0)  # past the table: page 0
+    write = mask & (positions < S)  # past the table: page 0
+    if write_from is not None:
+        write &= jnp.arange(T) >= write_from[:, None]
+    slots = jnp.where(write, page * size + positions % size, 0)
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
     view = CacheView(cache, table, slots, positions[:, -1] + 1)
     x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-    return unembed(params, x, cfg), view.cache
+    return (x if hidden else unembed(params, x, cfg)), view.cache
 
 
 LOSS_CHUNK = 512  # positions whose logits exist at once in the loss, for sequences it divides

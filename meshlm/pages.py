@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 PAD_PAGE = 0  # written by padding, never given to a row
 
@@ -31,6 +32,7 @@ class PagePool:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no row holds, oldest first
         self.lookups = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found cached
+        self.scores: dict[int, Any] = {}  # page -> its tokens' scores (logprobs), when a scoring row computed them
 
     @property
     def capacity(self) -> int:
@@ -57,6 +59,7 @@ class PagePool:
             else:
                 page, _ = self.idle.popitem(last=False)
                 del self.by_prefix[self.prefix_of.pop(page)]
+                self.scores.pop(page, None)
             self.refs[page] = 1
             pages.append(page)
         return pages
@@ -78,15 +81,16 @@ class PagePool:
             keys.append(key)
         return keys
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], scored: bool = False) -> list[int]:
         """Take the cached pages that hold the longest full-page prefix of `tokens`, leaving at least one
-        token to run (its logits choose the first new token)."""
+        token to run (its logits choose the first new token); with `scored`, only pages whose tokens'
+        scores are cached too."""
         if not self.prefix_caching:
             return []
         pages = []
         for key in self._keys(tokens, (len(tokens) - 1) // self.page_size):
             page = self.by_prefix.get(key)
-            if page is None:
+            if page is None or (scored and page not in self.scores):
                 break
             pages.append(page)
         for page in pages:
@@ -100,14 +104,17 @@ class PagePool:
         self.lookups += prompt_tokens
         self.hits += pages_found * self.page_size
 
-    def publish(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Offer the full pages of a prompt that has just been written to later rows."""
+    def publish(self, tokens: Sequence[int], pages: Sequence[int], scores: Sequence[Any] | None = None) -> None:
+        """Offer the full pages of a prompt that has just been written to later rows, with the scores of
+        their tokens (one entry per page) when the row was scored."""
         if not self.prefix_caching:
             return
-        for key, page in zip(self._keys(tokens, len(tokens) // self.page_size), pages, strict=False):
+        for i, (key, page) in enumerate(zip(self._keys(tokens, len(tokens) // self.page_size), pages, strict=False)):
             if key not in self.by_prefix and page not in self.prefix_of:
                 self.by_prefix[key] = page
                 self.prefix_of[page] = key
+            if scores is not None:  # a function of the prefix alone: they serve whichever page holds it
+                self.scores.setdefault(self.by_prefix[key], scores[i])
 
     @property
     def hit_rate(self) -> float:

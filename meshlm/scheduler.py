@@ -26,9 +26,9 @@ from typing import NamedTuple
 import numpy as np
 
 from meshlm.config import InputError
-from meshlm.generate import RowOutput, Step, settings_for
+from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, settings_for
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
-from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Shapes, Speculate
+from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Score, Shapes, Speculate
 
 _ids = count()
 
@@ -64,6 +64,16 @@ class Request:
         """Tokens this row may ever hold in the cache."""
         return len(self.prompt) + self.output.sampling.max_new_tokens
 
+    @property
+    def scored(self) -> bool:
+        """Whether the prompt's tokens are scored (their logprobs reported)."""
+        return self.output.sampling.prompt_logprobs is not None
+
+    @property
+    def refed(self) -> int:
+        """1 when a scored row runs its cached prefix's last token again, for the logits after it."""
+        return int(self.scored and self.length > 0)
+
 
 @dataclass
 class Stats:
@@ -95,7 +105,7 @@ class Scheduled(NamedTuple):
     """A batch to run and the requests in its rows, in order."""
 
     rows: list[Request]
-    batch: Prefill | Decode | Speculate
+    batch: Prefill | Score | Decode | Speculate
 
 
 def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
@@ -197,7 +207,7 @@ class Scheduler:
         if not admitted:
             return None
         n = self.shapes.prefill_rows(len(admitted))
-        new = [r.prompt[r.length :] for r in admitted]
+        new = [r.prompt[r.length - r.refed :] for r in admitted]
         t = self.shapes.prompt_bucket(max(map(len, new)))
         tokens = np.zeros((n, t), np.int32)
         mask = np.zeros((n, t), bool)
@@ -212,7 +222,12 @@ class Scheduler:
             start[i], slots[i] = r.length, r.slot
             seen[i, r.prompt] = True
         settings = settings_for([r.output.sampling for r in admitted], n)
-        return Scheduled(admitted, Prefill(slots, tokens, mask, table, start, seen, settings))
+        arrays = (slots, tokens, mask, table, start, seen, settings)
+        if admitted[0].scored:
+            refed = np.zeros(n, np.int32)
+            refed[: len(admitted)] = [r.refed for r in admitted]
+            return Scheduled(admitted, Score(*arrays, refed))
+        return Scheduled(admitted, Prefill(*arrays))
 
     def schedule_decode(self, chunk: int) -> Scheduled | None:
         """The running rows' next step: a speculative one when there are proposals, else a decode of up to
@@ -237,12 +252,13 @@ class Scheduler:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
         cache); then free the rows that finished."""
         rows, batch = scheduled
-        if isinstance(batch, Prefill):
+        if isinstance(batch, Prefill | Score):
             self.stats.prefill_calls += 1
             now = time.perf_counter()
-            for r in rows:
+            for i, r in enumerate(rows):
+                scores = self._score(r, step, i) if isinstance(batch, Score) else None
                 r.length = len(r.prompt)
-                self.pool.publish(r.prompt, r.pages)
+                self.pool.publish(r.prompt, r.pages, scores)
                 self.stats.prompt_tokens += len(r.prompt)
                 r.first_token = now
         else:
@@ -265,21 +281,46 @@ class Scheduler:
             _notify(r)
         self.drop_finished()
 
+    def _score(self, r: Request, step: Step, i: int) -> list[tuple[np.ndarray, ...]]:
+        """Fill a scored row's prompt logprobs: those of its cached pages' tokens from the pool, the rest
+        from this prefill. Returns the scores of the prompt's full pages, for the pool: logprobs [page_size],
+        top ids and top logprobs [page_size, TOP_LOGPROBS] (NaN and -1 for the first token, which nothing
+        predicts)."""
+        size = self.page_size
+        cached = [self.pool.scores[page] for page in r.pages[: r.length // size]]
+        first = (np.full(1, np.nan, np.float32), np.full((1, TOP_LOGPROBS), -1, np.int32),
+                 np.zeros((1, TOP_LOGPROBS), np.float32))  # fmt: skip
+        # this prefill's position j scores prompt token r.length - r.refed + j + 1, up to the prompt's last
+        n = len(r.prompt) - r.length - (1 - r.refed)
+        fresh = (step.prompt_logprob[i, :n], step.prompt_top_ids[i, :n], step.prompt_top_logprobs[i, :n])
+        lp, ids, lps = (np.concatenate(parts) for parts in zip(*(cached or [first]), fresh, strict=True))
+        k = r.output.sampling.prompt_logprobs
+        with r.lock:
+            r.output.prompt_logprobs = [None, *map(float, lp[1:])]
+            r.output.prompt_top_logprobs = [None] + [
+                [(int(t), float(v)) for t, v in zip(ids[p, :k], lps[p, :k], strict=True)] for p in range(1, len(lp))
+            ]
+        pages = range(len(r.prompt) // size)
+        return [tuple(x[p * size : (p + 1) * size] for x in (lp, ids, lps)) for p in pages]
+
     def _reserved(self) -> int:
         """Pages the running rows may still need for their budgets."""
         return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
 
     def _admit(self) -> list[Request]:
-        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix."""
+        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix;
+        scored rows and the others are never in one prefill."""
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         admitted: list[Request] = []
         longest = 0
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
-            shared = self.pool.match(r.prompt)
+            if admitted and r.scored != admitted[0].scored:  # a prefill scores all its rows or none
+                break
+            shared = self.pool.match(r.prompt, scored=r.scored)
             need = pages_for(r.budget, self.page_size) - len(shared)
-            new_tokens = len(r.prompt) - len(shared) * self.page_size
+            new_tokens = len(r.prompt) - len(shared) * self.page_size + (r.scored and bool(shared))
             t = self.shapes.prompt_bucket(max(longest, new_tokens))
             rows = self.shapes.prefill_rows(len(admitted) + 1)
             fits_pool = self.pool.available - reserved >= need

@@ -119,13 +119,48 @@ def test_every_shape_is_compiled_by_warm_up(lm):
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
     shapes, _ = engine.warm_up()
     programs = engine.runner.shapes
-    assert shapes == len(programs.prefill_shapes()) + len(programs.decode_batches()) * len(programs.page_buckets())
+    # each prefill shape twice: plain, and scoring its prompts
+    assert shapes == 2 * len(programs.prefill_shapes()) + len(programs.decode_batches()) * len(programs.page_buckets())
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 512, n).tolist() for n in (1, 15, 16, 17, 40)]
     params = [greedy(int(m)) for m in (8, 30, 4, 20, 8)]
     params[1] = params[1].replace(temperature=0.7, seed=3)
     engine.generate(prompts, params, chunk=5)
+    engine.generate(prompts[1:3], [greedy(0).replace(prompt_logprobs=2)] * 2)  # scored prefills were compiled too
     assert engine.runner.compiles_since_warm_up == 0
+
+
+def reference_scores(lm, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each prompt token's logprob given the tokens before it, and the top-k of each of those distributions,
+    from the model's full forward pass."""
+    logits = lm.logits(np.asarray([prompt]))[0, :-1, : lm.config.n_vocab_used].astype(np.float64)
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    top = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    return logp[np.arange(len(prompt) - 1), prompt[1:]], top, np.take_along_axis(logp, top, axis=-1)
+
+
+def test_scored_prompts_give_each_tokens_logprob_through_the_prefix_cache(lm, shared_prompts):
+    """Prompt scoring (echo with logprobs): every prompt token's logprob and top alternatives equal the full
+    forward pass's, for rows scored alone, batched, with 0 or more new tokens, and again once the shared
+    opening pages are cached with their scores (a page cached by an unscored row is not used)."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    engine.generate(shared_prompts[:1], [greedy(2)])  # caches the opening's pages without scores
+    for round_ in range(2):
+        params = [greedy(n).replace(prompt_logprobs=3) for n in (0, 2, 0, 1, 0, 3)]
+        hits = engine.snapshot().prefix_cache_hits
+        got = engine.generate(shared_prompts, params)
+        if round_:  # every prompt's full pages were cached with their scores, leaving each its last token
+            found = engine.snapshot().prefix_cache_hits - hits
+            assert found == sum((len(p) - 1) // PAGE * PAGE for p in shared_prompts)
+        for prompt, completion, sp in zip(shared_prompts, got, params, strict=True):
+            lp, top_ids, top_lps = reference_scores(lm, prompt, 3)
+            assert completion.prompt_logprobs[0] is None and completion.prompt_top_logprobs[0] is None
+            np.testing.assert_allclose(completion.prompt_logprobs[1:], lp, atol=1e-5, rtol=1e-5)
+            for p, alternatives in enumerate(completion.prompt_top_logprobs[1:]):
+                assert [i for i, _ in alternatives] == top_ids[p].tolist(), (round_, p)
+                np.testing.assert_allclose([v for _, v in alternatives], top_lps[p], atol=1e-5, rtol=1e-5)
+            assert len(completion.tokens) == sp.max_new_tokens
+    assert engine.snapshot().kv_pages_used == 0
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():

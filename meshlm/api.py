@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +151,26 @@ class LanguageModel:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        *,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_p: float = 0.0,
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
+        ignore_eos: bool = False,
     ) -> SamplingParams:
-        """Sampling settings; `stop_token_ids` defaults to <|endoftext|> (pass [] to run to max_new_tokens)."""
+        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
+        with `ignore_eos` (pass [] to run to max_new_tokens)."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        ids = (self.tokenizer.eot_id,) if stop_token_ids is None else tuple(stop_token_ids)
-        return SamplingParams(max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed)
+        if stop_token_ids is None:
+            stop_token_ids = () if ignore_eos else (self.tokenizer.eot_id,)
+        ids = tuple(stop_token_ids)
+        return SamplingParams(
+            max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
+            min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
+        )  # fmt: skip
 
     def generate(
         self,
@@ -168,18 +183,35 @@ class LanguageModel:
         seed: int | None = None,
         repetition_penalty: float = 1.0,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_p: float = 0.0,
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
+        ignore_eos: bool = False,
     ) -> list[str]:
         """Continuations of text prompts, decoded together as one batch.
 
         temperature 0 is greedy decoding; otherwise the logits are divided by `temperature`, cut to the
-        `top_k` most likely tokens (0: all), then to the smallest set reaching probability `top_p`.
-        Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default) or before the
-        first `stop` string (not included). With `seed`, prompt i samples with seed + i, reproducibly.
+        `top_k` most likely tokens (0: all), then to the smallest set reaching probability `top_p`, then
+        to the tokens at least `min_p` times as likely as the likeliest. Before that `logit_bias` (token id
+        -> bias in [-100, 100]) is added to the logits, and the repetition, frequency and presence
+        penalties lower those of tokens already seen (see `SamplingParams`).
+        Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default, none with
+        `ignore_eos`) or before the first `stop` string (after it with `include_stop_str_in_output`), but
+        not before `min_tokens` tokens. With `seed`, prompt i samples with seed + i, reproducibly.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not all(isinstance(p, str) for p in prompts):
             raise InputError("prompts must be strings")
-        base = self.sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids)
+        base = self.sampling(
+            max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+            min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
+            ignore_eos=ignore_eos,
+        )  # fmt: skip
         params = [base.replace(seed=None if seed is None else seed + i) for i in range(len(prompts))]
         results = self.generate_tokens([self.encode_prompt(p) for p in prompts], params)
         return [r.text or "" for r in results]

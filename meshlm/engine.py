@@ -161,6 +161,8 @@ class Engine:
             raise InputError("stop strings need a tokenizer")
         for prompt, sp in zip(prompts, params, strict=True):
             self.check(len(prompt), sp.max_new_tokens)
+            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:  # pairs are sorted by id
+                raise InputError(f"logit_bias: token ids must lie in [0, {self.cfg.vocab_size})")
         requests = [
             Request(list(p), RowOutput(sp, tokenizer), notify=None if on_update is None else _bind(on_update, i))
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))

@@ -1,8 +1,10 @@
 """Sampling and the host side of a generated row.
 
-- sampling filters (pure functions over logits [B, V] with per-row settings): repetition penalty,
-  temperature, top-k, top-p, in that order, then greedy argmax or a seeded draw; `choose` applies
-  them inside the engine's compiled steps (`meshlm.engine`);
+- sampling filters (pure functions over logits [B, V] with per-row settings), in vLLM's and transformers'
+  order: logit bias, repetition penalty, frequency and presence penalties, min_tokens' ban on stop
+  tokens (these change the greedy choice too), then temperature, top-k, top-p, min-p (transformers'
+  order), then greedy argmax or a seeded draw; `choose` applies them inside the engine's compiled steps
+  (`meshlm.engine`);
 - `SamplingParams`, what a row asks for, and `Settings`, the same on the devices;
 - host bookkeeping (`RowOutput`): collects a row's tokens, detokenises incrementally, applies stop
   strings and holds back text that could still become one.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,6 +27,7 @@ from meshlm.config import InputError
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_IDS = 8  # stop token ids per row
+MAX_LOGIT_BIAS = 300  # biased tokens per row (OpenAI's limit)
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's limit for completions)
 
 
@@ -37,7 +40,16 @@ def check_chunk(chunk: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one row is generated. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """How one row is generated. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those
+    filters.
+
+    The rest follow OpenAI's and vLLM's meanings: `presence_penalty` and `frequency_penalty` (in [-2, 2])
+    lower a token's logit by frequency_penalty * c + presence_penalty * (c > 0), where c counts the token
+    in the output so far (not the prompt); `logit_bias` (token id -> bias in [-100, 100], at most
+    MAX_LOGIT_BIAS of them; a dict or (id, bias) pairs, kept as pairs sorted by id) is added to the
+    logits first; `min_p` drops tokens less likely than min_p times the likeliest (after temperature,
+    top-k and top-p); until `min_tokens` tokens are produced the stop token ids cannot be and stop
+    strings do not apply; `include_stop_str_in_output` keeps a stop string in the text."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -48,11 +60,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
             if not ok:
                 raise InputError(what)
+
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
         check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0")
@@ -65,6 +85,13 @@ class SamplingParams:
         check(self.seed is None or _is_int(self.seed), "seed must be an integer")
         n = self.prompt_logprobs
         check(n is None or (_is_int(n) and 0 <= n <= TOP_LOGPROBS), f"prompt_logprobs must be in [0, {TOP_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2]")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be a number in [0, 1]")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0")
+        check(self.min_tokens <= self.max_new_tokens, "min_tokens must be at most max_new_tokens")
+        check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output must be true or false")
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -78,6 +105,34 @@ def _is_number(x: object) -> bool:
     return isinstance(x, int | float | np.number) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs sorted by id, from a mapping or pairs; ids may be integers or
+    strings of them (JSON object keys, as OpenAI's API sends them). Whether an id is in the model's
+    vocabulary is checked where that is known (`Engine.add_requests`)."""
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise InputError("logit_bias must map token ids to biases")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise InputError("logit_bias must map token ids to biases")
+        key, value = item
+        if isinstance(key, str) and key.strip().isdecimal():
+            key = int(key)
+        if not (_is_int(key) and key >= 0):
+            raise InputError(f"logit_bias: token ids must be integers >= 0, got {key!r}")
+        if not (_is_number(value) and -100 <= value <= 100):
+            raise InputError(f"logit_bias: biases must be numbers in [-100, 100], got {value!r} for token {key}")
+        if int(key) in pairs:
+            raise InputError(f"logit_bias: token {key} is given twice")
+        pairs[int(key)] = float(value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InputError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    return tuple(sorted(pairs.items()))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Sampling filters: logits [B, V] float32, settings [B]. Removed entries become -inf.
 
@@ -87,6 +142,31 @@ def repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -
     positive and multiplied by it when negative."""
     p = penalty[:, None]
     return jnp.where(seen, jnp.where(logits > 0, logits / p, logits * p), logits)
+
+
+def apply_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """Add each row's `bias` [B, N] to its logits at token `ids` [B, N] (-1: unused)."""
+    V = logits.shape[-1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(ids >= 0, ids, V)].add(bias.astype(logits.dtype), mode="drop")
+
+
+def frequency_presence_penalty(
+    logits: jax.Array, counts: jax.Array, frequency: jax.Array, presence: jax.Array
+) -> jax.Array:
+    """OpenAI's penalties: logit[j] -= frequency * c[j] + presence * (c[j] > 0), with `counts` c [B, V] the
+    times each token occurs in the row's output so far."""
+    c = counts.astype(logits.dtype)
+    return logits - frequency[:, None] * c - presence[:, None] * (c > 0)
+
+
+def ban_stop_ids(logits: jax.Array, stop_ids: jax.Array, count: jax.Array, min_tokens: jax.Array) -> jax.Array:
+    """min_tokens (transformers' MinNewTokensLengthLogitsProcessor): a row that has produced fewer than
+    `min_tokens` tokens (`count`) cannot produce its stop token ids [B, MAX_STOP_IDS] (-1: unused)."""
+    V = logits.shape[-1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = (stop_ids >= 0) & (count < min_tokens)[:, None]
+    return logits.at[rows, jnp.where(banned, stop_ids, V)].set(-jnp.inf, mode="drop")
 
 
 def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -133,11 +213,24 @@ def top_p_filter(logits: jax.Array, p: jax.Array) -> jax.Array:
     return jnp.where((p[:, None] < 1) & (keys < threshold[:, None]), -jnp.inf, logits)
 
 
-def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Temperature, then top-k, then top-p (transformers' order); each filter runs only when a row asks for it."""
+def min_p_filter(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens whose probability is below min_p times the row's largest (transformers' MinPLogitsWarper);
+    the likeliest token always stays."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(probs < min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
+
+
+def filter_logits(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None
+) -> jax.Array:
+    """Temperature, then top-k, then top-p, then min-p (transformers' order); each filter runs only when a
+    row asks for it."""
     logits = apply_temperature(logits, temperature)
     logits = jax.lax.cond(jnp.any(top_k > 0), top_k_filter, lambda x, _: x, logits, top_k)
-    return jax.lax.cond(jnp.any(top_p < 1), top_p_filter, lambda x, _: x, logits, top_p)
+    logits = jax.lax.cond(jnp.any(top_p < 1), top_p_filter, lambda x, _: x, logits, top_p)
+    if min_p is None:
+        return logits
+    return jax.lax.cond(jnp.any(min_p > 0), min_p_filter, lambda x, _: x, logits, min_p)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -175,6 +268,12 @@ class Settings(NamedTuple):
     max_new: jax.Array  # [B] int32
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, -1 = unused
     seed: jax.Array  # [B] uint32
+    presence: jax.Array  # [B] float32
+    frequency: jax.Array  # [B] float32
+    min_p: jax.Array  # [B] float32, 0 = off
+    min_tokens: jax.Array  # [B] int32
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, -1 = unused
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
 
 
 class Step(NamedTuple):
@@ -187,21 +286,31 @@ class Step(NamedTuple):
     emitted: np.ndarray  # bool: the row was still running at this step
     done: np.ndarray  # [B] bool: the row has finished (stop token or max_new_tokens)
     proposed: np.ndarray | None = None  # speculative steps: the token proposed at each step (-1: none)
+    # a scoring prefill: each fed position's logprob of the token after it [B, T] and its top alternatives
+    prompt_logprob: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
 
 
 def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settings:
     """Host arrays for `n_rows` rows; rows beyond `params` (padding) are greedy and produce nothing."""
     stop_ids = np.full((n_rows, MAX_STOP_IDS), -1, np.int32)
-    values = np.zeros((5, n_rows), np.float64)
+    bias_ids = np.full((n_rows, MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((n_rows, MAX_LOGIT_BIAS), np.float32)
+    values = np.zeros((9, n_rows), np.float64)
     values[2] = 1.0  # top_p
     values[3] = 1.0  # penalty
     seeds = np.zeros(n_rows, np.uint32)
     for i, sp in enumerate(params):
         if sp is None:
             continue
-        values[:, i] = (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, sp.max_new_tokens)
+        values[:, i] = (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, sp.max_new_tokens,
+                        sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.min_tokens)  # fmt: skip
         stop_ids[i, : len(sp.stop_token_ids)] = sp.stop_token_ids
         seeds[i] = (secrets.randbits(32) if sp.seed is None else sp.seed) & 0xFFFFFFFF
+        if sp.logit_bias:
+            ids, biases = zip(*sp.logit_bias, strict=True)
+            bias_ids[i, : len(ids)], bias[i, : len(ids)] = ids, biases
     return Settings(
         temperature=values[0].astype(np.float32),
         top_k=values[1].astype(np.int32),
@@ -210,6 +319,12 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
         max_new=values[4].astype(np.int32),
         stop_ids=stop_ids,
         seed=seeds,
+        presence=values[5].astype(np.float32),
+        frequency=values[6].astype(np.float32),
+        min_p=values[7].astype(np.float32),
+        min_tokens=values[8].astype(np.int32),
+        bias_ids=bias_ids,
+        bias=bias,
     )
 
 
@@ -223,9 +338,24 @@ def row_keys(s: Settings, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, count)
 
 
+def penalize(logits: jax.Array, seen: jax.Array, counts: jax.Array | None, count: jax.Array, s: Settings) -> jax.Array:
+    """The logits a row chooses from, greedy or not (vLLM's order): logit bias, repetition penalty over the
+    prompt and output (`seen` [B, V]), frequency and presence penalties over the output (`counts` [B, V];
+    None: nothing counted), then min_tokens' ban on the stop token ids while `count` < min_tokens. Each
+    step beyond the repetition penalty runs only when some row asks for it."""
+    skip = lambda x: x
+    x = jax.lax.cond(jnp.any(s.bias_ids >= 0), lambda x: apply_logit_bias(x, s.bias_ids, s.bias), skip, logits)
+    x = repetition_penalty(x, seen, s.penalty)
+    if counts is not None:
+        penalised = lambda x: frequency_presence_penalty(x, counts, s.frequency, s.presence)
+        x = jax.lax.cond(jnp.any((s.frequency != 0) | (s.presence != 0)), penalised, skip, x)
+    banned = lambda x: ban_stop_ids(x, s.stop_ids, count, s.min_tokens)
+    return jax.lax.cond(jnp.any(count < s.min_tokens), banned, skip, x)
+
+
 def distribution(x: jax.Array, s: Settings) -> jax.Array:
-    """What a sampling row draws from, given its (penalised) logits: temperature, top-k, top-p, softmax."""
-    return jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p), axis=-1)
+    """What a sampling row draws from, given its (penalised) logits: temperature, top-k, top-p, min-p, softmax."""
+    return jax.nn.softmax(filter_logits(x, s.temperature, s.top_k, s.top_p, s.min_p), axis=-1)
 
 
 def choose(
@@ -236,11 +366,13 @@ def choose(
     n_vocab_used: int,
     proposal: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
+    counts: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The next token of every row from logits [B, V], its log-probability under the model, and the
-    top alternatives. `seen` [B, V] feeds the repetition penalty; `count` [B] (tokens produced so far)
-    picks each row's random key, so a seeded row draws the same tokens in any batch. The draw runs
-    only when some row samples (temperature above 0).
+    top alternatives. `seen` [B, V] feeds the repetition penalty, `counts` [B, V] (each token's count in
+    the output; None: none) the frequency and presence penalties; `count` [B] (tokens produced so far)
+    holds back the stop tokens until min_tokens and picks each row's random key, so a seeded row draws
+    the same tokens in any batch. The draw runs only when some row samples (temperature above 0).
 
     With `proposal` [B] (a speculated token per row, -1 for none) a row keeps its proposal when the
     target agrees: a greedy row when the proposal is its argmax; a sampling row with probability
@@ -253,7 +385,7 @@ def choose(
     logits = used_vocabulary(logits, n_vocab_used)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
-    x = repetition_penalty(logits, seen, s.penalty)
+    x = penalize(logits, seen, counts, count, s)
     greedy = argmax(x)
 
     def sampled(x: jax.Array) -> jax.Array:
@@ -290,6 +422,8 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str  # "stop" (stop token or stop string) or "length"
     text: str | None = None
+    prompt_logprobs: list[float | None] | None = None  # with SamplingParams.prompt_logprobs
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -307,6 +441,8 @@ class RowOutput:
     # with `sampling.prompt_logprobs`: each prompt token's logprob and top alternatives (None for the first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # characters of text the first min_tokens - 1 tokens make: a stop string must end beyond them
+    _stop_floor: int | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -319,7 +455,8 @@ class RowOutput:
         stop_ids = set(self.sampling.stop_token_ids)
         for j in np.flatnonzero(step.emitted[row]):
             token = int(step.token[row, j])
-            if token in stop_ids:
+            # a stop token ends the row once min_tokens are produced, this one included (as on the device)
+            if token in stop_ids and len(self.tokens) + 1 >= self.sampling.min_tokens:
                 self.finish_reason = "stop"
                 break
             self.tokens.append(token)
@@ -332,12 +469,22 @@ class RowOutput:
             self.finish_reason = "length"
 
     def _update_text(self) -> None:
+        """The text so far, cut before the first stop string (after it with include_stop_str_in_output).
+        As vLLM, stop strings apply from the min_tokens-th token on: one must end in the text that token
+        or a later one adds."""
         text = self.tokenizer.decode(self.tokens)
-        cuts = [i for i in (text.find(s) for s in self.sampling.stop) if i >= 0]
-        if cuts:
-            text = text[: min(cuts)]
-            self.finish_reason = "stop"
-            self._drop_tokens_after(len(text))
+        sp = self.sampling
+        if sp.stop and len(self.tokens) >= sp.min_tokens:
+            if self._stop_floor is None:
+                before = self.tokenizer.decode(self.tokens[: sp.min_tokens - 1]) if sp.min_tokens > 1 else ""
+                self._stop_floor = len(before.rstrip("\ufffd"))  # an unfinished character may end a stop string
+            floor = self._stop_floor
+            found = [(i, len(s)) for s in sp.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+            if found:
+                at, size = min(found)
+                text = text[: at + size if sp.include_stop_str_in_output else at]
+                self.finish_reason = "stop"
+                self._drop_tokens_after(len(text))
         self.text = text
 
     def _drop_tokens_after(self, n_chars: int) -> None:
@@ -365,4 +512,5 @@ class RowOutput:
 
     def result(self) -> Completion:
         text = self.text if self.tokenizer is not None else None
-        return Completion(self.tokens, self.logprobs, self.top_logprobs, self.finish_reason or "length", text)
+        return Completion(self.tokens, self.logprobs, self.top_logprobs, self.finish_reason or "length", text,
+                          self.prompt_logprobs, self.prompt_top_logprobs)  # fmt: skip

@@ -10,6 +10,7 @@ it knows nothing of requests, queues or pages' owners. `lower` gives the planner
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -35,7 +36,7 @@ from meshlm.generate import (
     choose,
     distribution,
     draw,
-    repetition_penalty,
+    penalize,
     row_keys,
     settings_for,
     used_vocabulary,
@@ -49,6 +50,7 @@ MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves
 MIN_PROMPT_BUCKET = 16
 MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
 PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
+SCORE_CHUNK = 64  # positions whose logits exist at once when a prompt is scored
 KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
 
 
@@ -74,16 +76,20 @@ class Rows(NamedTuple):
     done: jax.Array  # bool
     length: jax.Array  # int32: tokens in the KV cache
     settings: Settings
+    counts: jax.Array  # [B, V] int32: each token's count in the output (for frequency and presence penalties)
 
 
 def _advance(rows: Rows, token: jax.Array) -> Rows:
-    """Record each running row's new token; finished rows keep their state."""
+    """Record each running row's new token; finished rows keep their state. A stop token ends a row only
+    once it has min_tokens tokens, this one included (as vLLM; before that they are banned anyway)."""
     running = ~rows.done
     count = rows.count + running
-    stopped = jnp.any(token[:, None] == rows.settings.stop_ids, axis=-1)
+    stopped = jnp.any(token[:, None] == rows.settings.stop_ids, axis=-1) & (count >= rows.settings.min_tokens)
     done = rows.done | stopped | (count >= rows.settings.max_new)
-    seen = rows.seen.at[jnp.arange(token.shape[0]), token].max(running)
-    return rows._replace(token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done)
+    at = (jnp.arange(token.shape[0]), token)
+    seen = rows.seen.at[at].max(running)
+    counts = rows.counts.at[at].add(running.astype(rows.counts.dtype))
+    return rows._replace(token=jnp.where(running, token, rows.token), seen=seen, count=count, done=done, counts=counts)
 
 
 def _choose(
@@ -93,7 +99,9 @@ def _choose(
     proposal: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
-    return choose(logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs)
+    return choose(
+        logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs, counts=rows.counts
+    )
 
 
 def _active(rows: Rows, slots: jax.Array) -> Rows:
@@ -128,6 +136,7 @@ def _prefill(
     start: jax.Array,
     seen: jax.Array,
     settings: Settings,
+    refed: jax.Array | None = None,
     draft_params: model.Params | None = None,
     draft_cache: model.KVCache | None = None,
     *,
@@ -136,18 +145,52 @@ def _prefill(
     draft: tuple[ModelConfig, model.Policy] | None = None,
 ) -> Out:
     """Write new rows' prompts [B, T] (right-padded, after the `start` tokens a cached prefix gave
-    them) into the cache (and the draft's), choose each row's first token and put the rows into `slots`."""
+    them) into the cache (and the draft's), choose each row's first token and put the rows into `slots`.
+
+    With `refed` [B] (0 or 1), the rows are scored: each prompt token's logprob and top alternatives come
+    back too. A row with `refed` 1 runs its cached prefix's last token again first (not written), for the
+    logits that score the token after it."""
     n_new = mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
-    logits, cache = model.decode(params, tokens, cache, table, start, cfg, policy, mask=mask, at=at)
+    length = start if refed is None else start - refed
+    x, cache = model.decode(params, tokens, cache, table, length, cfg, policy, mask=mask, write_from=refed,
+                            at=None if refed is not None else at, hidden=True)  # fmt: skip
+    scores = () if refed is None else _prompt_scores(params, x, tokens, cfg)
+    if refed is not None:
+        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+    logits = model.unembed(params, x, cfg)
     if draft is not None:
-        _, draft_cache = model.decode(draft_params, tokens, draft_cache, table, start, *draft, mask=mask, at=at)
+        _, draft_cache = model.decode(
+            draft_params, tokens, draft_cache, table, length, *draft, mask=mask, at=at, write_from=refed
+        )
     zeros = jnp.zeros_like(start)
-    new = Rows(zeros, seen, zeros, settings.max_new <= 0, start + n_new, settings)
+    # a new row's output counts start at zero (the slot's previous row's are overwritten)
+    new = Rows(zeros, seen, zeros, settings.max_new <= 0, length + n_new, settings, jnp.zeros(seen.shape, jnp.int32))
     out = _choose(logits[:, 0], new, cfg)
     emitted = ~new.done
     new = _advance(new, out[0])
-    return cache, draft_cache, _scatter(rows, slots, new), (*(o[:, None] for o in out), emitted[:, None], new.done)
+    produced = (*(o[:, None] for o in out), emitted[:, None], new.done)
+    return cache, draft_cache, _scatter(rows, slots, new), (*produced, *((None, *scores) if scores else ()))
+
+
+def _prompt_scores(params: model.Params, x: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """Each position's log-probability of the token after it in `tokens` [B, T] and its top alternatives,
+    from the final hidden states x [B, T, D]: [B, T] and [B, T, TOP_LOGPROBS] twice (ids, logprobs). The
+    logits exist SCORE_CHUNK positions at a time, never as one [B, T, vocab] array."""
+    B, T, D = x.shape
+    c = math.gcd(T, SCORE_CHUNK)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+
+    def chunk(part: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        h, t = part
+        logp = jax.nn.log_softmax(used_vocabulary(model.unembed(params, h, cfg), cfg.n_vocab_used), axis=-1)
+        top_lps, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+        return jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32), top_lps
+
+    parts = (jnp.moveaxis(x.reshape(B, T // c, c, D), 1, 0), jnp.moveaxis(targets.reshape(B, T // c, c), 1, 0))
+    lp, ids, lps = jax.lax.map(chunk, parts)
+    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T, *a.shape[3:])
+    return merge(lp), merge(ids), merge(lps)
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
@@ -266,7 +309,7 @@ def _propose(
         logits, cache = step(token, i, cache)
         logits = used_vocabulary(logits, cfg.n_vocab_used)  # then padded or cut to the target's vocabulary
         logits = jnp.pad(logits, ((0, 0), (0, max(0, vocab_size - logits.shape[-1]))), constant_values=-jnp.inf)
-        x = repetition_penalty(logits[:, :vocab_size], active.seen, s.penalty)
+        x = penalize(logits[:, :vocab_size], active.seen, active.counts, active.count + i, s)
         q = distribution(x, s)
         # apart from the keys `choose` uses at the same count
         keys = jax.vmap(lambda key: jax.random.fold_in(key, 3))(row_keys(s, active.count + i))
@@ -301,11 +344,15 @@ def abstract_state(
     B, spec = max_batch, partial(_batch_spec, mesh)
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)
-    return cache, Rows(int32, spec((B, cfg.vocab_size), bool), int32, spec((B,), bool), int32, settings)
+    vocab = partial(spec, (B, cfg.vocab_size))
+    return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32))
 
 
-def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
-    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
+def prefill_args(
+    cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int, score: bool = False
+) -> tuple[Any, ...]:
+    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens
+    (with `score`, the rows' `refed` too)."""
     settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
     spec = partial(_batch_spec, mesh)
     return (
@@ -316,6 +363,7 @@ def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_wid
         spec((rows,), np.int32),  # start
         spec((rows, cfg.vocab_size), bool),  # seen
         settings,
+        *((spec((rows,), np.int32),) if score else ()),  # refed
     )
 
 
@@ -417,6 +465,20 @@ class Prefill(NamedTuple):
     settings: Settings
 
 
+class Score(NamedTuple):
+    """A prefill that scores its prompts (`Prefill`'s fields, then `refed` [rows]: 1 where a row's first
+    token is its cached prefix's last, run again for the logits that score the token after it)."""
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    table: np.ndarray
+    start: np.ndarray
+    seen: np.ndarray
+    settings: Settings
+    refed: np.ndarray
+
+
 class Decode(NamedTuple):
     """Up to `chunk` tokens of the rows in `slots`, over their page tables [rows, bucketed width]."""
 
@@ -492,7 +554,7 @@ class Runner:
         return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
 
     def _slot_bytes(self) -> tuple[int, int]:
-        """Bytes per device that `max_batch` alone sets: the slots' state (a [rows, vocab] mask among it) and
+        """Bytes per device that `max_batch` alone sets: the slots' state (a [rows, vocab] mask and counts among it) and
         one step's float32 logits, [rows, positions, vocab]: the least of a step's working memory (XLA's
         is several times that)."""
         _, rows = abstract_state(self.cfg, self.policy, self.mesh, 1, self.page_size, self.max_batch)
@@ -538,7 +600,8 @@ class Runner:
         B = self.max_batch
         zeros = np.zeros(B, np.int32)
         settings = settings_for([], B)._replace(max_new=zeros)
-        host = Rows(zeros, np.zeros((B, self.cfg.vocab_size), bool), zeros, np.ones(B, bool), zeros, settings)
+        V = self.cfg.vocab_size
+        host = Rows(zeros, np.zeros((B, V), bool), zeros, np.ones(B, bool), zeros, settings, np.zeros((B, V), np.int32))
         self.rows = jax.tree.map(self._from_host, host)
 
     def _from_host(self, x: np.ndarray) -> jax.Array:
@@ -557,7 +620,7 @@ class Runner:
         state, options = self._state()
         with jax.set_mesh(self.mesh):
             self.cache, self.draft_cache, self.rows, out = fn(*state, *args, **options)
-        return Step(*(to_host(x) for x in out))
+        return Step(*(None if x is None else to_host(x) for x in out))
 
     # compiling ------------------------------------------------------------------------------------
 
@@ -567,7 +630,11 @@ class Runner:
         to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
         width = self.shapes.max_pages
-        programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, width)) for b, t in self.shapes.prefill_shapes()]
+        programs = [
+            (_prefill, prefill_args(self.cfg, self.mesh, b, t, width, score))
+            for b, t in self.shapes.prefill_shapes()
+            for score in (False, True)
+        ]
         for b in self.shapes.decode_batches():
             for n in self.shapes.page_buckets():
                 if self.speculate:
@@ -619,18 +686,19 @@ class Runner:
 
     # running a batch --------------------------------------------------------------------------------
 
-    def run(self, batch: Prefill | Decode | Speculate) -> Step:
+    def run(self, batch: Prefill | Score | Decode | Speculate) -> Step:
         """Run one batch on the pool and the slots; what each of its rows produced."""
-        if isinstance(batch, Prefill):
+        if isinstance(batch, Prefill | Score):
             return self.prefill(batch)
         return self.decode(batch) if isinstance(batch, Decode) else self.verify(batch)
 
-    def prefill(self, batch: Prefill) -> Step:
+    def prefill(self, batch: Prefill | Score) -> Step:
         settings = batch.settings
         if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
             settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
-        arrays = map(self._from_host, batch[:-1])
-        return self._call(_prefill, *arrays, jax.tree.map(self._from_host, settings))
+        arrays = [self._from_host(x) for x in batch[:6]]
+        refed = (self._from_host(batch.refed),) if isinstance(batch, Score) else ()
+        return self._call(_prefill, *arrays, jax.tree.map(self._from_host, settings), *refed)
 
     def decode(self, batch: Decode) -> Step:
         return self._call(_decode, self._from_host(batch.slots), self._from_host(batch.table), np.int32(batch.chunk))

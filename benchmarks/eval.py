@@ -1,19 +1,26 @@
-"""Loglikelihood requests/s: meshlm's lm-eval model vs lm-eval's own `hf` backend, same model, same requests.
+"""Loglikelihood requests/s: meshlm's lm-eval model in-process, `meshlm serve` through lm-eval's own
+`local-completions` client (prompt scoring: echo with logprobs), and lm-eval's `hf` backend; same model,
+same requests.
 
-A random GPT-J (a preset, e.g. gptj-tiny) is saved as a Hugging Face folder with a tokenizer.json; both
-backends score the same LAMBADA/HellaSwag-like requests (contexts of 20-400 tokens, continuations of
+A random GPT-J (a preset, e.g. gptj-tiny) is saved as a Hugging Face folder with a tokenizer.json; every
+backend scores the same LAMBADA/HellaSwag-like requests (contexts of 20-400 tokens, continuations of
 1-12 tokens) through lm-eval's `loglikelihood`. Each backend runs the requests once to warm up
-(meshlm compiles its few length buckets), then is timed.
+(meshlm compiles its few length buckets; the server compiled before it listened), then is timed.
 
-    python benchmarks/eval.py --preset gptj-tiny --requests 512 --batch-size 16
+    python benchmarks/eval.py --preset gptj-tiny --requests 512 --batch-size 16 [--no-server]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,6 +44,31 @@ def make_requests(n: int, seed: int) -> list:
     return requests
 
 
+@contextlib.contextmanager
+def server(folder: str, batch_size: int) -> Iterator[str]:
+    """`meshlm serve` on a free local port, ready: its completions URL."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "meshlm", "serve", folder, "--port", str(port), "--max-batch", str(batch_size)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError("meshlm serve exited before it listened")
+            time.sleep(0.5)
+        yield f"{url}/v1/completions"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
@@ -49,6 +81,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--mesh", default=None, help="meshlm mesh spec (default: one device)")
+    parser.add_argument("--no-server", action="store_true", help="skip `meshlm serve` (the in-process pair only)")
     args = parser.parse_args()
 
     import jax
@@ -66,11 +99,20 @@ def main() -> None:
         lm = evaluate.MeshLM(tmp, mesh=args.mesh, batch_size=args.batch_size)
         hf = HFLM(pretrained=tmp, device="cpu", batch_size=args.batch_size, dtype="float32")
 
-        results = {}
-        for name, backend in (("meshlm", lm), ("hf", hf)):
-            first = timed(backend.loglikelihood, requests)
-            again = timed(backend.loglikelihood, requests)
-            results[name] = (first, again)
+        backends = [("meshlm", lm), ("hf", hf)]
+        with contextlib.ExitStack() as stack:
+            if not args.no_server:
+                from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+                url = stack.enter_context(server(tmp, args.batch_size))
+                client = LocalCompletionsAPI(base_url=url, model="meshlm", tokenizer_backend="remote",
+                                             batch_size=args.batch_size, max_length=cfg.max_seq_len)  # fmt: skip
+                backends.append(("server", client))
+            results = {}
+            for name, backend in backends:
+                first = timed(backend.loglikelihood, requests)
+                again = timed(backend.loglikelihood, requests)
+                results[name] = (first, again)
 
     mesh = lm.lm.mesh
     print(
@@ -83,6 +125,10 @@ def main() -> None:
         print(f"{name:>7}: {args.requests / again:8.1f} requests/s warm ({again:.2f}s); first pass {first:.2f}s")
     warm, first = (results["hf"][i] / results["meshlm"][i] for i in (1, 0))
     print(f"meshlm / hf: {warm:.2f}x warm, {first:.2f}x on the first pass (meshlm compiling)")
+    if "server" in results:
+        served = results["server"][1]
+        vs_meshlm, vs_hf = results["meshlm"][1] / served, results["hf"][1] / served
+        print(f"server / meshlm in-process: {vs_meshlm:.2f}x; server / hf: {vs_hf:.2f}x")
 
 
 if __name__ == "__main__":

@@ -174,17 +174,19 @@ def _prefill(
 
 
 def _prompt_scores(params: model.Params, x: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    """Each position's log-probability of the token after it in `tokens` [B, T] and its top alternatives,
-    from the final hidden states x [B, T, D]: [B, T] and [B, T, TOP_LOGPROBS] twice (ids, logprobs). The
-    logits exist SCORE_CHUNK positions at a time, never as one [B, T, vocab] array."""
+    """Each position's log-probability of the token after it in `tokens` [B, T] and its top alternatives
+    (ids the tokenizer has), from the final hidden states x [B, T, D]: [B, T] and [B, T, TOP_LOGPROBS] twice
+    (ids, logprobs). Normalised over the whole padded vocabulary, as the model's logits (and transformers, and
+    so lm-eval's `hf` backend) normalise them. The logits exist SCORE_CHUNK positions at a time, never as one
+    [B, T, vocab] array."""
     B, T, D = x.shape
     c = math.gcd(T, SCORE_CHUNK)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
 
     def chunk(part: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         h, t = part
-        logp = jax.nn.log_softmax(used_vocabulary(model.unembed(params, h, cfg), cfg.n_vocab_used), axis=-1)
-        top_lps, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+        logp = jax.nn.log_softmax(model.unembed(params, h, cfg), axis=-1)  # over the padded vocabulary, as
+        top_lps, top_ids = jax.lax.top_k(used_vocabulary(logp, cfg.n_vocab_used), TOP_LOGPROBS)  # `forward`
         return jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32), top_lps
 
     parts = (jnp.moveaxis(x.reshape(B, T // c, c, D), 1, 0), jnp.moveaxis(targets.reshape(B, T // c, c), 1, 0))

@@ -1,10 +1,14 @@
-"""HTTP serving: OpenAI-compatible `/v1/completions` (plus `/v1/models`, `/health`, Prometheus `/metrics`)
-and the seed's `/complete`.
+"""HTTP serving, as vLLM's OpenAI-compatible server serves: `/v1/completions` (with prompt scoring),
+`/v1/chat/completions`, `/v1/models`, the tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`),
+`/health`, Prometheus `/metrics`, and the seed's `/complete`.
 
 The generation engine (`meshlm.engine`) steps on its own thread: requests become rows in its bounded
-queue, join the running batch between decode chunks and leave as soon as they finish. The HTTP side
-(FastAPI on uvicorn) only validates, adds requests and relays their outputs; it never compiles anything,
-since the engine compiled every shape it can use before the server started listening.
+queue, join the running batch between decode chunks and leave as soon as they finish. This module is HTTP
+only: it validates, adds rows through the engine's public methods (`add_requests`, `abort`, `snapshot`) and
+relays their outputs; it never compiles anything, since the engine compiled every shape it can use before the
+server started listening. The handlers live at module level and `ROUTES` lists them; what they share (the
+model, the engine, the names served, the key, the timeout, the requests in flight, the metrics) is one
+`ServerState` on `app.state.server`.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import secrets
 import socket
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -32,20 +37,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from meshlm.api import LanguageModel
-from meshlm.config import ConfigError, InputError
+from meshlm.chat import ChatTemplate, check_messages, load_chat_template
+from meshlm.config import ConfigError, DataError, InputError
 from meshlm.engine import Engine, QueueFull, Request
 from meshlm.generate import SamplingParams
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 5
+MIN_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity), as vLLM reports it
 # OpenAI fields meshlm does not implement, with the values that mean "off"; anything else is refused
 UNSUPPORTED = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
+}
+UNSUPPORTED_CHAT = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+# What a field of a union type must be, for an error message that says so (not pydantic's per-member errors)
+EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
 }
 BACKLOG = 2048  # connections the kernel queues before the server accepts them (uvicorn's default)
 STOPPING = -1  # the update that tells a handler the server is stopping
@@ -53,27 +67,85 @@ SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for requests to answer once stop
 
 
 # ---------------------------------------------------------------------------------------------------
-# Request bodies
+# Request bodies: a field the server does not know is refused (400 naming it), never silently ignored
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions, as OpenAI defines it (plus top_k and repetition_penalty)."""
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model_config = ConfigDict(extra="allow", strict=True)  # other fields (user, ...) are ignored
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """The sampling fields that completions and chat completions share (OpenAI's, and vLLM's extensions)."""
+
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's -1 means off, as 0 does
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: Annotated[int, Field(ge=1, le=64)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False
     seed: int | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end user's id, for the caller's own records
+
+
+class CompletionRequest(Sampling):
+    """POST /v1/completions, as OpenAI defines it, with vLLM's extensions (top_k, min_p, repetition_penalty,
+    min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output, prompt_logprobs)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    stream: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(Sampling):
+    """POST /v1/chat/completions, as OpenAI defines it, with the same extensions and vLLM's template switches."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # OpenAI's deprecated name for max_completion_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize, as vLLM takes it: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class LegacyRequest(BaseModel):
@@ -88,9 +160,16 @@ class LegacyRequest(BaseModel):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -98,7 +177,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 
 # ---------------------------------------------------------------------------------------------------
-# The app
+# What the handlers share
 
 
 class Group:
@@ -125,318 +204,784 @@ class Group:
             self.engine.abort(row.id)
 
 
-def create_app(
-    lm: LanguageModel,
-    engine: Engine,
-    model_name: str,
-    api_key: str | None = None,
-    request_timeout: float | None = None,
-) -> FastAPI:
-    """The HTTP API over an engine stepping on its own thread (`engine.start`). With `api_key`, every route but
-    /health needs `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped (408).
-    `app.state.stop()` answers every request in flight 503 and refuses new ones (the server is stopping)."""
-    if request_timeout is not None and not request_timeout > 0:
-        raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
-    app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
-    tok = lm.tokenizer
-    ctx = engine.max_len
-    created = int(time.time())
-    metrics = Metrics(engine)
-    open_paths = {"/health"}
-    in_flight: set[Group] = set()
-    app.state.stopping = False
+@dataclass(eq=False)
+class ServerState:
+    """Everything the handlers share: the model and its engine, the names served, the key, the timeout, the
+    chat template, the requests in flight and the metrics."""
 
-    def stop() -> None:
-        app.state.stopping = True
-        for group in in_flight:
+    lm: LanguageModel
+    engine: Engine
+    model_name: str
+    api_key: str | None
+    request_timeout: float | None
+    chat: ChatTemplate | None
+    metrics: Metrics
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: set[Group] = field(default_factory=set)
+    stopping: bool = False
+
+    @property
+    def ctx(self) -> int:
+        return self.engine.max_len
+
+    @property
+    def models(self) -> list[str]:
+        """The model names requests may ask for (the served name; LoRA adapters' names will join it)."""
+        return [self.model_name]
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a row unless it asks `ignore_eos`: <|endoftext|>, and the tokenizer's EOS token
+        when that is another (a chat model's end of turn, say)."""
+        tok = self.tokenizer
+        eos = tok.special_tokens.get("eos_token")
+        eos_id = tok.token_id(eos) if eos else None
+        return (tok.eot_id,) if eos_id in (None, tok.eot_id) else (tok.eot_id, eos_id)
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "meshlm", "root": self.model_name,
+                "parent": None, "max_model_len": self.ctx}  # fmt: skip
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (no name: the served one)."""
+        if name is not None and name not in self.models:
+            raise APIError(404, f"The model `{name}` does not exist.", code="model_not_found")
+
+    def stop(self) -> None:
+        """Answer every request in flight 503 and refuse new ones (the server is stopping)."""
+        self.stopping = True
+        for group in self.in_flight:
             group.updates.put_nowait(STOPPING)
 
-    app.state.stop = stop
+    def deadline(self) -> float | None:
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
 
-    @app.middleware("http")
-    async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awaitable[Any]]) -> Any:
-        if api_key is not None and request.url.path not in open_paths:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = error_body("a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error")
-                body["error"]["code"] = "invalid_api_key"
-                return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status, headers=headers)
+def state_of(request: HTTPRequest) -> ServerState:
+    return request.app.state.server
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
+
+# ---------------------------------------------------------------------------------------------------
+# Middleware and error handlers
+
+
+async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awaitable[Any]]) -> Any:
+    """With an API key, every route but /health needs `Authorization: Bearer KEY` (the scheme in any case)."""
+    key = state_of(request).api_key
+    if key is not None and request.url.path != "/health":
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+            body = error_body("a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error",
+                              code="invalid_api_key")  # fmt: skip
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
+
+
+async def on_api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status, headers=headers)
+
+
+async def on_invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+    """A 400 in OpenAI's shape naming the field: malformed JSON, an unknown field, a wrong type or range."""
+    first = e.errors()[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first["type"] == "json_invalid":  # loc is a character position, not a field
+        reason = (first.get("ctx") or {}).get("error", first["msg"])
+        return JSONResponse(error_body(f"invalid JSON: {reason}", "invalid_request_error"), status_code=400)
+    name = str(loc[0]) if loc else None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    if first["type"] == "extra_forbidden":
+        message = f"{where}: unknown field; this server does not support it"
+    elif name in EXPECTED and len(loc) > 1 and isinstance(loc[1], str):  # a union member's error
+        message = f"{name}: must be {EXPECTED[name]}"
+    else:
         message = f"{where}: {first['msg']}" if where else first["msg"]
-        return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
+    return JSONResponse(error_body(message, "invalid_request_error", name), status_code=400)
 
-    @app.exception_handler(HTTPException)
-    async def on_http(request: HTTPRequest, e: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
-        traceback.print_exc()
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+async def on_http(request: HTTPRequest, e: HTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        s = engine.snapshot()
-        rate = s.acceptance_rate
-        return {
-            "status": "ok",
-            "active": s.running,
-            "queued": s.queued,
-            "max_batch": s.max_batch,
-            "kv_tokens": s.kv_tokens,
-            "kv_tokens_used": s.kv_pages_used * s.page_size,
-            "kv_live_tokens": s.kv_live_tokens,
-            "kv_bytes_per_token": s.kv_bytes_per_token,
-            "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4),
-            "speculative_acceptance_rate": None if rate is None else round(rate, 4),
-            "tokens_generated": s.tokens_generated,
-            "decode_calls": s.decode_calls,
-            "prefill_calls": s.prefill_calls,
-            "compiled_shapes": s.compiled_shapes,
-            "compile_seconds": round(s.compile_seconds, 2),
-            "compiles_since_warm_up": s.compiles_since_warm_up,
-        }
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
+    traceback.print_exc()
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "meshlm", "max_model_len": ctx}
-        return {"object": "list", "data": [card]}
 
-    def encode(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return lm.encode_prompt(prompt)
-        if not prompt:
-            raise APIError(400, "prompt: a token list must not be empty", param="prompt")
-        if min(prompt) < 0 or max(prompt) >= lm.config.n_vocab_used:
-            raise APIError(400, f"prompt: token ids must lie in [0, {lm.config.n_vocab_used})", param="prompt")
-        return prompt
+# ---------------------------------------------------------------------------------------------------
+# Rows: validation, sampling settings, waiting and streaming
 
-    def make_group(prompts: list[list[int]], body: CompletionRequest) -> Group:
-        """The request's rows (`n` per prompt) added to the engine."""
-        if app.state.stopping:
-            raise APIError(503, "the server is shutting down", kind="server_error")
-        max_tokens = body.max_tokens if body.max_tokens is not None else ctx - max(map(len, prompts))
-        for p in prompts:
-            if len(p) + max_tokens > ctx:
-                raise APIError(
-                    400,
-                    f"this model's context is {ctx} tokens; the prompt has {len(p)} and max_tokens is {max_tokens}",
-                    param="max_tokens" if len(p) < ctx else "prompt",
-                )
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        group = Group(engine)
-        seed = secrets.randbits(31) if body.seed is None else body.seed
-        try:
-            base = SamplingParams(
-                max_new_tokens=max_tokens,
-                temperature=body.temperature,
-                top_k=body.top_k,
-                top_p=body.top_p,
-                repetition_penalty=body.repetition_penalty,
-                stop=tuple(s for s in stop if s),
-                stop_token_ids=(tok.eot_id,),
-            )
-            group.add([p for p in prompts for _ in range(body.n)],
-                      [base.replace(seed=seed + j) for _ in prompts for j in range(body.n)], tok)  # fmt: skip
-        except ValueError as e:  # InputError among them: a request that can never run
-            raise APIError(400, str(e)) from None
-        except QueueFull:
-            raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
-        return group
 
-    async def next_update(group: Group, deadline: float | None) -> int:
-        """The index of the next row that changed; 408 once the request's time is up, 503 once the server stops."""
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            index = await asyncio.wait_for(group.updates.get(), timeout)
-        except TimeoutError:
-            raise APIError(408, f"the request ran past the server's timeout of {request_timeout:g} s",
-                           kind="timeout") from None  # fmt: skip
-        if index == STOPPING:
-            raise APIError(503, "the server is shutting down", kind="server_error")
-        return index
+def encode(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return state.lm.encode_prompt(prompt)
+    if not prompt:
+        raise APIError(400, "prompt: a token list must not be empty", param="prompt")
+    check_ids(state, prompt, "prompt")
+    return prompt
 
-    @contextlib.contextmanager
-    def answering(group: Group) -> Iterator[None]:
-        """While a request is answered `stop` reaches it; once it is (or its client has gone), its rows stop
-        and its latencies are recorded."""
-        in_flight.add(group)
-        try:
-            yield
-        finally:
-            in_flight.discard(group)
-            group.cancel()
-            metrics.observe(group)
 
-    def deadline() -> float | None:
-        return None if request_timeout is None else time.monotonic() + request_timeout
+def check_ids(state: ServerState, ids: Sequence[int], name: str) -> None:
+    n_vocab = state.lm.config.n_vocab_used
+    if ids and (min(ids) < 0 or max(ids) >= n_vocab):
+        raise APIError(400, f"{name}: token ids must lie in [0, {n_vocab})", param=name)
 
-    async def wait(group: Group, request: HTTPRequest) -> None:
-        """Until every row of a request has finished; a client that goes away cancels its rows at once."""
-        until = deadline()
-        watcher = asyncio.create_task(_disconnected(request))
-        with answering(group):
-            try:
-                while not all(r.output.finished or r.error for r in group.rows):
-                    update = asyncio.create_task(next_update(group, until))
-                    await asyncio.wait({update, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                    if watcher.done():
-                        update.cancel()
-                        return
-                    update.result()
-            finally:
-                watcher.cancel()
-        for row in group.rows:
-            if row.error:
-                raise APIError(500, row.error, kind="server_error")
 
-    def logprobs_of(row: Request, start: int, n_top: int, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy logprobs object for the row's tokens from `start` on."""
-        out = row.output
-        tokens = out.tokens[start:]
-        texts = [tok.decode([t]) for t in tokens]
-        offsets = list(np.cumsum([0, *map(len, texts)])[:-1] + offset)
-        tops = [{tok.decode([i]): lp for i, lp in alts[:n_top]} for alts in out.top_logprobs[start:]]
-        return {
-            "tokens": texts,
-            "token_logprobs": out.logprobs[start:],
-            "top_logprobs": tops if n_top else None,
-            "text_offset": [int(o) for o in offsets],
-        }
+def check_unsupported(body: BaseModel, table: dict[str, tuple[Any, ...]]) -> None:
+    for name, off in table.items():
+        if getattr(body, name) not in off:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
-        for name, value in (body.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-                raise APIError(400, f"{name} is not supported by this server", param=name)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs (prompt scoring) is not supported", param="echo")
-        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
-            raw = [body.prompt]
-        else:
-            raw = list(body.prompt)
-        if not raw:
-            raise APIError(400, "prompt: must not be an empty list", param="prompt")
-        prompts = [encode(p) for p in raw]
-        prefixes = [
-            (p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)
-        ]
-        group = make_group(prompts, body)
-        cid = f"cmpl-{secrets.token_hex(12)}"
-        now = int(time.time())
 
-        if body.stream:
-            return StreamingResponse(
-                stream_rows(group, prefixes, body, cid, now),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        await wait(group, request)
-        choices = []
-        for i, (row, prefix) in enumerate(zip(group.rows, prefixes, strict=True)):
-            lp = logprobs_of(row, 0, body.logprobs, len(prefix)) if body.logprobs is not None else None
-            out = row.output
-            choices.append({"text": prefix + out.text, "index": i, "logprobs": lp, "finish_reason": out.finish_reason})
-        n_prompt = sum(len(p) for p in prompts) * body.n
-        n_out = sum(len(r.output.tokens) for r in group.rows)
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-        if engine.speculate:  # OpenAI's names for predicted tokens kept and thrown away
-            accepted = sum(r.accepted for r in group.rows)
-            rejected = sum(r.proposed - r.accepted for r in group.rows)
-            usage["completion_tokens_details"] = {
-                "accepted_prediction_tokens": accepted,
-                "rejected_prediction_tokens": rejected,
-            }
-        return {"id": cid, "object": "text_completion", "created": now, "model": model_name, "choices": choices,
-                "usage": usage}  # fmt: skip
-
-    async def stream_rows(
-        group: Group, prefixes: list[str], body: CompletionRequest, cid: str, now: int
-    ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per piece of new text, a last chunk per row with its finish_reason.
-        A client that goes away closes this generator, which cancels the rows."""
-
-        def event(index: int, text: str, lp: dict | None, reason: str | None) -> str:
-            choice = {"text": text, "index": index, "logprobs": lp, "finish_reason": reason}
-            chunk = {"id": cid, "object": "text_completion", "created": now, "model": model_name, "choices": [choice]}
-            return f"data: {json.dumps(chunk)}\n\n"
-
-        rows = group.rows
-        sent_tokens = [0] * len(rows)
-        offsets = [len(p) for p in prefixes]
-        until = deadline()
-        with answering(group):
-            for i, prefix in enumerate(prefixes):
-                if prefix:
-                    yield event(i, prefix, None, None)
-            open_rows = set(range(len(rows)))
-            while open_rows:
-                try:
-                    i = await next_update(group, until)
-                except APIError as e:
-                    yield f"data: {json.dumps(error_body(e.message, e.kind))}\n\n"
-                    break
-                if i not in open_rows:
-                    continue
-                row = rows[i]
-                if row.error:
-                    yield f"data: {json.dumps(error_body(row.error, 'server_error'))}\n\n"
-                    open_rows.discard(i)
-                    continue
-                with row.lock:
-                    text = row.output.take_text()
-                    done = row.output.finished
-                    lp = None
-                    if body.logprobs is not None:
-                        lp = logprobs_of(row, sent_tokens[i], body.logprobs, offsets[i])
-                        sent_tokens[i] = len(row.output.tokens)
-                offsets[i] += len(text)
-                if text or done:
-                    yield event(i, text, lp, row.output.finish_reason if done else None)
-                if done:
-                    open_rows.discard(i)
-            yield "data: [DONE]\n\n"
-
-    @app.post("/complete")
-    async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
-        prompt = encode(body.context)
+def budget(state: ServerState, prompt: list[int], max_tokens: int | None, name: str) -> int:
+    """The tokens a row may generate: `max_tokens`, or (None) what the context leaves; 400 if it does not fit."""
+    ctx = state.ctx
+    if max_tokens is None:
         if len(prompt) >= ctx:
-            raise APIError(400, f"context has {len(prompt)} tokens; this model's context is {ctx}", param="context")
-        try:
-            completion = CompletionRequest(
-                prompt=[prompt],
-                max_tokens=min(body.gen_len, ctx - len(prompt)),
-                temperature=body.temp,
-                top_p=body.top_p,
-            )
-        except ValidationError as e:
-            raise APIError(400, e.errors()[0]["msg"]) from None
-        group = make_group([prompt], completion)
-        await wait(group, request)
-        return {"completion": group.rows[0].output.text}
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {len(prompt)}", param=name)
+        return ctx - len(prompt)
+    if len(prompt) + max_tokens > ctx:
+        raise APIError(
+            400,
+            f"this model's context is {ctx} tokens; the prompt has {len(prompt)} and {name} is {max_tokens}",
+            param=name if len(prompt) < ctx else "prompt",
+        )
+    return max_tokens
 
-    return app
+
+def sampling_params(state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None) -> SamplingParams:
+    """The request's fields as the engine's settings (400 for what cannot be); the seed is the request's, or random."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    extra = list(body.stop_token_ids or ())
+    check_ids(state, extra, "stop_token_ids")
+    eos = () if body.ignore_eos else state.eos_ids
+    stop_ids = tuple(dict.fromkeys([*eos, *extra]))
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().lstrip("-").isdecimal():
+            raise APIError(400, f"logit_bias: keys must be token ids (integers), got {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    check_ids(state, list(bias), "logit_bias")
+    if body.min_tokens > max_new:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most the tokens to generate ({max_new})",
+                       param="min_tokens")  # fmt: skip
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=body.temperature,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            seed=secrets.randbits(31) if body.seed is None else body.seed,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as e:  # InputError among them
+        raise APIError(400, str(e)) from None
+
+
+def check_stream_options(body: Sampling) -> bool:
+    """Whether a final usage chunk is wanted."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options")
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def add_rows(state: ServerState, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Group:
+    """The request's rows, `n` per prompt (completion j of a prompt samples with seed + j), added to the engine."""
+    if state.stopping:
+        raise APIError(503, "the server is shutting down", kind="server_error")
+    group = Group(state.engine)
+    rows = [p for p in prompts for _ in range(n)]
+    settings = [sp.replace(seed=sp.seed + j) for sp in params for j in range(n)]
+    try:
+        group.add(rows, settings, state.tokenizer)
+    except ValueError as e:  # InputError among them: a request that can never run
+        raise APIError(400, str(e)) from None
+    except QueueFull:
+        raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
+    return group
+
+
+async def next_update(state: ServerState, group: Group, deadline: float | None) -> int:
+    """The index of the next row that changed; 408 once the request's time is up, 503 once the server stops."""
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        index = await asyncio.wait_for(group.updates.get(), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request ran past the server's timeout of {state.request_timeout:g} s",
+                       kind="timeout") from None  # fmt: skip
+    if index == STOPPING:
+        raise APIError(503, "the server is shutting down", kind="server_error")
+    return index
+
+
+@contextlib.contextmanager
+def answering(state: ServerState, group: Group) -> Iterator[None]:
+    """While a request is answered `stop` reaches it; once it is (or its client has gone), its rows stop
+    and its latencies are recorded."""
+    state.in_flight.add(group)
+    try:
+        yield
+    finally:
+        state.in_flight.discard(group)
+        group.cancel()
+        state.metrics.observe(group)
+
+
+async def wait(state: ServerState, group: Group, request: HTTPRequest) -> None:
+    """Until every row of a request has finished; a client that goes away cancels its rows at once."""
+    until = state.deadline()
+    watcher = asyncio.create_task(_disconnected(request))
+    with answering(state, group):
+        try:
+            while not all(r.output.finished or r.error for r in group.rows):
+                update = asyncio.create_task(next_update(state, group, until))
+                await asyncio.wait({update, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    update.cancel()
+                    return
+                update.result()
+        finally:
+            watcher.cancel()
+    for row in group.rows:
+        if row.error:
+            raise APIError(500, row.error, kind="server_error")
 
 
 async def _disconnected(request: HTTPRequest, every: float = 0.25) -> None:
     """Returns once the client has gone away."""
     while not await request.is_disconnected():
         await asyncio.sleep(every)
+
+
+@dataclass
+class Piece:
+    """What changed in one row: its new text and the new tokens with their logprobs, and whether it finished."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first: bool = False  # the row's first piece: its prompt's logprobs are known from here on
+
+
+async def pieces(state: ServerState, group: Group) -> AsyncIterator[Piece]:
+    """Each row's changes as they come, until every row has finished (APIError: timeout, shutdown)."""
+    rows = group.rows
+    sent = [0] * len(rows)
+    seen: set[int] = set()
+    until = state.deadline()
+    open_rows = set(range(len(rows)))
+    while open_rows:
+        i = await next_update(state, group, until)
+        if i not in open_rows:
+            continue
+        row = rows[i]
+        first = i not in seen
+        seen.add(i)
+        if row.error:
+            open_rows.discard(i)
+            yield Piece(i, error=row.error, first=first)
+            continue
+        with row.lock:
+            out = row.output
+            start, sent[i] = min(sent[i], len(out.tokens)), len(out.tokens)
+            piece = Piece(i, out.take_text(), out.tokens[start:], out.logprobs[start:], out.top_logprobs[start:],
+                          out.finish_reason, first=first)  # fmt: skip
+        if piece.finish_reason is not None:
+            open_rows.discard(i)
+        if piece.text or piece.tokens or piece.finish_reason or first:
+            yield piece
+
+
+def usage_of(state: ServerState, group: Group, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once, however many completions it has."""
+    n_prompt = sum(map(len, prompts))
+    n_out = sum(len(r.output.tokens) for r in group.rows)
+    usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    if state.engine.speculate:  # OpenAI's names for predicted tokens kept and thrown away
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(r.accepted for r in group.rows),
+            "rejected_prediction_tokens": sum(r.proposed - r.accepted for r in group.rows),
+        }
+    return usage
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Logprobs in the shapes clients read
+
+
+def _lp(x: float | None) -> float | None:
+    return None if x is None else max(float(x), MIN_LOGPROB)
+
+
+def legacy_logprobs(
+    tok: Tokenizer,
+    tokens: Sequence[int],
+    logprobs: Sequence[float | None],
+    tops: Sequence[Sequence[tuple[int, float]] | None],
+    n_top: int,
+    offset: int,
+) -> dict[str, Any]:
+    """OpenAI's legacy (completions) logprobs object: each token's text, logprob, the `n_top` likeliest
+    alternatives with the token itself (up to n_top + 1 entries, as OpenAI and vLLM give them; a prompt's
+    first token, which nothing predicts, has null for both) and where its text starts."""
+    texts = [tok.decode([t]) for t in tokens]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    top_logprobs: list[dict[str, float] | None] = []
+    for text, lp, alts in zip(texts, logprobs, tops, strict=True):
+        if lp is None:
+            top_logprobs.append(None)
+            continue
+        top = {tok.decode([i]): _lp(v) for i, v in (alts or [])[:n_top]}
+        top[text] = _lp(lp)  # the token's own: lm-eval's "is greedy" compares it with the largest of these
+        top_logprobs.append(top)
+    return {
+        "tokens": texts,
+        "token_logprobs": [_lp(lp) for lp in logprobs],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tok: Tokenizer,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[Sequence[tuple[int, float]]],
+    n_top: int,
+) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs `content`: each token's text, logprob and UTF-8 bytes, and its `n_top` likeliest
+    alternatives."""
+
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        return {"token": tok.decode([token]), "logprob": _lp(lp), "bytes": list(tok.decode_bytes([token]))}
+
+    return [
+        {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts[:n_top]]}
+        for t, lp, alts in zip(tokens, logprobs, tops, strict=True)
+    ]
+
+
+def prompt_logprobs_of(tok: Tokenizer, row: Request, n_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token (null for the first) {token id: {logprob, rank,
+    decoded_token}} for the token itself and its `n_top` likeliest alternatives. A rank is known for the
+    alternatives; the token's own is its place among them, null when it is not one."""
+    out = row.output
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token, lp, alts in zip(row.prompt, out.prompt_logprobs or [], out.prompt_top_logprobs or [], strict=False):
+        if lp is None:
+            result.append(None)
+            continue
+        alts = list(alts or [])
+        ranks = {i: r for r, (i, _) in enumerate(alts, 1)}
+        entries = {str(token): {"logprob": _lp(lp), "rank": ranks.get(token), "decoded_token": tok.decode([token])}}
+        for r, (i, v) in enumerate(alts[:n_top], 1):
+            entries.setdefault(str(i), {"logprob": _lp(v), "rank": r, "decoded_token": tok.decode([i])})
+        result.append(entries)
+    return result
+
+
+def _prompt_scores(row: Request) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    out = row.output
+    if out.prompt_logprobs is None or out.prompt_top_logprobs is None:
+        raise APIError(500, "the engine did not score the prompt", kind="server_error")
+    return out.prompt_logprobs, out.prompt_top_logprobs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Handlers
+
+
+async def health(request: HTTPRequest) -> dict[str, Any]:
+    s = state_of(request).engine.snapshot()
+    rate = s.acceptance_rate
+    return {
+        "status": "ok",
+        "active": s.running,
+        "queued": s.queued,
+        "max_batch": s.max_batch,
+        "kv_tokens": s.kv_tokens,
+        "kv_tokens_used": s.kv_pages_used * s.page_size,
+        "kv_live_tokens": s.kv_live_tokens,
+        "kv_bytes_per_token": s.kv_bytes_per_token,
+        "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4),
+        "speculative_acceptance_rate": None if rate is None else round(rate, 4),
+        "tokens_generated": s.tokens_generated,
+        "decode_calls": s.decode_calls,
+        "prefill_calls": s.prefill_calls,
+        "compiled_shapes": s.compiled_shapes,
+        "compile_seconds": round(s.compile_seconds, 2),
+        "compiles_since_warm_up": s.compiles_since_warm_up,
+    }
+
+
+async def prometheus(request: HTTPRequest) -> Response:
+    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: HTTPRequest) -> dict[str, Any]:
+    state = state_of(request)
+    return {"object": "list", "data": [state.card(name) for name in state.models]}
+
+
+async def model_card(model_id: str, request: HTTPRequest) -> dict[str, Any]:
+    state = state_of(request)
+    state.check_model(model_id)
+    return state.card(model_id)
+
+
+async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
+    state = state_of(request)
+    tok = state.tokenizer
+    state.check_model(body.model)
+    check_unsupported(body, UNSUPPORTED)
+    include_usage = check_stream_options(body)
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        raw = [body.prompt]
+    else:
+        raw = list(body.prompt)
+    if not raw:
+        raise APIError(400, "prompt: must not be an empty list", param="prompt")
+    prompts = [encode(state, p) for p in raw]
+    # echo with logprobs scores the prompt (lm-eval's loglikelihood requests); so does vLLM's prompt_logprobs
+    scored = body.echo and body.logprobs is not None
+    wanted = [k for k in (body.logprobs if scored else None, body.prompt_logprobs) if k is not None]
+    params = [sampling_params(state, body, budget(state, p, body.max_tokens, "max_tokens"), max(wanted, default=None))
+              for p in prompts]  # fmt: skip
+    group = add_rows(state, prompts, params, body.n)
+    echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)]
+    cid = f"cmpl-{secrets.token_hex(12)}"
+    now = int(time.time())
+    if body.stream:
+        events = stream_completion(state, group, prompts, body, echoes, scored, include_usage, cid, now)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    await wait(state, group, request)
+    choices = []
+    for i, (row, echo) in enumerate(zip(group.rows, echoes, strict=True)):
+        out = row.output
+        lp = None
+        if body.logprobs is not None:
+            tokens, lps, tops = list(out.tokens), list(out.logprobs), list(out.top_logprobs)
+            if scored:
+                prompt_lps, prompt_tops = _prompt_scores(row)
+                tokens, lps, tops = row.prompt + tokens, [*prompt_lps, *lps], [*prompt_tops, *tops]
+            lp = legacy_logprobs(tok, tokens, lps, tops, body.logprobs, 0 if scored else len(echo))
+        choice = {"index": i, "text": echo + out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+        if body.prompt_logprobs is not None:
+            _prompt_scores(row)
+            choice["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+        choices.append(choice)
+    return {"id": cid, "object": "text_completion", "created": now, "model": body.model or state.model_name,
+            "choices": choices, "usage": usage_of(state, group, prompts)}  # fmt: skip
+
+
+async def stream_completion(
+    state: ServerState,
+    group: Group,
+    prompts: list[list[int]],
+    body: CompletionRequest,
+    echoes: list[str],
+    scored: bool,
+    include_usage: bool,
+    cid: str,
+    now: int,
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per piece of new text, a last chunk per row with its finish_reason, a usage
+    chunk if asked. An echoed prompt comes first (with its logprobs, once the row's prefill has scored it).
+    A client that goes away closes this generator, which cancels the rows."""
+    tok, model = state.tokenizer, body.model or state.model_name
+    extra = {"usage": None} if include_usage else {}
+
+    def event(index: int, text: str, lp: dict | None, reason: str | None, **more: Any) -> str:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **more}
+        return sse({"id": cid, "object": "text_completion", "created": now, "model": model, "choices": [choice],
+                    **extra})  # fmt: skip
+
+    rows = group.rows
+    offsets = [len(e) if not scored else 0 for e in echoes]
+    with answering(state, group):
+        if not scored:
+            for i, echo in enumerate(echoes):
+                if echo:
+                    yield event(i, echo, None, None)
+        try:
+            async for piece in pieces(state, group):
+                i = piece.index
+                if piece.error:
+                    yield sse(error_body(piece.error, "server_error"))
+                    continue
+                if piece.first and (scored or body.prompt_logprobs is not None):  # the prefill scored the prompt
+                    row = rows[i]
+                    prompt_lps, prompt_tops = _prompt_scores(row)
+                    more = {}
+                    if body.prompt_logprobs is not None:
+                        more["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+                    if scored:
+                        lp = legacy_logprobs(tok, row.prompt, prompt_lps, prompt_tops, body.logprobs, 0)
+                        offsets[i] = len(echoes[i])
+                        yield event(i, echoes[i], lp, None, **more)
+                    else:  # the echo (if any) went first
+                        yield event(i, "", None, None, **more)
+                lp = None
+                if body.logprobs is not None:
+                    lp = legacy_logprobs(tok, piece.tokens, piece.logprobs, piece.top_logprobs, body.logprobs,
+                                         offsets[i])  # fmt: skip
+                offsets[i] += len(piece.text)
+                if piece.text or piece.finish_reason or (lp and piece.tokens):  # a held-back token has its logprob
+                    yield event(i, piece.text, lp, piece.finish_reason)
+        except APIError as e:
+            yield sse(error_body(e.message, e.kind))
+        else:
+            if include_usage:
+                yield sse({"id": cid, "object": "text_completion", "created": now, "model": model, "choices": [],
+                           "usage": usage_of(state, group, prompts)})  # fmt: skip
+        yield sse("[DONE]")
+
+
+def render_chat(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict[str, Any] | None,
+) -> str:
+    """The chat as the model's template writes it (transformers' `apply_chat_template(tokenize=False)`)."""
+    if state.chat is None:
+        raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
+                       param="messages")  # fmt: skip
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")  # fmt: skip
+    chat = [_plain_text(m) for m in messages]
+    try:
+        check_messages(chat)
+        text = state.chat.render(chat, add_generation_prompt, **(kwargs or {}))
+    except DataError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if continue_final_message:  # end the text with the last message's content, open for the model to continue
+        last = chat[-1]["content"]
+        if not last or last not in text:
+            raise APIError(400, "continue_final_message: the template does not render the last message's content",
+                           param="continue_final_message")  # fmt: skip
+        text = text[: text.rindex(last) + len(last)]
+    return text
+
+
+def _plain_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is a list of text parts ([{"type": "text", "text": ...}], as OpenAI allows) has
+    them joined into one string, as vLLM joins them; anything else stays as it is, for `check_messages`."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+    return message
+
+
+async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
+    state = state_of(request)
+    tok = state.tokenizer
+    state.check_model(body.model)
+    check_unsupported(body, UNSUPPORTED_CHAT)
+    include_usage = check_stream_options(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                       body.chat_template_kwargs)  # fmt: skip
+    prompt = tok.encode(text)
+    if not prompt:
+        raise APIError(400, "messages: the chat template renders this chat as no tokens", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(state, body, budget(state, prompt, max_tokens, name), body.prompt_logprobs)
+    group = add_rows(state, [prompt], [params], body.n)
+    cid = f"chatcmpl-{secrets.token_hex(12)}"
+    now = int(time.time())
+    n_top = body.top_logprobs or 0
+    if body.stream:
+        events = stream_chat(state, group, prompt, body, include_usage, cid, now)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    await wait(state, group, request)
+    choices = []
+    for i, row in enumerate(group.rows):
+        out = row.output
+        lp = None
+        if body.logprobs:
+            lp = {"content": chat_logprobs(tok, out.tokens, out.logprobs, out.top_logprobs, n_top), "refusal": None}
+        choice = {"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                  "logprobs": lp, "finish_reason": out.finish_reason}  # fmt: skip
+        if body.prompt_logprobs is not None:
+            _prompt_scores(row)
+            choice["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+        choices.append(choice)
+    return {"id": cid, "object": "chat.completion", "created": now, "model": body.model or state.model_name,
+            "choices": choices, "usage": usage_of(state, group, [prompt])}  # fmt: skip
+
+
+async def stream_chat(
+    state: ServerState, group: Group, prompt: list[int], body: ChatRequest, include_usage: bool, cid: str, now: int
+) -> AsyncIterator[str]:
+    """Server-sent `chat.completion.chunk`s, as OpenAI sends them: per choice a first delta with the role, then
+    content deltas, the last with its finish_reason; then a usage chunk if asked, and [DONE]."""
+    tok, model = state.tokenizer, body.model or state.model_name
+    extra = {"usage": None} if include_usage else {}
+    n_top = body.top_logprobs or 0
+
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": now, "model": model,
+                    "choices": choices, **more})  # fmt: skip
+
+    with answering(state, group):
+        for i in range(len(group.rows)):
+            delta = {"role": "assistant", "content": ""}
+            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], **extra)
+        try:
+            async for piece in pieces(state, group):
+                if piece.error:
+                    yield sse(error_body(piece.error, "server_error"))
+                    continue
+                if not (piece.text or piece.finish_reason or (body.logprobs and piece.tokens)):
+                    continue
+                lp = None
+                if body.logprobs:
+                    content = chat_logprobs(tok, piece.tokens, piece.logprobs, piece.top_logprobs, n_top)
+                    lp = {"content": content, "refusal": None}
+                choice = {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
+                          "logprobs": lp, "finish_reason": piece.finish_reason}  # fmt: skip
+                yield chunk([choice], **extra)
+        except APIError as e:
+            yield sse(error_body(e.message, e.kind))
+        else:
+            if include_usage:
+                yield chunk([], usage=usage_of(state, group, [prompt]))
+        yield sse("[DONE]")
+
+
+async def tokenize(body: TokenizeRequest, request: HTTPRequest) -> dict[str, Any]:
+    """vLLM's /tokenize: {"prompt"} or chat {"messages"} -> {"count", "max_model_len", "tokens"}."""
+    state = state_of(request)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give either prompt or messages", param="prompt")
+    if body.prompt is not None:
+        text, special = body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
+    else:
+        text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)  # fmt: skip
+        special = bool(body.add_special_tokens)
+    tokens = state.tokenizer.encode(text, add_special_tokens=special)
+    return {"count": len(tokens), "max_model_len": state.ctx, "tokens": tokens}
+
+
+async def detokenize(body: DetokenizeRequest, request: HTTPRequest) -> dict[str, Any]:
+    """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
+    state = state_of(request)
+    state.check_model(body.model)
+    vocab = state.tokenizer.vocab_size
+    if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+        raise APIError(400, f"tokens: token ids must lie in [0, {vocab})", param="tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
+
+
+async def tokenizer_info(request: HTTPRequest) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's configuration (its named special tokens, the context, the chat
+    template), what lm-eval's `local-completions` reads to use the server's own tokenizer."""
+    state = state_of(request)
+    tok = state.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, **tok.special_tokens}
+    info.setdefault("eos_token", tok.decode([tok.eot_id]))
+    info["model_max_length"] = state.ctx
+    if state.chat is not None:
+        info["chat_template"] = state.chat.source
+    return info
+
+
+async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
+    """The seed's /complete."""
+    state = state_of(request)
+    prompt = encode(state, body.context)
+    ctx = state.ctx
+    if len(prompt) >= ctx:
+        raise APIError(400, f"context has {len(prompt)} tokens; this model's context is {ctx}", param="context")
+    try:
+        completion = CompletionRequest(
+            prompt=[prompt], max_tokens=min(body.gen_len, ctx - len(prompt)), temperature=body.temp, top_p=body.top_p
+        )
+    except ValidationError as e:
+        raise APIError(400, e.errors()[0]["msg"]) from None
+    params = sampling_params(state, completion, completion.max_tokens, None)
+    group = add_rows(state, [prompt], [params], 1)
+    await wait(state, group, request)
+    return {"completion": group.rows[0].output.text}
+
+
+ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
+    ("GET", "/health", health),
+    ("GET", "/metrics", prometheus),
+    ("GET", "/v1/models", models),
+    ("GET", "/v1/models/{model_id:path}", model_card),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+    ("GET", "/tokenizer_info", tokenizer_info),
+    ("POST", "/complete", complete),
+]
+
+
+def create_app(
+    lm: LanguageModel,
+    engine: Engine,
+    model_name: str,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+    chat_template: ChatTemplate | str | Path | None = None,
+) -> FastAPI:
+    """The HTTP API over an engine stepping on its own thread (`engine.start`). With `api_key`, every route but
+    /health needs `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped
+    (408). Chats render with `chat_template` (a ChatTemplate or a Jinja file), else the model's own template, if
+    it has one. `app.state.stop()` answers every request in flight 503 and refuses new ones (the server is
+    stopping)."""
+    if request_timeout is not None and not request_timeout > 0:
+        raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
+    tok = lm.tokenizer
+    chat = chat_template if isinstance(chat_template, ChatTemplate) else load_chat_template(tok, chat_template)
+    app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
+    state = ServerState(lm, engine, model_name, api_key, request_timeout, chat, Metrics(engine), tok)
+    app.state.server = state
+    app.state.stop = state.stop
+    app.middleware("http")(authorize)
+    for error, handler in ((APIError, on_api_error), (RequestValidationError, on_invalid), (HTTPException, on_http),
+                           (Exception, on_crash)):  # fmt: skip
+        app.add_exception_handler(error, handler)
+    for method, path, endpoint in ROUTES:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics
 
 
 class Metrics:
@@ -495,6 +1040,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Serving
+
+
 def _address(host: str, port: int) -> str:
     """host:port as a URL writes it ([host]:port for IPv6)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -550,10 +1099,13 @@ def serve(
     draft: LanguageModel | None = None,
     attention: str | None = None,
     sock: socket.socket | None = None,
+    chat_template: str | Path | None = None,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
-    `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else."""
+    `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else.
+    `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any)."""
     with sock or bind(host, port) as sock:
+        chat = load_chat_template(lm.tokenizer, chat_template)  # a bad file fails before anything compiles
         engine = lm.engine(
             draft=draft,
             attention=attention,
@@ -564,7 +1116,7 @@ def serve(
             ngram=ngram,
             speculate=speculate,
         )
-        app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout)
+        app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout, chat_template=chat)
         state = engine.snapshot()
         print(
             f"meshlm serve: {engine.max_batch} rows, {state.kv_tokens} KV tokens "

@@ -133,9 +133,9 @@ def test_every_shape_is_compiled_by_warm_up(lm):
 def reference_scores(lm, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each prompt token's logprob given the tokens before it, and the top-k of each of those distributions,
     from the model's full forward pass."""
-    logits = lm.logits(np.asarray([prompt]))[0, :-1, : lm.config.n_vocab_used].astype(np.float64)
-    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    top = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    logits = lm.logits(np.asarray([prompt]))[0, :-1].astype(np.float64)
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)  # over the padded vocabulary
+    top = np.argsort(-logp[:, : lm.config.n_vocab_used], axis=-1, kind="stable")[:, :k]
     return logp[np.arange(len(prompt) - 1), prompt[1:]], top, np.take_along_axis(logp, top, axis=-1)
 
 

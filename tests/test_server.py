@@ -195,7 +195,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
         ({"prompt": "hello " * 300, "max_tokens": 4}, "context"),
         ({"prompt": PROMPT, "max_tokens": 10_000}, "context"),
         ({"prompt": [[1, 2], [70000]]}, "prompt"),
-        ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
+        ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ]
     for payload, word in cases:
         r = post(url, json=payload, timeout=30)

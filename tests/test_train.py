@@ -440,7 +440,7 @@ def test_typed_flags_are_not_reparsed_as_yaml(monkeypatch):
     """--out-dir 2024 names a folder "2024", not the integer 2024; flags win over --set."""
     seen = []
 
-    def record(cfg: TrainConfig, progress: bool) -> train.TrainResult:
+    def record(cfg: TrainConfig, progress: bool, evaluate_tasks: object = None) -> train.TrainResult:
         seen.append(cfg)
         return train.TrainResult(Path(cfg.out_dir), 0)
 

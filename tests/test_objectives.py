@@ -5,8 +5,6 @@ the step; DPO, ORPO and LoRA-DPO runs train, validate, resume and refuse what th
 import dataclasses
 import functools
 import json
-import signal
-import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +19,6 @@ from meshlm import data, model, objectives, run_start, train, train_step
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.objectives import Inputs
 from meshlm.sharding import make_mesh
-from tests.test_train import metrics_losses, start_run, wait_for_steps
 
 SEQ = 16
 CFG = ModelConfig(
@@ -384,41 +381,6 @@ def test_a_resumed_dpo_run_continues_exactly_with_its_stored_reference_and_refus
     other = write_preferences(tmp_path / "other", seed=7)
     with pytest.raises(ConfigError, match=r"reference_logps.npz: the run's reference log-probs are of .*preferences"):
         train.train(cfg.replace(total_steps=7, data=str(other)), progress=False)
-
-
-def test_a_dpo_run_stopped_by_sigterm_and_sigkill_resumes_to_the_uninterrupted_numbers(preferences, tmp_path):
-    """A full DPO fine-tune with precomputed reference log-probs, run as `meshlm train` in a subprocess,
-    stopped by SIGTERM, resumed, killed (kill -9) at an arbitrary moment and resumed to the end: every step's
-    loss and rewards equal those of one uninterrupted run, and the reference pass ran once."""
-    cfg = run_config(preferences, tmp_path / "ref", total_steps=24, ckpt_every=2, keep_last=1)
-    train.train(cfg, progress=False)
-    want = {r["step"]: r for r in logged(tmp_path / "ref") if "loss" in r}
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.json"
-    config.write_text(json.dumps(cfg.replace(out_dir=str(run_dir)).to_dict()))
-
-    proc = start_run(config, tmp_path / "jax_cache")
-    wait_for_steps(proc, run_dir, 4)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    reference = (run_dir / "reference_logps.npz").stat().st_mtime_ns
-
-    proc = start_run(config, tmp_path / "jax_cache")
-    wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 4)
-    time.sleep(np.random.default_rng().uniform(0, 0.2))
-    proc.kill()
-    proc.wait()
-
-    proc = start_run(config, tmp_path / "jax_cache")
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out
-    got = {r["step"]: r for r in logged(run_dir) if "loss" in r}
-    assert sorted(got) == list(range(1, 25))
-    for step, record in want.items():
-        for name in ("loss", *TRL_DPO_METRICS):
-            assert got[step][name] == record[name], (step, name)
-    assert (run_dir / "reference_logps.npz").stat().st_mtime_ns == reference
 
 
 # ---------------------------------------------------------------------------------------------------

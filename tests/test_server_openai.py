@@ -24,7 +24,7 @@ import pytest
 import meshlm
 from meshlm.chat import ChatTemplate
 
-MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 256
+MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 128
 PROMPT = "Hello world, this is"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -53,6 +53,7 @@ def server(folder: str, batch_size: int) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "meshlm", "serve", folder, "--port", str(port), "--max-batch", str(batch_size)]
+    cmd += ["--model-name", "meshlm"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

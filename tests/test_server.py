@@ -1,11 +1,13 @@
 """`meshlm serve` as a real process on 127.0.0.1, driven by the official `openai` client and plain HTTP."""
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -31,16 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str], start_within: float) -> Iterator[str]:
+    """`meshlm serve ARGS --port P` as a real process, up once /health answers (else the test fails with its
+    output): its URL. On exit it is stopped, and its output must hold no traceback."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MESHLM_TOKENIZER": gpt2_bpe_file}
-    cmd = [sys.executable, "-m", "meshlm", "serve", str(hf_tiny_gpt2_vocab.path), "--port", str(port)]
-    cmd += ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-len", str(MAX_LEN)]
-    cmd += ["--model-name", "tiny", "--api-key", API_KEY]
+    cmd = [sys.executable, "-m", "meshlm", "serve", *args, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + start_within
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -59,6 +60,15 @@ def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
         proc.kill()
     out = proc.stdout.read()
     assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def server(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MESHLM_TOKENIZER": gpt2_bpe_file}
+    args = [str(hf_tiny_gpt2_vocab.path), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)]
+    args += ["--max-len", str(MAX_LEN), "--model-name", "tiny", "--api-key", API_KEY]
+    with serving(args, env, start_within=180) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,6 @@ multiple-choice and rolling-perplexity tasks. Every request's loglikelihood equa
 and lm-eval's `hf` backend on the same model."""
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +11,7 @@ import pytest
 
 from meshlm import evaluate
 from tests.test_evaluate import harness, hf_gptj, responses, unwrap  # noqa: F401 (hf_gptj is a fixture)
-from tests.test_server import free_port
+from tests.test_server import serving
 
 TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext"]
 CONTEXT = 128  # the served model's context
@@ -26,26 +23,9 @@ MAX_LENGTH = f"max_length={CONTEXT - 2}"
 
 @pytest.fixture(scope="module")
 def served(hf_gptj):  # noqa: F811
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "meshlm", "serve", str(hf_gptj.path), "--port", str(port), "--max-batch", "4"]
-    cmd += ["--model-name", "tiny"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
+    with serving([str(hf_gptj.path), "--max-batch", "4", "--model-name", "tiny"], env, start_within=240) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ need the engine to fill `RowOutput.prompt_logprobs`; the sampling-parameter test
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +21,7 @@ import pytest
 
 import meshlm
 from meshlm.chat import ChatTemplate
+from tests.test_server import serving
 
 MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 128
 PROMPT = "Hello world, this is"
@@ -37,12 +36,6 @@ TEMPLATE = (
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def template_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("chat") / "chatml.jinja"
@@ -52,32 +45,20 @@ def template_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file):
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHLM_TOKENIZER": gpt2_bpe_file}
-    cmd = [sys.executable, "-m", "meshlm", "serve", str(hf_tiny_gpt2_vocab.path), "--port", str(port)]
-    cmd += ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-len", str(MAX_LEN)]
-    cmd += ["--model-name", "tiny", "--api-key", API_KEY, "--chat-template", str(template_file)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    out = proc.stdout.read()
-    assert "Traceback" not in out, out
+    args = [str(hf_tiny_gpt2_vocab.path), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)]
+    args += [
+        "--max-len",
+        str(MAX_LEN),
+        "--model-name",
+        "tiny",
+        "--api-key",
+        API_KEY,
+        "--chat-template",
+        str(template_file),
+    ]
+    with serving(args, env, start_within=300) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

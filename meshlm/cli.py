@@ -7,7 +7,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from meshlm.config import ATTENTION_IMPLS, RUN_CHECKPOINTS, ConfigError, Interrupted, MeshlmError
 
@@ -240,6 +241,24 @@ def _sample_chat(lm, args: argparse.Namespace) -> None:
             print(f"[{time.perf_counter() - start:.2f}s]", file=sys.stderr)
 
 
+@contextmanager
+def _ctrl_c_exits(command: str) -> Iterator[None]:
+    """Ctrl-C while a command loads or compiles ends the process at once: there is nothing to save, a
+    KeyboardInterrupt would wait for XLA's compile threads, and one raised in JAX's garbage-collection
+    callbacks is lost ("Exception ignored in ..."): the command would go on as if never interrupted.
+    (`train.train` puts its own handler in place while a run has something to save.)"""
+
+    def exit_now(signum: int, _: object) -> None:
+        print(f"meshlm {command}: stopped by signal {signum} (Ctrl-C)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGINT, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _stdin_prompts():
     while True:
         if sys.stdin.isatty():
@@ -255,19 +274,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (streaming too),
     /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics and the seed's /complete,
     with requests batched together as they arrive."""
-
-    def stop_at_once(signum: int, _: object) -> None:
-        """Ctrl-C while loading or compiling (or once uvicorn has stopped serving) ends the process at once:
-        there is nothing to save, a KeyboardInterrupt would wait for XLA's compile threads, and one raised in
-        JAX's garbage-collection callbacks is lost ("Exception ignored in ..."): the server would start anyway."""
-        print(f"meshlm serve: stopped by signal {signum} (Ctrl-C)", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    previous = signal.signal(signal.SIGINT, stop_at_once)
-    try:
+    with _ctrl_c_exits("serve"):
         _serve(args)
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -374,6 +382,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     With no CONFIG, trains a small demo model on text every Python install carries (about 6-7 minutes
     on a 2-core CPU), then prints a greedy sample.
     """
+    with _ctrl_c_exits("train"):
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    """`cmd_train`'s work, under its Ctrl-C handler."""
     import jax
 
     from meshlm import config, train

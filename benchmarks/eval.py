@@ -4,10 +4,11 @@ same requests.
 
 A random GPT-J (a preset, e.g. gptj-tiny) is saved as a Hugging Face folder with a tokenizer.json; every
 backend scores the same LAMBADA/HellaSwag-like requests (contexts of 20-400 tokens, continuations of
-1-12 tokens) through lm-eval's `loglikelihood`. Each backend runs the requests once to warm up
-(meshlm compiles its few length buckets; the server compiled before it listened), then is timed.
+1-12 tokens) through lm-eval's `loglikelihood`. Each backend scores other requests of the same kind once
+to warm up (meshlm compiles its few length buckets; the server compiled before it listened), then the
+timed ones. With `--choices 4` each context has 4 continuations, as a multiple-choice task's requests do.
 
-    python benchmarks/eval.py --preset gptj-tiny --requests 512 --batch-size 16 [--no-server]
+    python benchmarks/eval.py --preset gptj-tiny --requests 512 --batch-size 16 [--choices 4] [--no-server]
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ morning evening bright dark quickly slowly walked opened built found carried acr
 after because while children keeper window stone water fire bread salt glass"""
 
 
-def make_requests(n: int, seed: int) -> list:
+def make_requests(n: int, seed: int, choices: int = 1) -> list:
+    """n requests: n / choices contexts, each with `choices` continuations (a multiple-choice task's shape)."""
     import numpy as np
     from lm_eval.api.instance import Instance
 
@@ -38,14 +40,15 @@ def make_requests(n: int, seed: int) -> list:
     words = np.array(WORDS.split())
     requests = []
     for i in range(n):
-        context = " ".join(rng.choice(words, int(rng.integers(15, 300))))
+        if i % choices == 0:
+            context = " ".join(rng.choice(words, int(rng.integers(15, 300)))).capitalize()
         continuation = " " + " ".join(rng.choice(words, int(rng.integers(1, 9))))
-        requests.append(Instance("loglikelihood", doc={}, arguments=(context.capitalize(), continuation), idx=i))
+        requests.append(Instance("loglikelihood", doc={}, arguments=(context, continuation), idx=i))
     return requests
 
 
 @contextlib.contextmanager
-def server(folder: str, batch_size: int) -> Iterator[str]:
+def server(folder: str, batch_size: int, kv_tokens: int) -> Iterator[str]:
     """`meshlm serve` on a free local port, ready: its completions URL."""
     import httpx
 
@@ -53,7 +56,7 @@ def server(folder: str, batch_size: int) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "meshlm", "serve", folder, "--port", str(port), "--max-batch", str(batch_size)]
-    cmd += ["--model-name", "meshlm"]
+    cmd += ["--model-name", "meshlm", "--kv-tokens", str(kv_tokens)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -81,6 +84,8 @@ def main() -> None:
     parser.add_argument("--preset", default="gptj-tiny")
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--choices", type=int, default=1, help="continuations per context (4: a multiple-choice task)")
+    parser.add_argument("--kv-tokens", type=int, default=32768, help="the server's KV pool (its prefix cache)")
     parser.add_argument("--mesh", default=None, help="meshlm mesh spec (default: one device)")
     parser.add_argument("--no-server", action="store_true", help="skip `meshlm serve` (the in-process pair only)")
     args = parser.parse_args()
@@ -93,7 +98,8 @@ def main() -> None:
     from meshlm import evaluate, tokenizer
 
     cfg = meshlm.preset(args.preset)
-    requests = make_requests(args.requests, seed=0)
+    # the warm-up pass scores other requests: the server's prefix cache must not hold the timed ones
+    warm_up, requests = (make_requests(args.requests, seed, args.choices) for seed in (1, 0))
     with tempfile.TemporaryDirectory() as tmp:
         meshlm.from_config(cfg, seed=0).save(tmp, format="hf")
         tokenizer.save_hf_tokenizer(tmp)
@@ -105,21 +111,21 @@ def main() -> None:
             if not args.no_server:
                 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-                url = stack.enter_context(server(tmp, args.batch_size))
+                url = stack.enter_context(server(tmp, args.batch_size, args.kv_tokens))
                 client = LocalCompletionsAPI(base_url=url, model="meshlm", tokenizer_backend="remote",
                                              batch_size=args.batch_size, max_length=cfg.max_seq_len)  # fmt: skip
                 backends.append(("server", client))
             results = {}
             for name, backend in backends:
-                first = timed(backend.loglikelihood, requests)
+                first = timed(backend.loglikelihood, warm_up)
                 again = timed(backend.loglikelihood, requests)
                 results[name] = (first, again)
 
     mesh = lm.lm.mesh
     print(
         f"model {args.preset} ({meshlm.model.count_params(cfg):,} params, context {cfg.max_seq_len}), "
-        f"{args.requests} loglikelihood "
-        f"requests, batch {args.batch_size}; meshlm on {meshlm.sharding.describe(mesh)}, hf on torch "
+        f"{args.requests} loglikelihood requests ({args.choices} per context), batch {args.batch_size}; "
+        f"meshlm on {meshlm.sharding.describe(mesh)}, hf on torch "
         f"{torch.__version__} CPU ({torch.get_num_threads()} threads); jax {jax.__version__}"
     )
     for name, (first, again) in results.items():

@@ -1,7 +1,7 @@
 """Serving benchmark: meshlm's engine against the engine before it and transformers' continuous batching.
 
-    python benchmarks/serve.py [CHECKPOINT] [--requests 64 --rates 2 8 --time-limit 120 --max-batch 32
-                                --max-len 1280 --old-ref 900bac2 --skip old,transformers,prefix]
+    python benchmarks/serve.py [CHECKPOINT] [--requests 64 --rates 2 8 --time-limit 120 --repeats 1
+                                --max-batch 32 --max-len 1280 --old-ref 900bac2 --skip old,transformers,prefix]
 
 Without CHECKPOINT a random GPT-J (`--d-model` 256, `--layers` 4, heads of 64, vocab 50400, context
 2048) is written to a temporary folder. Everything runs on loopback, in one run, on the same model
@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="the random model's depth")
     ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0], help="Poisson arrival rates, requests/s")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of arrivals per rate at most")
+    ap.add_argument("--repeats", type=int, default=1, help="mixed-workload runs per rate and engine; the best counts")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=1280)
     ap.add_argument(
@@ -264,8 +265,11 @@ def main() -> None:
                 try:
                     cold[name] = tuple(asyncio.run(burst(server, args.max_len, seed)) for seed in (2, 3))
                     live[name] = []
-                    mixed[name] = {r: asyncio.run(poisson(server, requests, r, args.time_limit, live[name]))
-                                   for r in args.rates}  # fmt: skip
+                    mixed[name] = {}
+                    for rate in args.rates:
+                        runs = [asyncio.run(poisson(server, requests, rate, args.time_limit, live[name]))
+                                for _ in range(args.repeats)]  # fmt: skip
+                        mixed[name][rate] = max(runs, key=lambda r: r["tok_s"])
                     if name == "new":
                         bytes_per_token = server.health()["kv_bytes_per_token"]
                 finally:
@@ -286,7 +290,8 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"random GPT-J d_model {args.d_model}, {args.layers} layers; "
-          f"server --max-batch {args.max_batch} --max-len {args.max_len}, loopback")  # fmt: skip
+          f"server --max-batch {args.max_batch} --max-len {args.max_len}, loopback; "
+          f"mixed workload: best of {args.repeats} per rate")  # fmt: skip
     print("server start (compiling included): " + ", ".join(f"{k} {v:.0f} s" for k, v in started.items()))
     n_out = [n for _, n in requests]
     n_in = [len(p) for p, _ in requests]

@@ -10,7 +10,6 @@ it knows nothing of requests, queues or pages' owners. `lower` gives the planner
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -136,7 +135,8 @@ def _prefill(
     start: jax.Array,
     seen: jax.Array,
     settings: Settings,
-    refed: jax.Array | None = None,
+    refed: jax.Array,
+    scored: jax.Array,
     draft_params: model.Params | None = None,
     draft_cache: model.KVCache | None = None,
     *,
@@ -147,18 +147,16 @@ def _prefill(
     """Write new rows' prompts [B, T] (right-padded, after the `start` tokens a cached prefix gave
     them) into the cache (and the draft's), choose each row's first token and put the rows into `slots`.
 
-    With `refed` [B] (0 or 1), the rows are scored: each prompt token's logprob and top alternatives come
-    back too. A row with `refed` 1 runs its cached prefix's last token again first (not written), for the
-    logits that score the token after it."""
+    A row's first `scored[b]` positions are scored: the logprob of the token after each and its top
+    alternatives come back too (rows that are not scored have 0). A row with `refed[b]` 1 runs its cached
+    prefix's last token again first (not written), for the logits that score the token after it."""
     n_new = mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
-    length = start if refed is None else start - refed
+    length = start - refed
     x, cache = model.decode(params, tokens, cache, table, length, cfg, policy, mask=mask, write_from=refed,
-                            at=None if refed is not None else at, hidden=True)  # fmt: skip
-    scores = () if refed is None else _prompt_scores(params, x, tokens, cfg)
-    if refed is not None:
-        x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-    logits = model.unembed(params, x, cfg)
+                            hidden=True)  # fmt: skip
+    scores = _prompt_scores(params, x, tokens, scored, cfg)
+    logits = model.unembed(params, jnp.take_along_axis(x, at[:, None, None], axis=1), cfg)
     if draft is not None:
         _, draft_cache = model.decode(
             draft_params, tokens, draft_cache, table, length, *draft, mask=mask, at=at, write_from=refed
@@ -170,29 +168,41 @@ def _prefill(
     emitted = ~new.done
     new = _advance(new, out[0])
     produced = (*(o[:, None] for o in out), emitted[:, None], new.done)
-    return cache, draft_cache, _scatter(rows, slots, new), (*produced, *((None, *scores) if scores else ()))
+    return cache, draft_cache, _scatter(rows, slots, new), (*produced, None, *scores)
 
 
-def _prompt_scores(params: model.Params, x: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    """Each position's log-probability of the token after it in `tokens` [B, T] and its top alternatives
-    (ids the tokenizer has), from the final hidden states x [B, T, D]: [B, T] and [B, T, TOP_LOGPROBS] twice
-    (ids, logprobs). Normalised over the whole padded vocabulary, as the model's logits (and transformers, and
-    so lm-eval's `hf` backend) normalise them. The logits exist SCORE_CHUNK positions at a time, never as one
-    [B, T, vocab] array."""
-    B, T, D = x.shape
-    c = math.gcd(T, SCORE_CHUNK)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+def _prompt_scores(
+    params: model.Params, x: jax.Array, tokens: jax.Array, scored: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, ...]:
+    """Each of a row's first `scored[b]` positions' log-probability of the token after it in `tokens` [B, T]
+    and its top alternatives (ids the tokenizer has), from the final hidden states x [B, T, D]: [B, T] and
+    [B, T, TOP_LOGPROBS] twice (ids, logprobs). Normalised over the whole padded vocabulary, as the model's
+    logits (and transformers, and so lm-eval's `hf` backend) normalise them.
 
-    def chunk(part: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        h, t = part
-        logp = jax.nn.log_softmax(model.unembed(params, h, cfg), axis=-1)  # over the padded vocabulary, as
-        top_lps, top_ids = jax.lax.top_k(used_vocabulary(logp, cfg.n_vocab_used), TOP_LOGPROBS)  # `forward`
-        return jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32), top_lps
+    The scored positions of all rows are gathered and run through the LM head SCORE_CHUNK at a time: the
+    logits never exist as one [B, T, vocab] array, and neither a prefill that scores nothing nor the
+    padding of the rows and of the prompt bucket runs the head. (The positions' list holds one chunk more
+    than the positions: a chunk that always spans the whole list would be hoisted out of the loop and run
+    unconditionally.)"""
+    B, T = tokens.shape
+    n, c = B * T, SCORE_CHUNK
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1).reshape(n)
+    wanted = (jnp.arange(T) < scored[:, None]).reshape(n)
+    where = jnp.nonzero(wanted, size=(-(-n // c) + 1) * c, fill_value=n)[0]  # n: no position (dropped)
+    hidden = x.reshape(n, x.shape[-1])
 
-    parts = (jnp.moveaxis(x.reshape(B, T // c, c, D), 1, 0), jnp.moveaxis(targets.reshape(B, T // c, c), 1, 0))
-    lp, ids, lps = jax.lax.map(chunk, parts)
-    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T, *a.shape[3:])
-    return merge(lp), merge(ids), merge(lps)
+    def chunk(i: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        at = jax.lax.dynamic_slice_in_dim(where, i * c, c)
+        h, t = jnp.take(hidden, at, axis=0, mode="clip"), jnp.take(targets, at, mode="clip")
+        logp = jax.nn.log_softmax(model.unembed(params, h[None], cfg)[0], axis=-1)  # over the padded vocabulary,
+        top_lps, top_ids = jax.lax.top_k(used_vocabulary(logp, cfg.n_vocab_used), TOP_LOGPROBS)  # as `forward`
+        new = (jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lps)
+        return tuple(o.at[at].set(v, mode="drop") for o, v in zip(out, new, strict=True))
+
+    out = (jnp.zeros(n, jnp.float32), jnp.full((n, TOP_LOGPROBS), -1, jnp.int32),
+           jnp.zeros((n, TOP_LOGPROBS), jnp.float32))  # fmt: skip
+    lp, ids, lps = jax.lax.fori_loop(0, -(-wanted.sum() // c), chunk, out)
+    return lp.reshape(B, T), ids.reshape(B, T, TOP_LOGPROBS), lps.reshape(B, T, TOP_LOGPROBS)
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
@@ -350,11 +360,8 @@ def abstract_state(
     return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32))
 
 
-def prefill_args(
-    cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int, score: bool = False
-) -> tuple[Any, ...]:
-    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens
-    (with `score`, the rows' `refed` too)."""
+def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
+    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
     settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
     spec = partial(_batch_spec, mesh)
     return (
@@ -365,7 +372,8 @@ def prefill_args(
         spec((rows,), np.int32),  # start
         spec((rows, cfg.vocab_size), bool),  # seen
         settings,
-        *((spec((rows,), np.int32),) if score else ()),  # refed
+        spec((rows,), np.int32),  # refed
+        spec((rows,), np.int32),  # scored
     )
 
 
@@ -456,20 +464,11 @@ class Shapes:
 class Prefill(NamedTuple):
     """New rows' prompts (the part not in the prefix cache) into `slots`: tokens and mask [rows, bucket],
     page tables [rows, max_pages], the cached length each starts from, the tokens each has seen [rows, vocab]
-    (for the repetition penalty) and their sampling settings. Padding rows have slots out of range."""
+    (for the repetition penalty) and their sampling settings. Padding rows have slots out of range.
 
-    slots: np.ndarray
-    tokens: np.ndarray
-    mask: np.ndarray
-    table: np.ndarray
-    start: np.ndarray
-    seen: np.ndarray
-    settings: Settings
-
-
-class Score(NamedTuple):
-    """A prefill that scores its prompts (`Prefill`'s fields, then `refed` [rows]: 1 where a row's first
-    token is its cached prefix's last, run again for the logits that score the token after it)."""
+    A scored row's first `scored` [rows] positions are scored (0: not scored); `refed` [rows] is 1 where a
+    scored row's first token is its cached prefix's last, run again for the logits that score the token
+    after it."""
 
     slots: np.ndarray
     tokens: np.ndarray
@@ -479,6 +478,7 @@ class Score(NamedTuple):
     seen: np.ndarray
     settings: Settings
     refed: np.ndarray
+    scored: np.ndarray
 
 
 class Decode(NamedTuple):
@@ -617,12 +617,12 @@ class Runner:
             draft = dict(draft_params=self.draft.params, draft_cache=self.draft_cache, draft=self.draft[1:])
         return (self.params, self.cache, self.rows), dict(cfg=self.cfg, policy=self.policy, **draft)
 
-    def _call(self, fn: Any, *args: Any) -> Step:
-        """Run a compiled step on the pools and the slots, which it updates in place."""
+    def _call(self, fn: Any, *args: Any) -> tuple[jax.Array | None, ...]:
+        """Run a compiled step on the pools and the slots, which it updates in place; what it produced."""
         state, options = self._state()
         with jax.set_mesh(self.mesh):
             self.cache, self.draft_cache, self.rows, out = fn(*state, *args, **options)
-        return Step(*(None if x is None else to_host(x) for x in out))
+        return out
 
     # compiling ------------------------------------------------------------------------------------
 
@@ -632,11 +632,7 @@ class Runner:
         to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
         width = self.shapes.max_pages
-        programs = [
-            (_prefill, prefill_args(self.cfg, self.mesh, b, t, width, score))
-            for b, t in self.shapes.prefill_shapes()
-            for score in (False, True)
-        ]
+        programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, width)) for b, t in self.shapes.prefill_shapes()]
         for b in self.shapes.decode_batches():
             for n in self.shapes.page_buckets():
                 if self.speculate:
@@ -660,7 +656,7 @@ class Runner:
                 pool.shutdown(cancel_futures=True)
                 raise
         for fn, args in programs:
-            self._call(fn, *self._padding(args))
+            jax.block_until_ready(self._call(fn, *self._padding(args)))
         seconds = time.perf_counter() - began
         self.compiled_shapes, self.compile_seconds = len(programs), seconds
         _count_compiles(weakref.ref(self))
@@ -688,25 +684,30 @@ class Runner:
 
     # running a batch --------------------------------------------------------------------------------
 
-    def run(self, batch: Prefill | Score | Decode | Speculate) -> Step:
+    def run(self, batch: Prefill | Decode | Speculate) -> Step:
         """Run one batch on the pool and the slots; what each of its rows produced."""
-        if isinstance(batch, Prefill | Score):
+        if isinstance(batch, Prefill):
             return self.prefill(batch)
         return self.decode(batch) if isinstance(batch, Decode) else self.verify(batch)
 
-    def prefill(self, batch: Prefill | Score) -> Step:
+    def prefill(self, batch: Prefill) -> Step:
         settings = batch.settings
         if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
             settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
-        arrays = [self._from_host(x) for x in batch[:6]]
-        refed = (self._from_host(batch.refed),) if isinstance(batch, Score) else ()
-        return self._call(_prefill, *arrays, jax.tree.map(self._from_host, settings), *refed)
+        out = self._call(_prefill, *jax.tree.map(self._from_host, batch._replace(settings=settings)))
+        return _on_host(out if batch.scored.any() else out[: Step._fields.index("proposed")])
 
     def decode(self, batch: Decode) -> Step:
-        return self._call(_decode, self._from_host(batch.slots), self._from_host(batch.table), np.int32(batch.chunk))
+        return _on_host(self._call(_decode, self._from_host(batch.slots), self._from_host(batch.table),
+                                   np.int32(batch.chunk)))  # fmt: skip
 
     def verify(self, batch: Speculate) -> Step:
-        return self._call(_speculate, *map(self._from_host, batch))
+        return _on_host(self._call(_speculate, *map(self._from_host, batch)))
+
+
+def _on_host(out: tuple[jax.Array | None, ...]) -> Step:
+    """A step's outputs, copied to the host (the fields left out are None)."""
+    return Step(*(None if x is None else to_host(x) for x in out))
 
 
 def _count_compiles(runner: weakref.ref) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from meshlm.config import InputError
 from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, settings_for
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
-from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Score, Shapes, Speculate
+from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Shapes, Speculate
 
 _ids = count()
 
@@ -74,6 +74,12 @@ class Request:
         """1 when a scored row runs its cached prefix's last token again, for the logits after it."""
         return int(self.scored and self.length > 0)
 
+    @property
+    def to_score(self) -> int:
+        """Positions of its prefill that score a prompt token (each scores the token after it): the fed
+        tokens but the prompt's last, or none when the prompt is not scored."""
+        return len(self.prompt) - self.length - (1 - self.refed) if self.scored else 0
+
 
 @dataclass
 class Stats:
@@ -105,7 +111,7 @@ class Scheduled(NamedTuple):
     """A batch to run and the requests in its rows, in order."""
 
     rows: list[Request]
-    batch: Prefill | Score | Decode | Speculate
+    batch: Prefill | Decode | Speculate
 
 
 def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
@@ -222,12 +228,9 @@ class Scheduler:
             start[i], slots[i] = r.length, r.slot
             seen[i, r.prompt] = True
         settings = settings_for([r.output.sampling for r in admitted], n)
-        arrays = (slots, tokens, mask, table, start, seen, settings)
-        if admitted[0].scored:
-            refed = np.zeros(n, np.int32)
-            refed[: len(admitted)] = [r.refed for r in admitted]
-            return Scheduled(admitted, Score(*arrays, refed))
-        return Scheduled(admitted, Prefill(*arrays))
+        refed, scored = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        refed[: len(admitted)], scored[: len(admitted)] = [r.refed for r in admitted], [r.to_score for r in admitted]
+        return Scheduled(admitted, Prefill(slots, tokens, mask, table, start, seen, settings, refed, scored))
 
     def schedule_decode(self, chunk: int) -> Scheduled | None:
         """The running rows' next step: a speculative one when there are proposals, else a decode of up to
@@ -252,11 +255,11 @@ class Scheduler:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
         cache); then free the rows that finished."""
         rows, batch = scheduled
-        if isinstance(batch, Prefill | Score):
+        if isinstance(batch, Prefill):
             self.stats.prefill_calls += 1
             now = time.perf_counter()
             for i, r in enumerate(rows):
-                scores = self._score(r, step, i) if isinstance(batch, Score) else None
+                scores = self._score(r, step, i) if r.scored else None
                 r.length = len(r.prompt)
                 self.pool.publish(r.prompt, r.pages, scores)
                 self.stats.prompt_tokens += len(r.prompt)
@@ -291,15 +294,14 @@ class Scheduler:
         first = (np.full(1, np.nan, np.float32), np.full((1, TOP_LOGPROBS), -1, np.int32),
                  np.zeros((1, TOP_LOGPROBS), np.float32))  # fmt: skip
         # this prefill's position j scores prompt token r.length - r.refed + j + 1, up to the prompt's last
-        n = len(r.prompt) - r.length - (1 - r.refed)
+        n = r.to_score
         fresh = (step.prompt_logprob[i, :n], step.prompt_top_ids[i, :n], step.prompt_top_logprobs[i, :n])
         lp, ids, lps = (np.concatenate(parts) for parts in zip(*(cached or [first]), fresh, strict=True))
         k = r.output.sampling.prompt_logprobs
         with r.lock:
-            r.output.prompt_logprobs = [None, *map(float, lp[1:])]
-            r.output.prompt_top_logprobs = [None] + [
-                [(int(t), float(v)) for t, v in zip(ids[p, :k], lps[p, :k], strict=True)] for p in range(1, len(lp))
-            ]
+            r.output.prompt_logprobs = [None, *lp[1:].tolist()]
+            tops = zip(ids[1:, :k].tolist(), lps[1:, :k].tolist(), strict=True)
+            r.output.prompt_top_logprobs = [None, *(list(zip(i, v, strict=True)) for i, v in tops)]
         pages = range(len(r.prompt) // size)
         return [tuple(x[p * size : (p + 1) * size] for x in (lp, ids, lps)) for p in pages]
 
@@ -308,16 +310,13 @@ class Scheduler:
         return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
 
     def _admit(self) -> list[Request]:
-        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix;
-        scored rows and the others are never in one prefill."""
+        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix."""
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         admitted: list[Request] = []
         longest = 0
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
-            if admitted and r.scored != admitted[0].scored:  # a prefill scores all its rows or none
-                break
             shared = self.pool.match(r.prompt, scored=r.scored)
             need = pages_for(r.budget, self.page_size) - len(shared)
             new_tokens = len(r.prompt) - len(shared) * self.page_size + (r.scored and bool(shared))

@@ -220,6 +220,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: set[Group] = field(default_factory=set)
     stopping: bool = False
+    token_texts: dict[int, str] = field(default_factory=dict)
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs show it (remembered: a scored prompt shows thousands)."""
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     @property
     def ctx(self) -> int:
@@ -535,7 +543,7 @@ def _lp(x: float | None) -> float | None:
 
 
 def legacy_logprobs(
-    tok: Tokenizer,
+    text_of: Callable[[int], str],
     tokens: Sequence[int],
     logprobs: Sequence[float | None],
     tops: Sequence[Sequence[tuple[int, float]] | None],
@@ -545,7 +553,7 @@ def legacy_logprobs(
     """OpenAI's legacy (completions) logprobs object: each token's text, logprob, the `n_top` likeliest
     alternatives with the token itself (up to n_top + 1 entries, as OpenAI and vLLM give them; a prompt's
     first token, which nothing predicts, has null for both) and where its text starts."""
-    texts = [tok.decode([t]) for t in tokens]
+    texts = [text_of(t) for t in tokens]
     offsets, at = [], offset
     for text in texts:
         offsets.append(at)
@@ -555,7 +563,7 @@ def legacy_logprobs(
         if lp is None:
             top_logprobs.append(None)
             continue
-        top = {tok.decode([i]): _lp(v) for i, v in (alts or [])[:n_top]}
+        top = {text_of(i): _lp(v) for i, v in (alts or [])[:n_top]}
         top[text] = _lp(lp)  # the token's own: lm-eval's "is greedy" compares it with the largest of these
         top_logprobs.append(top)
     return {
@@ -585,7 +593,9 @@ def chat_logprobs(
     ]
 
 
-def prompt_logprobs_of(tok: Tokenizer, row: Request, n_top: int) -> list[dict[str, dict[str, Any]] | None]:
+def prompt_logprobs_of(
+    text_of: Callable[[int], str], row: Request, n_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: for each prompt token (null for the first) {token id: {logprob, rank,
     decoded_token}} for the token itself and its `n_top` likeliest alternatives. A rank is known for the
     alternatives; the token's own is its place among them, null when it is not one."""
@@ -597,9 +607,9 @@ def prompt_logprobs_of(tok: Tokenizer, row: Request, n_top: int) -> list[dict[st
             continue
         alts = list(alts or [])
         ranks = {i: r for r, (i, _) in enumerate(alts, 1)}
-        entries = {str(token): {"logprob": _lp(lp), "rank": ranks.get(token), "decoded_token": tok.decode([token])}}
+        entries = {str(token): {"logprob": _lp(lp), "rank": ranks.get(token), "decoded_token": text_of(token)}}
         for r, (i, v) in enumerate(alts[:n_top], 1):
-            entries.setdefault(str(i), {"logprob": _lp(v), "rank": r, "decoded_token": tok.decode([i])})
+            entries.setdefault(str(i), {"logprob": _lp(v), "rank": r, "decoded_token": text_of(i)})
         result.append(entries)
     return result
 
@@ -688,14 +698,16 @@ async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
             if scored:
                 prompt_lps, prompt_tops = _prompt_scores(row)
                 tokens, lps, tops = row.prompt + tokens, [*prompt_lps, *lps], [*prompt_tops, *tops]
-            lp = legacy_logprobs(tok, tokens, lps, tops, body.logprobs, 0 if scored else len(echo))
+            lp = legacy_logprobs(state.token_text, tokens, lps, tops, body.logprobs, 0 if scored else len(echo))
         choice = {"index": i, "text": echo + out.text, "logprobs": lp, "finish_reason": out.finish_reason}
         if body.prompt_logprobs is not None:
             _prompt_scores(row)
-            choice["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs_of(state.token_text, row, body.prompt_logprobs)
         choices.append(choice)
-    return {"id": cid, "object": "text_completion", "created": now, "model": body.model or state.model_name,
-            "choices": choices, "usage": usage_of(state, group, prompts)}  # fmt: skip
+    # a JSONResponse is written as is: FastAPI would walk a scored prompt's thousands of entries first
+    model = body.model or state.model_name
+    return JSONResponse({"id": cid, "object": "text_completion", "created": now, "model": model, "choices": choices,
+                         "usage": usage_of(state, group, prompts)})  # fmt: skip
 
 
 async def stream_completion(
@@ -712,7 +724,7 @@ async def stream_completion(
     """Server-sent events: a chunk per piece of new text, a last chunk per row with its finish_reason, a usage
     chunk if asked. An echoed prompt comes first (with its logprobs, once the row's prefill has scored it).
     A client that goes away closes this generator, which cancels the rows."""
-    tok, model = state.tokenizer, body.model or state.model_name
+    model = body.model or state.model_name
     extra = {"usage": None} if include_usage else {}
 
     def event(index: int, text: str, lp: dict | None, reason: str | None, **more: Any) -> str:
@@ -738,17 +750,17 @@ async def stream_completion(
                     prompt_lps, prompt_tops = _prompt_scores(row)
                     more = {}
                     if body.prompt_logprobs is not None:
-                        more["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+                        more["prompt_logprobs"] = prompt_logprobs_of(state.token_text, row, body.prompt_logprobs)
                     if scored:
-                        lp = legacy_logprobs(tok, row.prompt, prompt_lps, prompt_tops, body.logprobs, 0)
+                        lp = legacy_logprobs(state.token_text, row.prompt, prompt_lps, prompt_tops, body.logprobs, 0)
                         offsets[i] = len(echoes[i])
                         yield event(i, echoes[i], lp, None, **more)
                     else:  # the echo (if any) went first
                         yield event(i, "", None, None, **more)
                 lp = None
                 if body.logprobs is not None:
-                    lp = legacy_logprobs(tok, piece.tokens, piece.logprobs, piece.top_logprobs, body.logprobs,
-                                         offsets[i])  # fmt: skip
+                    lp = legacy_logprobs(state.token_text, piece.tokens, piece.logprobs, piece.top_logprobs,
+                                         body.logprobs, offsets[i])  # fmt: skip
                 offsets[i] += len(piece.text)
                 if piece.text or piece.finish_reason or (lp and piece.tokens):  # a held-back token has its logprob
                     yield event(i, piece.text, lp, piece.finish_reason)
@@ -833,10 +845,11 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
                   "logprobs": lp, "finish_reason": out.finish_reason}  # fmt: skip
         if body.prompt_logprobs is not None:
             _prompt_scores(row)
-            choice["prompt_logprobs"] = prompt_logprobs_of(tok, row, body.prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs_of(state.token_text, row, body.prompt_logprobs)
         choices.append(choice)
-    return {"id": cid, "object": "chat.completion", "created": now, "model": body.model or state.model_name,
-            "choices": choices, "usage": usage_of(state, group, [prompt])}  # fmt: skip
+    model = body.model or state.model_name
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": now, "model": model, "choices": choices,
+                         "usage": usage_of(state, group, [prompt])})  # fmt: skip
 
 
 async def stream_chat(

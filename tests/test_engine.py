@@ -119,14 +119,14 @@ def test_every_shape_is_compiled_by_warm_up(lm):
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
     shapes, _ = engine.warm_up()
     programs = engine.runner.shapes
-    # each prefill shape twice: plain, and scoring its prompts
-    assert shapes == 2 * len(programs.prefill_shapes()) + len(programs.decode_batches()) * len(programs.page_buckets())
+    # one prefill program per shape serves rows that score their prompts and rows that do not
+    assert shapes == len(programs.prefill_shapes()) + len(programs.decode_batches()) * len(programs.page_buckets())
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 512, n).tolist() for n in (1, 15, 16, 17, 40)]
     params = [greedy(int(m)) for m in (8, 30, 4, 20, 8)]
     params[1] = params[1].replace(temperature=0.7, seed=3)
     engine.generate(prompts, params, chunk=5)
-    engine.generate(prompts[1:3], [greedy(0).replace(prompt_logprobs=2)] * 2)  # scored prefills were compiled too
+    engine.generate(prompts[1:3], [greedy(0).replace(prompt_logprobs=2), greedy(3)])  # scored and plain rows mix
     assert engine.runner.compiles_since_warm_up == 0
 
 
@@ -142,24 +142,38 @@ def reference_scores(lm, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndar
 def test_scored_prompts_give_each_tokens_logprob_through_the_prefix_cache(lm, shared_prompts):
     """Prompt scoring (echo with logprobs): every prompt token's logprob and top alternatives equal the full
     forward pass's, for rows scored alone, batched, with 0 or more new tokens, and again once the shared
-    opening pages are cached with their scores (a page cached by an unscored row is not used)."""
+    opening pages are cached with their scores (a page cached by an unscored row is not used); then with
+    scored and plain rows in one prefill."""
     engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
     engine.generate(shared_prompts[:1], [greedy(2)])  # caches the opening's pages without scores
-    for round_ in range(2):
-        params = [greedy(n).replace(prompt_logprobs=3) for n in (0, 2, 0, 1, 0, 3)]
+    budgets = (0, 2, 0, 1, 0, 3)
+    tokens = []
+    for round_ in range(3):
+        scored = [round_ < 2 or i % 2 == 0 for i in range(len(budgets))]  # the last round mixes them
+        params = [greedy(n).replace(prompt_logprobs=3 if s else None) for n, s in zip(budgets, scored, strict=True)]
         hits = engine.snapshot().prefix_cache_hits
+        calls = engine.snapshot().prefill_calls
         got = engine.generate(shared_prompts, params)
-        if round_:  # every prompt's full pages were cached with their scores, leaving each its last token
+        if round_ == 1:  # every prompt's full pages were cached with their scores, leaving each its last token
             found = engine.snapshot().prefix_cache_hits - hits
             assert found == sum((len(p) - 1) // PAGE * PAGE for p in shared_prompts)
-        for prompt, completion, sp in zip(shared_prompts, got, params, strict=True):
+        if round_ == 2:  # 4 rows, then 2: scored and plain rows share prefills
+            assert engine.snapshot().prefill_calls - calls == 2
+        for i, (prompt, completion, sp) in enumerate(zip(shared_prompts, got, params, strict=True)):
+            assert len(completion.tokens) == sp.max_new_tokens
+            if round_:
+                assert completion.tokens == tokens[i]
+            else:
+                tokens.append(completion.tokens)
+            if not scored[i]:
+                assert completion.prompt_logprobs is None
+                continue
             lp, top_ids, top_lps = reference_scores(lm, prompt, 3)
             assert completion.prompt_logprobs[0] is None and completion.prompt_top_logprobs[0] is None
             np.testing.assert_allclose(completion.prompt_logprobs[1:], lp, atol=1e-5, rtol=1e-5)
             for p, alternatives in enumerate(completion.prompt_top_logprobs[1:]):
                 assert [i for i, _ in alternatives] == top_ids[p].tolist(), (round_, p)
                 np.testing.assert_allclose([v for _, v in alternatives], top_lps[p], atol=1e-5, rtol=1e-5)
-            assert len(completion.tokens) == sp.max_new_tokens
     assert engine.snapshot().kv_pages_used == 0
 
 
@@ -254,10 +268,15 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
 
 def test_decode_steps_by_the_paged_kernel_on_a_mesh_equal_transformers(hf_tiny, shared_prompts):
     """The Pallas paged-attention kernel (interpreted on CPU) reads the pool in decode steps, per shard of
-    a mesh that splits rows over `data` x `fsdp` and heads over `model`; rows join mid-flight as before."""
+    a mesh that splits rows over `data` x `fsdp` and heads over `model`; rows join mid-flight as before. The
+    middle row scores its prompt, gathered across the rows' shards."""
     lm = meshlm.load(hf_tiny.path, mesh="data=2,fsdp=2,model=2")
     engine = lm.engine(attention="pallas", max_batch=2, page_size=PAGE, kv_tokens=160)
     budgets = [9, 4, 12]
-    got = engine.generate(shared_prompts[:3], [greedy(n) for n in budgets], chunk=4)
+    params = [greedy(n).replace(prompt_logprobs=2 if i == 1 else None) for i, n in enumerate(budgets)]
+    got = engine.generate(shared_prompts[:3], params, chunk=4)
     for prompt, n, completion in zip(shared_prompts[:3], budgets, got, strict=True):
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+    lp, top_ids, _ = reference_scores(lm, shared_prompts[1], 2)
+    np.testing.assert_allclose(got[1].prompt_logprobs[1:], lp, atol=1e-5, rtol=1e-5)
+    assert [[i for i, _ in alts] for alts in got[1].prompt_top_logprobs[1:]] == top_ids.tolist()

@@ -73,7 +73,7 @@ class PagePool:
                 else:
                     self.free.append(page)
 
-    def _keys(self, tokens: Sequence[int], n_pages: int) -> list[tuple]:
+    def keys(self, tokens: Sequence[int], n_pages: int) -> list[tuple]:
         """The prefix key of each of the first `n_pages` full pages: the previous key and the page's tokens."""
         keys, key = [], ()
         for i in range(n_pages):
@@ -81,14 +81,16 @@ class PagePool:
             keys.append(key)
         return keys
 
+    def matchable(self, tokens: Sequence[int]) -> int:
+        """Full pages of `tokens` a match can take: all but the one holding the last token, which must run."""
+        return (len(tokens) - 1) // self.page_size if self.prefix_caching else 0
+
     def match(self, tokens: Sequence[int], scored: bool = False) -> list[int]:
         """Take the cached pages that hold the longest full-page prefix of `tokens`, leaving at least one
         token to run (its logits choose the first new token); with `scored`, only pages whose tokens'
         scores are cached too."""
-        if not self.prefix_caching:
-            return []
         pages = []
-        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size):
+        for key in self.keys(tokens, self.matchable(tokens)):
             page = self.by_prefix.get(key)
             if page is None or (scored and page not in self.scores):
                 break
@@ -109,7 +111,7 @@ class PagePool:
         their tokens (one entry per page) when the row was scored."""
         if not self.prefix_caching:
             return
-        for i, (key, page) in enumerate(zip(self._keys(tokens, len(tokens) // self.page_size), pages, strict=False)):
+        for i, (key, page) in enumerate(zip(self.keys(tokens, len(tokens) // self.page_size), pages, strict=False)):
             if key not in self.by_prefix and page not in self.prefix_of:
                 self.by_prefix[key] = page
                 self.prefix_of[page] = key

@@ -310,14 +310,24 @@ class Scheduler:
         return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
 
     def _admit(self) -> list[Request]:
-        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix."""
+        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix.
+
+        A row whose next page of prompt an admitted row is about to write waits for the next prefill, which
+        finds that page cached: a multiple-choice task's continuations, or a prompt sent `n` times, compute
+        their shared context once."""
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         admitted: list[Request] = []
+        deferred: list[Request] = []
+        writing: dict[tuple, bool] = {}  # the pages this prefill writes (their prefix keys): with scores?
         longest = 0
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
             shared = self.pool.match(r.prompt, scored=r.scored)
+            if self._written_now(r, len(shared), writing):
+                self.pool.release(shared)
+                deferred.append(self.queue.popleft())
+                continue
             need = pages_for(r.budget, self.page_size) - len(shared)
             new_tokens = len(r.prompt) - len(shared) * self.page_size + (r.scored and bool(shared))
             t = self.shapes.prompt_bucket(max(longest, new_tokens))
@@ -334,7 +344,18 @@ class Scheduler:
             reserved += need
             longest = max(longest, new_tokens)
             admitted.append(r)
+            for key in self.pool.keys(r.prompt, self.pool.matchable(r.prompt))[len(shared) :]:
+                writing[key] = writing.get(key, False) or r.scored
+        self.queue.extendleft(reversed(deferred))
         return admitted
+
+    def _written_now(self, r: Request, cached: int, writing: dict[tuple, bool]) -> bool:
+        """Whether the page of `r`'s prompt after its `cached` ones is being written by a row admitted to this
+        prefill (with the scores `r` needs, when it is scored)."""
+        if self.pool.matchable(r.prompt) <= cached:
+            return False
+        key = self.pool.keys(r.prompt, cached + 1)[cached]
+        return key in writing and (writing[key] or not r.scored)
 
     def _grow(self, r: Request, tokens: int) -> None:
         """Give `r` pages for its first `tokens` tokens."""

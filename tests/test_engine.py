@@ -38,16 +38,27 @@ def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared
     for prompt, n, completion in zip(shared_prompts, budgets, got, strict=True):
         assert completion.tokens == hf_greedy(hf_tiny, prompt, n)[0]
     if prefix_caching:
-        # the first two rows are prefilled together; the two that join later each find the opening pages
-        assert engine.scheduler.pool.hits == 2 * 3 * PAGE
+        # the first row writes the opening's pages; the second waits one prefill for them (an unrelated row
+        # takes its place in the first), and it and the two that join later each find them
+        assert engine.scheduler.pool.hits == 3 * 3 * PAGE
     else:
         assert engine.scheduler.pool.hits == 0
     assert engine.scheduler.pool.used == 0 and not engine.has_work()
 
 
+def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, shared_prompts):
+    """Four rows open with the same three pages (a multiple-choice task's continuations): the first writes
+    them, the other three wait one prefill and find them cached; each row still equals transformers."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    got = engine.generate(shared_prompts[:4], [greedy(3)] * 4)
+    assert engine.snapshot().prefill_calls == 2 and engine.scheduler.pool.hits == 3 * 3 * PAGE
+    for prompt, completion in zip(shared_prompts[:4], got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, 3)[0]
+
+
 def test_a_row_holds_pages_only_for_its_tokens(lm):
     engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
-    prompts = [[7] * n for n in (3, 10, 17)]
+    prompts = [[7 + i] * n for i, n in enumerate((3, 10, 17))]  # nothing shared: all three in one prefill
     budgets = sum(pages_for(len(p) + 30, PAGE) for p in prompts)
     for step, _ in enumerate(engine.run(prompts, [greedy(30)] * 3, chunk=2)):
         assert engine.scheduler.pool.used == sum(len(r.pages) for r in engine.scheduler.running)

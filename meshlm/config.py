@@ -35,7 +35,12 @@ class DataError(ConfigError):
 
 
 class InputError(MeshlmError, ValueError):
-    """An argument to the Python API (tokens, prompts, sampling settings) is out of range."""
+    """An argument to the Python API (tokens, prompts, sampling settings) is out of range; `param` names the
+    request field it came from, where there is one (the server answers 400 naming it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class TrainingStopped(MeshlmError):

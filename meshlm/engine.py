@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from meshlm import model
 from meshlm.config import InputError, ModelConfig
-from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk
+from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, check_token_ids
 from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
 from meshlm.scheduler import Request, Scheduler
 from meshlm.tokenizer import Tokenizer
@@ -161,8 +161,9 @@ class Engine:
             raise InputError("stop strings need a tokenizer")
         for prompt, sp in zip(prompts, params, strict=True):
             self.check(len(prompt), sp.max_new_tokens)
-            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:  # pairs are sorted by id
-                raise InputError(f"logit_bias: token ids must lie in [0, {self.cfg.vocab_size})")
+            for name, ids in (("prompt", prompt), ("stop_token_ids", sp.stop_token_ids),
+                              ("logit_bias", [i for i, _ in sp.logit_bias])):  # fmt: skip
+                check_token_ids(ids, self.cfg.n_vocab_used, name)
         requests = [
             Request(list(p), RowOutput(sp, tokenizer), notify=None if on_update is None else _bind(on_update, i))
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))

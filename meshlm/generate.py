@@ -38,6 +38,13 @@ def check_chunk(chunk: int) -> int:
     return chunk
 
 
+def check_token_ids(ids: Sequence[int], n_vocab: int, name: str) -> None:
+    """The one rule for every token id a request gives (its prompt, stop_token_ids, logit_bias): ids the
+    model's tokenizer has, [0, n_vocab_used); the embedding rows beyond them are padding, never trained."""
+    if len(ids) and (min(ids) < 0 or max(ids) >= n_vocab):
+        raise InputError(f"{name}: token ids must lie in [0, {n_vocab})", param=name)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one row is generated. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those

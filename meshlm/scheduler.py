@@ -159,7 +159,7 @@ class Scheduler:
         """A clear error for a request that can never run."""
         max_len = self.shapes.max_len
         if prompt_len < 1:
-            raise InputError("a prompt must have at least one token")
+            raise InputError("a prompt must have at least one token", param="prompt")
         if prompt_len > max_len:
             raise InputError(f"prompt has {prompt_len} tokens, more than the context of {max_len}")
         if prompt_len + max_new > max_len:

@@ -323,18 +323,8 @@ async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
 
 
 def encode(state: ServerState, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return state.lm.encode_prompt(prompt)
-    if not prompt:
-        raise APIError(400, "prompt: a token list must not be empty", param="prompt")
-    check_ids(state, prompt, "prompt")
-    return prompt
-
-
-def check_ids(state: ServerState, ids: Sequence[int], name: str) -> None:
-    n_vocab = state.lm.config.n_vocab_used
-    if ids and (min(ids) < 0 or max(ids) >= n_vocab):
-        raise APIError(400, f"{name}: token ids must lie in [0, {n_vocab})", param=name)
+    """A prompt's token ids (a token list as given: the engine checks every request's ids)."""
+    return state.lm.encode_prompt(prompt) if isinstance(prompt, str) else prompt
 
 
 def check_unsupported(body: BaseModel, table: dict[str, tuple[Any, ...]]) -> None:
@@ -365,7 +355,6 @@ def sampling_params(state: ServerState, body: Sampling, max_new: int, prompt_log
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     extra = list(body.stop_token_ids or ())
-    check_ids(state, extra, "stop_token_ids")
     eos = () if body.ignore_eos else state.eos_ids
     stop_ids = tuple(dict.fromkeys([*eos, *extra]))
     bias: dict[int, float] = {}
@@ -373,7 +362,6 @@ def sampling_params(state: ServerState, body: Sampling, max_new: int, prompt_log
         if not key.strip().lstrip("-").isdecimal():
             raise APIError(400, f"logit_bias: keys must be token ids (integers), got {key!r}", param="logit_bias")
         bias[int(key)] = value
-    check_ids(state, list(bias), "logit_bias")
     if body.min_tokens > max_new:
         raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most the tokens to generate ({max_new})",
                        param="min_tokens")  # fmt: skip
@@ -415,8 +403,8 @@ def add_rows(state: ServerState, prompts: list[list[int]], params: list[Sampling
     settings = [sp.replace(seed=sp.seed + j) for sp in params for j in range(n)]
     try:
         group.add(rows, settings, state.tokenizer)
-    except ValueError as e:  # InputError among them: a request that can never run
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # InputError among them: a request that can never run, or ids out of range
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
     except QueueFull:
         raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
     return group

@@ -13,12 +13,13 @@ __all__ = [
     "ModelConfig",
     "__version__",
     "convert",
+    "export_adapter",
     "from_config",
     "load",
     "merge",
     "preset",
 ]
-_API = ("LanguageModel", "convert", "from_config", "load", "merge")
+_API = ("LanguageModel", "convert", "export_adapter", "from_config", "load", "merge")
 
 
 def __getattr__(name: str):

@@ -234,12 +234,7 @@ class LanguageModel:
     def _check_prompts(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> tuple[list[list[int]], list[SamplingParams]]:
-        prompts = [[int(t) for t in p] for p in prompts]
-        for p in prompts:
-            if not p:
-                raise InputError("a prompt must have at least one token")
-            if min(p) < 0 or max(p) >= self.config.vocab_size:
-                raise InputError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        prompts = [[int(t) for t in p] for p in prompts]  # their ids are checked by the engine, as a server's are
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
@@ -411,6 +406,11 @@ def merge(
     W + scale * A B, as a full model in format `to`. Streamed like `convert`, in the same bounded memory,
     and written into `dst` as `convert` writes (`overwrite` likewise)."""
     _stream(base, dst, to, dtype, seed_config, adapter, overwrite)
+
+
+def export_adapter(run: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
+    """Write a meshlm LoRA `run`'s adapter as a PEFT folder `dst` (`overwrite` as in `convert`); returns the step."""
+    return adapters.export_run(run, dst, overwrite=overwrite)
 
 
 def _stream(

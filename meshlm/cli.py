@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from meshlm.config import ATTENTION_IMPLS, RUN_CHECKPOINTS, ConfigError, Interrupted, MeshlmError
+from meshlm.config import ATTENTION_IMPLS, DTYPES, QUANTIZED, RUN_CHECKPOINTS, ConfigError, Interrupted, MeshlmError
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -28,12 +28,12 @@ def _add_tokenizer(p: argparse.ArgumentParser, default: str = MODEL_TOKENIZER) -
 
 def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,fsdp=2,model=2" (default: one device)')
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     _add_mesh_dtype(p)
-    p.add_argument("--quantize", choices=["int8", "nf4"], default=None, help="store the projections' weights quantized")
+    p.add_argument("--quantize", choices=QUANTIZED, default=None, help="store the projections' weights quantized")
     p.add_argument("--adapter", metavar="DIR", default=None, help="a LoRA adapter: a PEFT folder or a meshlm LoRA run")
 
 
@@ -139,9 +139,9 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def cmd_export_adapter(args: argparse.Namespace) -> None:
     """Write a meshlm LoRA run's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)
     that peft.PeftModel.from_pretrained loads on the base's transformers model."""
-    from meshlm.formats import adapters
+    from meshlm import api
 
-    step = adapters.export_run(args.run, args.dst, overwrite=args.overwrite)
+    step = api.export_adapter(args.run, args.dst, overwrite=args.overwrite)
     print(f"wrote the adapter of {step} to {args.dst}")
 
 
@@ -489,16 +489,17 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(f"wrote {summary['out']} in {summary['seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm demo`: a sharded forward pass of a preset model."""
     p = sub.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     p.add_argument("--preset", default="gptj-tiny")
     _add_mesh_dtype(p)
     _add_distributed(p)
     p.set_defaults(handler=cmd_demo)
 
+
+def _convert_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm convert`: streamed conversion between checkpoint formats."""
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
     p.add_argument(
         "src",
@@ -513,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out-dtype",
         dest="dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
         help="the precision written (default: float32)",
     )
     p.add_argument(
@@ -524,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed(p)  # started by a multi-process launcher, only process 0 converts
     p.set_defaults(handler=cmd_convert)
 
+
+def _sample_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm sample`: text generation in the terminal, plain or chat."""
     p = sub.add_parser("sample", help="generate text from a checkpoint", description=cmd_sample.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt", default=None, help="the prompt (default: read prompts from stdin, one per line)")
@@ -537,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     p.set_defaults(handler=cmd_sample)
 
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm serve`: the HTTP server and its batching, KV-cache and speculative-decoding knobs."""
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)", description=cmd_serve.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -590,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(p)
     _add_model_options(p)
     p.set_defaults(handler=cmd_serve)
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm eval`: lm-eval tasks or the perplexity of a text file."""
     p = sub.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--tasks", help="comma-separated lm-eval task names, e.g. lambada_openai,piqa,hellaswag")
@@ -611,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed(p)
     p.set_defaults(handler=cmd_eval)
 
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm train`: training and fine-tuning; the model and run settings come from the config and --set."""
     p = sub.add_parser(
         "train",
         help="train or fine-tune a model of the GPT-J family (no CONFIG: a CPU demo of a few minutes)",
@@ -645,6 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed(p)
     p.set_defaults(handler=cmd_train)
 
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm plan`: per-device memory of a run or a server on a target, and what fits."""
     p = sub.add_parser(
         "plan",
         help="what a training run or a server needs per device on a TPU slice, this CPU or a GPU, and what fits",
@@ -669,10 +686,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", action="store_true", help="plan a server: weights and KV cache, concurrent rows")
     p.add_argument("--context", type=int, default=None, help="--serve: tokens per row (default: the model's context)")
     p.add_argument("--rows", type=int, default=1, help="--serve: concurrent rows to report (default 1)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="--serve weights")
-    p.add_argument("--quantize", choices=["int8", "nf4"], default=None, help="--serve: quantized projections")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="--serve weights")
+    p.add_argument("--quantize", choices=QUANTIZED, default=None, help="--serve: quantized projections")
     p.set_defaults(handler=cmd_plan)
 
+
+def _prepare_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm prepare`: tokenizing text and records into the rows `meshlm train` reads."""
     p = sub.add_parser(
         "prepare",
         help=cmd_prepare.__doc__,
@@ -740,6 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-rows", type=int, default=None, help="rows per shard file (default: about 128 MiB)")
     p.set_defaults(handler=cmd_prepare)
 
+
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm launch`: local processes of one multi-process job."""
     p = sub.add_parser(
         "launch",
         help=cmd_launch.__doc__,
@@ -758,22 +781,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command every process runs, after --")
     p.set_defaults(handler=cmd_launch)
 
+
+def _merge_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm merge`: a LoRA adapter merged into its base, written as a full model."""
     p = sub.add_parser("merge", help=cmd_merge.__doc__, description=cmd_merge.__doc__)
     p.add_argument("base", help=CHECKPOINT_HELP)
     p.add_argument("adapter", help="a PEFT adapter folder or a meshlm LoRA run")
     _add_destination(p)
     p.add_argument("--to", default="meshlm", choices=["meshlm", "hf"], help="format written (default meshlm)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="precision written")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision written")
     p.add_argument("--seed-config", default=None, help="the seed's run JSON, for a seed checkpoint as the base")
     p.set_defaults(handler=cmd_merge)
 
+
+def _export_adapter_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm export-adapter`: a meshlm LoRA run's adapter written as a PEFT folder."""
     p = sub.add_parser("export-adapter", help=cmd_export_adapter.__doc__, description=cmd_export_adapter.__doc__)
     p.add_argument("run", help="a meshlm LoRA run folder (its latest step) or one of its step folders")
     _add_destination(p)
     p.set_defaults(handler=cmd_export_adapter)
 
+
+def _fetch_tokenizer_parser(sub: argparse._SubParsersAction) -> None:
+    """`meshlm fetch-tokenizer`: the GPT-2 BPE file, fetched into meshlm's cache."""
     p = sub.add_parser("fetch-tokenizer", help=cmd_fetch_tokenizer.__doc__, description=cmd_fetch_tokenizer.__doc__)
     p.set_defaults(handler=cmd_fetch_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `meshlm` parser: each subcommand's flags live in its own `_<command>_parser`, called in the order
+    `meshlm --help` lists them."""
+    parser = argparse.ArgumentParser(prog="meshlm", description="Model-parallel GPT-J-class Transformers in JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _demo_parser(sub)
+    _convert_parser(sub)
+    _sample_parser(sub)
+    _serve_parser(sub)
+    _eval_parser(sub)
+    _train_parser(sub)
+    _plan_parser(sub)
+    _prepare_parser(sub)
+    _launch_parser(sub)
+    _merge_parser(sub)
+    _export_adapter_parser(sub)
+    _fetch_tokenizer_parser(sub)
     return parser
 
 

@@ -181,6 +181,9 @@ def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
 
+CANDIDATES = 256  # largest logits per row that top-k and top-p read their thresholds from
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """uint32 keys that order like the float32 values (flip negatives, set the sign bit of positives)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
@@ -233,11 +236,34 @@ def filter_logits(
     """Temperature, then top-k, then top-p, then min-p (transformers' order); each filter runs only when a
     row asks for it."""
     logits = apply_temperature(logits, temperature)
-    logits = jax.lax.cond(jnp.any(top_k > 0), top_k_filter, lambda x, _: x, logits, top_k)
-    logits = jax.lax.cond(jnp.any(top_p < 1), top_p_filter, lambda x, _: x, logits, top_p)
+    asked = jnp.any(top_k > 0) | jnp.any(top_p < 1)
+    logits = jax.lax.cond(asked, _top_k_top_p, lambda x, *_: x, logits, top_k, top_p)
     if min_p is None:
         return logits
     return jax.lax.cond(jnp.any(min_p > 0), min_p_filter, lambda x, _: x, logits, min_p)
+
+
+def _top_k_top_p(logits: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+    """Top-k, then top-p, from each row's CANDIDATES largest logits (one `lax.top_k`, sorted): the k-th
+    largest and the nucleus's last token are read off the candidates, and a row whose k exceeds them, or
+    whose candidates hold less than p of its probability, takes the exact bisection filters instead. Keeps
+    the same tokens as `top_k_filter` then `top_p_filter` (ties with the threshold kept too)."""
+    n = min(CANDIDATES, logits.shape[-1])
+    values, _ = jax.lax.top_k(logits, n)  # [B, n], largest first
+    few = (k > 0) & (k <= n)
+    kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, n - 1)[:, None], axis=-1)
+    logits = jnp.where(few[:, None] & (logits < kth), -jnp.inf, logits)
+    values = jnp.where(few[:, None] & (values < kth), -jnp.inf, values)
+    many = k > n  # the candidates are still the row's largest: only values below them go
+    logits = jax.lax.cond(jnp.any(many), lambda x: top_k_filter(x, jnp.where(many, k, 0)), lambda x: x, logits)
+
+    mass = jnp.cumsum(jnp.exp(values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)), axis=-1)
+    reached = mass >= p[:, None]
+    covered = reached[:, -1]
+    last = jnp.take_along_axis(values, argmax(reached)[:, None], axis=-1)  # the first candidate reaching p
+    logits = jnp.where(((p < 1) & covered)[:, None] & (logits < last), -jnp.inf, logits)
+    short = (p < 1) & ~covered
+    return jax.lax.cond(jnp.any(short), lambda x: top_p_filter(x, jnp.where(short, p, 1.0)), lambda x: x, logits)
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -192,6 +192,25 @@ def test_filters_agree_with_transformers_warpers():
         np.testing.assert_array_equal(np.isfinite(got_p[i]), np.isfinite(want_p))
 
 
+def test_candidate_thresholds_keep_what_the_exact_filters_keep():
+    """Top-k and top-p read their thresholds off each row's 256 largest logits; on a 50400-wide vocabulary
+    they keep exactly the tokens the bisection filters keep: rows whose nucleus lies among the candidates,
+    rows whose candidates hold less than p (the exact fallback) and k beyond the candidates."""
+    rng = np.random.default_rng(0)
+    peaked, flat = rng.normal(0, 4, (4, 50400)), rng.normal(0, 0.5, (4, 50400))
+    logits = jnp.asarray(np.concatenate([peaked, flat]).astype(np.float32))
+    ks = jnp.array([0, 1, 40, 1000, 0, 7, 300, 0])
+    ps = jnp.array([0.9, 1.0, 0.5, 0.8, 0.99, 0.3, 1.0, 0.6], jnp.float32)
+    got = np.isfinite(gen.filter_logits(logits, jnp.ones(8), ks, ps))
+    want = np.isfinite(gen.top_p_filter(gen.top_k_filter(logits, ks), ps))
+    np.testing.assert_array_equal(got, want)
+    top = np.sort(np.asarray(gen.top_k_filter(logits, ks)), axis=-1)[:, ::-1]
+    probs = np.exp(top - top.max(-1, keepdims=True))
+    covered = probs[:, : gen.CANDIDATES].sum(-1) / probs.sum(-1) >= np.asarray(ps)
+    assert covered[[0, 2, 3]].all() and not covered[[4, 7]].any()  # both ways of finding the nucleus ran
+    assert 1 < want[0].sum() < gen.CANDIDATES and want[3].sum() <= 1000
+
+
 def test_padded_vocabulary_rows_are_never_produced(lm):
     V, used = 64, 50
     logits = np.zeros((3, V), np.float32)

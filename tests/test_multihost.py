@@ -51,7 +51,8 @@ def ok(result: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, bucket) -> Path:
     """One process, then two processes, then one again, handing checkpoints across: the two processes
-    save theirs into a (local emulator's) GCS bucket, from which the last run restores it."""
+    save theirs into a (local emulator's) GCS bucket, from which this process (8 devices, as the single
+    process had) restores it."""
     root = tmp_path_factory.mktemp("multihost")
     for name in ("one", "two", "back", "data"):
         (root / name).mkdir()
@@ -68,7 +69,9 @@ def runs(tmp_path_factory, bucket) -> Path:
             f"save={bucket}/multihost/ckpt2",
         )
     )
-    ok(run(1, str(root / "back"), f"restore={bucket}/multihost/ckpt2"))
+    from tests import multihost_worker
+
+    multihost_worker.restore(str(root / "back"), f"{bucket}/multihost/ckpt2")
     return root
 
 

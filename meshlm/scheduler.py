@@ -323,8 +323,10 @@ class Scheduler:
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
+            keys = self.pool.keys(r.prompt, self.pool.matchable(r.prompt))
             shared = self.pool.match(r.prompt, scored=r.scored)
-            if self._written_now(r, len(shared), writing):
+            next_key = keys[len(shared)] if len(shared) < len(keys) else None
+            if _written_now(next_key, r.scored, writing):
                 self.pool.release(shared)
                 deferred.append(self.queue.popleft())
                 continue
@@ -344,18 +346,10 @@ class Scheduler:
             reserved += need
             longest = max(longest, new_tokens)
             admitted.append(r)
-            for key in self.pool.keys(r.prompt, self.pool.matchable(r.prompt))[len(shared) :]:
+            for key in keys[len(shared) :]:
                 writing[key] = writing.get(key, False) or r.scored
         self.queue.extendleft(reversed(deferred))
         return admitted
-
-    def _written_now(self, r: Request, cached: int, writing: dict[tuple, bool]) -> bool:
-        """Whether the page of `r`'s prompt after its `cached` ones is being written by a row admitted to this
-        prefill (with the scores `r` needs, when it is scored)."""
-        if self.pool.matchable(r.prompt) <= cached:
-            return False
-        key = self.pool.keys(r.prompt, cached + 1)[cached]
-        return key in writing and (writing[key] or not r.scored)
 
     def _grow(self, r: Request, tokens: int) -> None:
         """Give `r` pages for its first `tokens` tokens."""
@@ -387,6 +381,12 @@ class Scheduler:
             table[i, : len(r.pages)] = r.pages
             slots[i] = r.slot
         return table, slots
+
+
+def _written_now(next_key: tuple | None, scored: bool, writing: dict[tuple, bool]) -> bool:
+    """Whether a row's next uncached page (its prefix key; None when it has no further page to match) is being
+    written by a row admitted to this prefill, with the scores the row needs when it is scored."""
+    return next_key in writing and (writing[next_key] or not scored)
 
 
 def _notify(r: Request) -> None:

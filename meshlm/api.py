@@ -16,9 +16,11 @@ from jax.sharding import Mesh
 from meshlm import checkpoint, model
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of, local_folder
 from meshlm.engine import Draft, Engine
-from meshlm.formats import adapters, hf, registry
+from meshlm.formats import adapters as adapter_files
+from meshlm.formats import hf, registry
 from meshlm.formats.slices import place, projection_quantizers
 from meshlm.generate import Completion, SamplingParams
+from meshlm.grammar import Constraint
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
 
@@ -75,6 +77,7 @@ class LanguageModel:
         self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
         self.folder = folder
         self._tokenizer = tokenizer
+        self.adapters: dict[str, str | Path] = {}  # name -> folder: what `generate(adapter=name)` may run
 
     def __repr__(self) -> str:
         c = self.config
@@ -134,8 +137,21 @@ class LanguageModel:
 
     @functools.cached_property
     def _engine(self) -> Engine:
-        """The engine `generate`, `generate_tokens` and `stream` share (its KV pool is allocated on first use)."""
-        return self.engine(max_batch=GENERATE_BATCH)
+        """The engine `generate`, `generate_tokens` and `stream` share (its KV pool is allocated on first use),
+        with a slot per added adapter."""
+        return self.engine(max_batch=GENERATE_BATCH, **({"adapters": self.adapters} if self.adapters else {}))
+
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Add a LoRA adapter (a PEFT folder or a meshlm LoRA run) that `generate(..., adapter=name)` runs on
+        this model: prompts of any mix of adapters (and the base) decode together in one batch. An engine of
+        your own takes them as `engine(adapters={name: path, ...})`."""
+        if "_engine" in self.__dict__ and self._engine.adapters is not None:
+            self._engine.load_adapter(name, path)
+        else:  # the shared engine, when it is made, has a slot for each
+            self.__dict__.pop("_engine", None)
+            if not Path(path).exists():
+                raise InputError(f"adapter {name!r}: {path} does not exist")
+        self.adapters[name] = path
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokens of a prompt; an empty prompt starts from <|endoftext|>, as GPT-2 models were trained."""
@@ -159,6 +175,7 @@ class LanguageModel:
         min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
         with `ignore_eos` (pass [] to run to max_new_tokens)."""
@@ -170,6 +187,7 @@ class LanguageModel:
             max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
             min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
+            constraint=constraint,
         )  # fmt: skip
 
     def generate(
@@ -191,8 +209,13 @@ class LanguageModel:
         min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
+        adapter: str | None = None,
+        json_schema: dict[str, Any] | bool | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> list[str]:
-        """Continuations of text prompts, decoded together as one batch.
+        """Continuations of text prompts, decoded together as one batch (with the LoRA adapter added as
+        `adapter`, see `add_adapter`).
 
         temperature 0 is greedy decoding; otherwise the logits are divided by `temperature`, cut to the
         `top_k` most likely tokens (0: all), then to the smallest set reaching probability `top_p`, then
@@ -202,26 +225,41 @@ class LanguageModel:
         Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default, none with
         `ignore_eos`) or before the first `stop` string (after it with `include_stop_str_in_output`), but
         not before `min_tokens` tokens. With `seed`, prompt i samples with seed + i, reproducibly.
+        The output can be constrained to JSON valid against `json_schema` ({} or True: any JSON), to a
+        `regex` or to one `choice` (one of the three); tokens that would leave it are never chosen.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not all(isinstance(p, str) for p in prompts):
             raise InputError("prompts must be strings")
+        given = [c for c in (json_schema is not None and Constraint.json_schema(json_schema, "json_schema"),
+                             regex is not None and Constraint.regex(regex, "regex"),
+                             choice is not None and Constraint.choice(list(choice), "choice")) if c]  # fmt: skip
+        if len(given) > 1:
+            raise InputError("constrain the output to one of json_schema, regex and choice")
         base = self.sampling(
             max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
             min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos, constraint=given[0] if given else None,
         )  # fmt: skip
         params = [base.replace(seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        results = self.generate_tokens([self.encode_prompt(p) for p in prompts], params)
+        prompts = [self.encode_prompt(p) for p in prompts]
+        results = self.generate_tokens(prompts, params, adapters=None if adapter is None else [adapter] * len(prompts))
         return [r.text or "" for r in results]
 
     def generate_tokens(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], chunk: int = 64
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        chunk: int = 64,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Token-level generation: one Completion (tokens, log-probabilities, finish reason, text) per prompt."""
+        """Token-level generation: one Completion (tokens, log-probabilities, finish reason, text) per prompt;
+        prompt i runs the added adapter named `adapters[i]` (None: the model alone)."""
         prompts, params = self._check_prompts(prompts, params)
-        return self._engine.generate(prompts, params, self._text_tokenizer(params), chunk)
+        if adapters is not None and (unknown := sorted({a for a in adapters if a is not None} - set(self.adapters))):
+            raise InputError(f"no adapter named {unknown[0]!r} was added (see add_adapter)")
+        return self._engine.generate(prompts, params, self._text_tokenizer(params), chunk, adapters)
 
     def stream(self, prompt: str, chunk: int = 4, **settings) -> Iterator[str]:
         """One prompt's continuation, piece by piece as it is generated (settings as in `sampling`).
@@ -307,6 +345,7 @@ def load(
     tokenizer: TokenizerSpec = None,
     quantize: str | None = None,
     adapter: str | Path | None = None,
+    adapters: Mapping[str, str | Path] | None = None,
 ) -> LanguageModel:
     """Load a meshlm checkpoint, a Hugging Face folder or a seed step_N folder onto `mesh`.
 
@@ -321,20 +360,26 @@ def load(
     `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
     rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
     or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base (quantized as it
-    was trained, unless `quantize` says otherwise) with its adapter.
+    was trained, unless `quantize` says otherwise) with its adapter. `adapters` (name -> folder) are LoRA
+    adapters that `generate(..., adapter=name)` runs per prompt, over one base (see `add_adapter`).
     """
+    if adapters:
+        lm = load(path, mesh, dtype, seed_config=seed_config, tokenizer=tokenizer, quantize=quantize, adapter=adapter)
+        for name, folder in adapters.items():
+            lm.add_adapter(name, folder)
+        return lm
     dtype_of(dtype)
     path, fmt = registry.resolve(path)
-    if fmt == "meshlm" and adapters.is_lora_run(path):  # a LoRA run: its base, with its adapter
+    if fmt == "meshlm" and adapter_files.is_lora_run(path):  # a LoRA run: its base, with its adapter
         if adapter is not None:
             raise ConfigError(f"{path} is a LoRA run's adapter, not a base for another adapter")
         desc = checkpoint.read_description(path)
-        base = adapters.run_base(desc)
+        base = adapter_files.run_base(desc)
         quantize = quantize or (base["dtype"] if base["dtype"] in QUANTIZED else None)  # as it was trained
         if base["init_from"] is None:  # the random model of the run's seed
             cfg = ModelConfig.from_dict(desc["model"])
             lm = from_config(cfg, mesh, dtype, base["seed"], tokenizer, quantize)
-            params = {**lm.params, "lora": adapters.load(path, cfg, lm.mesh, dtype)}
+            params = {**lm.params, "lora": adapter_files.load(path, cfg, lm.mesh, dtype)}
             return LanguageModel(cfg, params, lm.mesh, dtype, tokenizer, folder=path, quantized=quantize)
         seed_config = seed_config or base["seed_config"]
         return load(
@@ -353,7 +398,7 @@ def load(
         cfg, source = registry.open(path, fmt, dtype, seed_config)
         params = place(cfg, source, device_mesh, dtype, quantize)
     if adapter is not None:
-        params = {**params, "lora": adapters.load(adapter, cfg, device_mesh, dtype)}
+        params = {**params, "lora": adapter_files.load(adapter, cfg, device_mesh, dtype)}
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path, quantized=quantize)
 
 
@@ -410,7 +455,7 @@ def merge(
 
 def export_adapter(run: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
     """Write a meshlm LoRA `run`'s adapter as a PEFT folder `dst` (`overwrite` as in `convert`); returns the step."""
-    return adapters.export_run(run, dst, overwrite=overwrite)
+    return adapter_files.export_run(run, dst, overwrite=overwrite)
 
 
 def _stream(
@@ -431,7 +476,7 @@ def _stream(
     src, fmt = registry.resolve(src)
     cfg, source = registry.open(src, fmt, dtype, seed_config)
     if adapter is not None:
-        source = adapters.merged_source(cfg, source, adapters.read(adapter, cfg))
+        source = adapter_files.merged_source(cfg, source, adapter_files.read(adapter, cfg))
     files = tokenizer_files(model=src)
     size = model.count_params(cfg) * np.dtype(dtype_of(dtype)).itemsize
     with checkpoint.staged(dst, "convert" if adapter is None else "merge", overwrite, size) as folder:

@@ -31,10 +31,32 @@ def _add_mesh_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_model_options(p: argparse.ArgumentParser, named_adapters: bool = False) -> None:
+    """Mesh, dtype, quantization and a LoRA adapter; with `named_adapters` (a server), --adapter NAME=DIR
+    may be repeated, each adapter served under its own name."""
     _add_mesh_dtype(p)
     p.add_argument("--quantize", choices=QUANTIZED, default=None, help="store the projections' weights quantized")
-    p.add_argument("--adapter", metavar="DIR", default=None, help="a LoRA adapter: a PEFT folder or a meshlm LoRA run")
+    if not named_adapters:
+        p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter: a PEFT folder or a meshlm LoRA run")
+        return
+    p.add_argument(
+        "--adapter",
+        metavar="[NAME=]DIR",
+        action="append",
+        default=[],
+        help="a LoRA adapter (a PEFT folder or a meshlm LoRA run): NAME=DIR serves it as model NAME beside the base "
+        "(repeat for more; requests of any mix of them share batches); DIR alone runs the served model with it",
+    )
+    p.add_argument(
+        "--max-adapters",
+        type=int,
+        default=None,
+        help="adapter slots on the device (default: one per NAME=DIR; more adapters swap in when idle); "
+        "> 0 enables /v1/load_lora_adapter",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=None, help="the slots' rank (default: the largest given, else 16)"
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -48,6 +70,21 @@ def _load(args: argparse.Namespace):
         quantize=args.quantize,
         adapter=args.adapter,
     )
+
+
+def _named_adapters(values: list[str]) -> tuple[dict[str, str], str | None]:
+    """serve's --adapter values: (NAME -> DIR, the one DIR given without a name, if any)."""
+    named: dict[str, str] = {}
+    plain = [v for v in values if "=" not in v]
+    if len(plain) > 1:
+        raise ConfigError(f"--adapter: one adapter without a name at most (got {plain}); name the others NAME=DIR")
+    for value in values:
+        if "=" in value:
+            name, folder = value.split("=", 1)
+            if not name or not folder or name in named:
+                raise ConfigError(f"--adapter {value}: expected NAME=DIR with a new, non-empty NAME")
+            named[name] = folder
+    return named, plain[0] if plain else None
 
 
 def _add_distributed(p: argparse.ArgumentParser) -> None:
@@ -284,7 +321,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     # settings that cannot work, and the port, are refused before the model loads (minutes, for a large one)
     at_least = {"--max-batch": 1, "--max-queue": 1, "--chunk": 1, "--max-len": 1, "--kv-tokens": 1, "--speculate": 1,
-                "--ngram": 0}  # fmt: skip
+                "--ngram": 0, "--max-adapters": 0, "--max-lora-rank": 1}  # fmt: skip
     for flag, least in at_least.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < least:
@@ -298,6 +335,10 @@ def _serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
+    adapters, args.adapter = _named_adapters(args.adapter)  # the unnamed one, if any, is the served model's
+    for name, folder in adapters.items():
+        if not Path(folder).exists():
+            raise ConfigError(f"--adapter {name}={folder}: no such folder")
     with server.bind(args.host, args.port) as sock:
         lm = _load(args)
         _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
@@ -324,6 +365,9 @@ def _serve(args: argparse.Namespace) -> None:
             request_timeout=args.request_timeout,
             sock=sock,
             chat_template=args.chat_template,
+            adapters=adapters,
+            max_adapters=args.max_adapters,
+            max_lora_rank=args.max_lora_rank,
         )
 
 
@@ -595,7 +639,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     _add_chat_template(p)
     _add_tokenizer(p)
-    _add_model_options(p)
+    _add_model_options(p, named_adapters=True)
     p.set_defaults(handler=cmd_serve)
 
 

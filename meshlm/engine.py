@@ -14,19 +14,25 @@ import threading
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from jax.sharding import Mesh
 
-from meshlm import model
+from meshlm import lora, model
+from meshlm.adapter_slots import AdapterSlots, Registered, SlotsBusy
 from meshlm.config import InputError, ModelConfig
+from meshlm.formats import adapters as adapter_files
 from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, check_token_ids
+from meshlm.grammar import Grammars
 from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
 from meshlm.scheduler import Request, Scheduler
 from meshlm.tokenizer import Tokenizer
 
-__all__ = ["PAGE_SIZE", "Draft", "Engine", "QueueFull", "Request", "Snapshot"]
+__all__ = ["PAGE_SIZE", "Draft", "Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"]
+
+DEFAULT_LORA_RANK = 16  # the adapter slots' rank when no adapter is given at start (vLLM's default too)
 
 
 class QueueFull(Exception):
@@ -88,7 +94,12 @@ class Engine:
     `max_len` bounds a row's prompt plus output (the model's context by default). `kv_tokens` defaults to
     what fits beside the weights and the slots (see `meshlm.runner.Runner`). `ngram` > 0 speculates
     `speculate` tokens per step by prompt lookup, `draft` by a smaller model. `tokenizer` detokenizes
-    outputs (needed for stop strings)."""
+    outputs (needed for stop strings).
+
+    `adapters` (name -> a PEFT folder or a meshlm LoRA run) are LoRA adapters that requests may name; they
+    run in `max_adapters` device slots (default: one per adapter given) of rank `max_lora_rank` (default:
+    the largest given, else DEFAULT_LORA_RANK), rows of any mix of adapters and the base in one batch.
+    An engine without them has no slots; `load_adapter` then needs `max_adapters` > 0."""
 
     def __init__(
         self,
@@ -106,6 +117,9 @@ class Engine:
         speculate: int = SPECULATE_TOKENS,
         draft: Draft | None = None,
         tokenizer: Tokenizer | None = None,
+        adapters: Mapping[str, str | Path] | None = None,
+        max_adapters: int | None = None,
+        max_lora_rank: int | None = None,
     ):
         for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
                                    ("speculate", speculate, 1)):  # fmt: skip
@@ -117,10 +131,21 @@ class Engine:
             _check_draft(draft, cfg, max_len or cfg.max_seq_len, ngram)
         speculate = speculate if ngram or draft else 0
         self.cfg, self.tokenizer = cfg, tokenizer
+        given = {name: self._read_adapter(name, path) for name, path in (adapters or {}).items()}
+        self.adapters: AdapterSlots | None = None
+        if given or max_adapters:
+            rank = max_lora_rank or max((_rank(w) for w in given.values()), default=DEFAULT_LORA_RANK)
+            self.adapters = AdapterSlots(len(given) if max_adapters is None else max_adapters, rank)
         self.runner = Runner(
             params, cfg, policy, mesh, max_batch=max_batch, max_len=max_len or cfg.max_seq_len,
             kv_tokens=kv_tokens, page_size=page_size, speculate=speculate, draft=draft,
+            adapter_slots=0 if self.adapters is None else self.adapters.n + 1,
+            adapter_rank=0 if self.adapters is None else self.adapters.rank,
         )  # fmt: skip
+        self._device = threading.Lock()  # a step, or a write into the adapter slots, at a time
+        self._adapter_requests: weakref.WeakSet[Request] = weakref.WeakSet()  # guarded by _device
+        for name, weights in given.items():
+            self._register(name, weights, str(adapters[name]))
         self.scheduler = Scheduler(
             self.runner.shapes, self.runner.n_pages, cfg.vocab_size, prefix_caching=prefix_caching,
             speculate=speculate, ngram=ngram, draft=draft is not None,
@@ -129,6 +154,7 @@ class Engine:
         self.page_size, self.speculate = page_size, speculate
         self._requests: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._loop: _Loop | None = None
+        self._grammars: dict[Tokenizer, Grammars] = {}  # compiled output constraints, per tokenizer
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes on each device (the draft model's included)."""
@@ -142,6 +168,58 @@ class Engine:
         """A clear error (InputError) for a request that can never run."""
         self.scheduler.check(prompt_len, max_new)
 
+    # adapters -------------------------------------------------------------------------------------
+
+    def adapter_sources(self) -> dict[str, str]:
+        """The LoRA adapters requests may name, in the order they were loaded, with where each was read from."""
+        return {} if self.adapters is None else {a.name: a.source for a in self.adapters.registered.values()}
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Register a LoRA adapter (a PEFT folder or a meshlm LoRA run) under `name`; it takes a device slot
+        when a request first names it. Compiles nothing: every program serves any adapter in any slot."""
+        if self.adapters is None:
+            raise InputError("this engine has no adapter slots: start it with adapters or max_adapters > 0")
+        if not isinstance(name, str) or not name:
+            raise InputError("an adapter needs a name", param="lora_name")
+        if name in self.adapters.registered:  # before reading the files
+            raise InputError(f"an adapter named {name!r} is loaded already; unload it first", param="lora_name")
+        self._register(name, self._read_adapter(name, path), str(path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` (InputError while a queued or running request uses it)."""
+        if self.adapters is None:
+            raise InputError(f"no adapter named {name!r} is loaded", param="lora_name")
+        with self._device:
+            self.adapters.unregister(name, self._busy())
+
+    def _read_adapter(self, name: str, path: str | Path) -> dict:
+        if not Path(path).exists():
+            raise InputError(f"adapter {name!r}: {path} does not exist", param="lora_path")
+        return adapter_files.read(path, self.cfg)
+
+    def _register(self, name: str, weights: dict, source: str) -> None:
+        slot = lora.fill_slot(weights, model.projections(self.cfg), self.adapters.rank)
+        with self._device:
+            self.adapters.register(Registered(name, source, slot, _rank(weights)))
+
+    def _busy(self) -> set[int]:
+        """The adapters (keys) that queued or running requests use. Called under `_device`."""
+        return {r.adapter_key for r in list(self._adapter_requests) if not r.finished}
+
+    def _place(self, names: set[str]) -> dict[str, Registered]:
+        """Each named adapter in a device slot, written there if it was not (see `AdapterSlots.place`).
+        Called under `_device`."""
+        if self.adapters is None:
+            raise InputError(f"no adapter named {sorted(names)[0]!r} is loaded: this engine has no adapters",
+                             param="model")  # fmt: skip
+        placed = {}
+        for name in sorted(names):
+            adapter, write = self.adapters.place(name, self._busy() | {a.key for a in placed.values()})
+            if write:
+                self.runner.write_adapter(adapter.slot, adapter.weights)
+            placed[name] = adapter
+        return placed
+
     # requests -------------------------------------------------------------------------------------
 
     def add_requests(
@@ -150,12 +228,18 @@ class Engine:
         params: Sequence[SamplingParams],
         on_update: Callable[[int], None] | None = None,
         tokenizer: Tokenizer | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Request]:
         """Queue one row per prompt, all or none (InputError for a row that can never run, QueueFull when the
         loop's queue has no room for them all). `on_update(i)` is called from the engine's thread after every
-        change to row i's output; the returned requests hold the outputs (read them under `request.lock`)."""
+        change to row i's output; the returned requests hold the outputs (read them under `request.lock`).
+        `adapters[i]` names the LoRA adapter row i runs (None: the base alone); SlotsBusy when every
+        adapter slot runs adapters of live requests."""
         if len(prompts) != len(params):
             raise InputError("one SamplingParams per prompt is needed")
+        adapters = [None] * len(prompts) if adapters is None else list(adapters)
+        if len(adapters) != len(prompts):
+            raise InputError("one adapter name (or None) per prompt is needed")
         tokenizer = tokenizer or self.tokenizer
         if any(p.stop for p in params) and tokenizer is None:
             raise InputError("stop strings need a tokenizer")
@@ -164,23 +248,59 @@ class Engine:
             for name, ids in (("prompt", prompt), ("stop_token_ids", sp.stop_token_ids),
                               ("logit_bias", [i for i, _ in sp.logit_bias])):  # fmt: skip
                 check_token_ids(ids, self.cfg.n_vocab_used, name)
+        grammars = self._constraints(params, tokenizer)
         requests = [
-            Request(list(p), RowOutput(sp, tokenizer), notify=None if on_update is None else _bind(on_update, i))
+            Request(list(p), RowOutput(sp, tokenizer), notify=None if on_update is None else _bind(on_update, i),
+                    matcher=None if sp.constraint is None else grammars.matcher(sp.constraint))
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
+        ]  # fmt: skip
+        if named := {name for name in adapters if name is not None}:
+            with self._device:  # placed and marked in use at once: no other thread evicts them in between
+                placed = self._place(named)
+                for r, name in zip(requests, adapters, strict=True):
+                    if name is not None:
+                        r.adapter, r.adapter_key = placed[name].slot, placed[name].key
+                        self._adapter_requests.add(r)
         for r in requests:
             self._requests[r.id] = r
-        if self._loop is not None:
-            self._loop.submit(requests)
-        else:
-            self.scheduler.submit(requests)
+        try:
+            if self._loop is not None:
+                self._loop.submit(requests)
+            else:
+                self.scheduler.submit(requests)
+        except BaseException:
+            for r in requests:  # never to run: their adapters are not in use
+                r.cancelled = True
+            raise
         return requests
 
+    def _constraints(self, params: Sequence[SamplingParams], tokenizer: Tokenizer | None) -> Grammars | None:
+        """The compiler of the rows' output constraints, each compiled (cached) and checked: InputError for an
+        invalid one, for one without a tokenizer, and under speculative decoding."""
+        constraints = {sp.constraint for sp in params if sp.constraint is not None}
+        if not constraints:
+            return None
+        if self.speculate:
+            raise InputError("output constraints do not run with speculative decoding; serve without --ngram/--draft",
+                             param=next(iter(constraints)).param)  # fmt: skip
+        if tokenizer is None:
+            raise InputError("output constraints need a tokenizer")
+        if tokenizer not in self._grammars:
+            self._grammars[tokenizer] = Grammars(tokenizer, self.cfg.vocab_size)
+        grammars = self._grammars[tokenizer]
+        for c in constraints:
+            grammars.check(c)
+        return grammars
+
     def add_request(
-        self, ids: Sequence[int], params: SamplingParams, on_update: Callable[[int], None] | None = None
+        self,
+        ids: Sequence[int],
+        params: SamplingParams,
+        on_update: Callable[[int], None] | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Queue one row (see `add_requests`)."""
-        return self.add_requests([ids], [params], on_update)[0]
+        return self.add_requests([ids], [params], on_update, adapters=[adapter])[0]
 
     def abort(self, request_id: str) -> None:
         """Stop a request: its slot and pages are freed at the engine's next step. Unknown or finished: nothing."""
@@ -209,17 +329,19 @@ class Engine:
     def step(self, chunk: int = 4) -> None:
         """Drop cancelled rows, admit what fits (one prefill), then decode up to `chunk` tokens of every running row."""
         check_chunk(chunk)
-        self.scheduler.drop_finished()
-        if (work := self.scheduler.schedule_prefill()) is not None:
-            self.scheduler.update(work, self.runner.run(work.batch))
-        if (work := self.scheduler.schedule_decode(chunk)) is not None:
-            self.scheduler.update(work, self.runner.run(work.batch))
+        with self._device:
+            self.scheduler.drop_finished()
+            if (work := self.scheduler.schedule_prefill()) is not None:
+                self.scheduler.update(work, self.runner.run(work.batch))
+            if (work := self.scheduler.schedule_decode(chunk)) is not None:
+                self.scheduler.update(work, self.runner.run(work.batch))
 
     def fail_all(self, error: str) -> None:
         """Fail every queued and running row and start from an empty cache (after a device failure, which may
         have consumed the donated buffers)."""
-        self.scheduler.fail_all(error)
-        self.runner.reset()
+        with self._device:
+            self.scheduler.fail_all(error)
+            self.runner.reset()
 
     def start(self, chunk: int = 4, max_queue: int = 64) -> None:
         """Step on a thread of the engine's own while there is work (a server): at most `max_queue` rows wait."""
@@ -241,13 +363,15 @@ class Engine:
         params: Sequence[SamplingParams],
         tokenizer: Tokenizer | None = None,
         chunk: int = 64,
+        adapters: Sequence[str | None] | None = None,
     ) -> Iterator[list[RowOutput]]:
         """Generate for token prompts, yielding their `RowOutput`s after every engine step until all have
-        finished; streaming reads them. Rows beyond `max_batch` or the pool wait for earlier ones."""
+        finished; streaming reads them. Rows beyond `max_batch` or the pool wait for earlier ones.
+        `adapters` as in `add_requests`."""
         check_chunk(chunk)
         if self._loop is not None:
             raise RuntimeError("the engine steps on its own thread; add requests instead")
-        requests = self.add_requests(prompts, params, tokenizer=tokenizer)
+        requests = self.add_requests(prompts, params, tokenizer=tokenizer, adapters=adapters)
         try:
             while not all(r.finished for r in requests):
                 try:
@@ -267,12 +391,17 @@ class Engine:
         params: Sequence[SamplingParams],
         tokenizer: Tokenizer | None = None,
         chunk: int = 64,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Generate for token prompts until every row finishes."""
+        """Generate for token prompts until every row finishes (`adapters` as in `add_requests`)."""
         outputs: list[RowOutput] = []
-        for outputs in self.run(prompts, params, tokenizer, chunk):  # noqa: B007
+        for outputs in self.run(prompts, params, tokenizer, chunk, adapters):  # noqa: B007
             pass
         return [o.result() for o in outputs]
+
+
+def _rank(adapter: dict) -> int:
+    return max(parts["a"].shape[-1] for parts in adapter.values())
 
 
 def _bind(on_update: Callable[[int], None], i: int) -> Callable[[], None]:

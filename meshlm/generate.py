@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.config import InputError
+from meshlm.grammar import Constraint
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_IDS = 8  # stop token ids per row
@@ -56,7 +57,9 @@ class SamplingParams:
     MAX_LOGIT_BIAS of them; a dict or (id, bias) pairs, kept as pairs sorted by id) is added to the
     logits first; `min_p` drops tokens less likely than min_p times the likeliest (after temperature,
     top-k and top-p); until `min_tokens` tokens are produced the stop token ids cannot be and stop
-    strings do not apply; `include_stop_str_in_output` keeps a stop string in the text."""
+    strings do not apply; `include_stop_str_in_output` keeps a stop string in the text. `constraint` (a
+    `meshlm.grammar.Constraint`: a JSON schema, regex, choice or grammar) allows only the tokens that keep
+    the output inside it, until it is complete."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -73,6 +76,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
@@ -99,6 +103,7 @@ class SamplingParams:
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0")
         check(self.min_tokens <= self.max_new_tokens, "min_tokens must be at most max_new_tokens")
         check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output must be true or false")
+        check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint must be a Constraint")
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -281,10 +286,17 @@ def sample(logits: jax.Array, keys: jax.Array) -> jax.Array:
 def draw(weights: jax.Array, keys: jax.Array) -> jax.Array:
     """One draw per row in proportion to `weights` [B, V] (>= 0, not all 0), by inverting the CDF with a
     single uniform number per row (a Gumbel draw needs a random number per vocabulary entry, ten times
-    slower on CPU)."""
+    slower on CPU).
+
+    XLA's cumsum adds in a tree, so neighbouring sums may differ in their last bits where a weight is 0: a
+    token of zero weight (filtered out, or refused by an output constraint) is never taken, and a u past
+    every drawable token's sum takes the last drawable one."""
     cdf = jnp.cumsum(weights, axis=-1)
     u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
-    return argmax(cdf > u[:, None])
+    drawable = weights > 0
+    hit = (cdf > u[:, None]) & drawable
+    last = weights.shape[-1] - 1 - argmax(drawable[:, ::-1])
+    return jnp.where(hit.any(axis=-1), argmax(hit), last)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -400,6 +412,7 @@ def choose(
     proposal: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
     counts: jax.Array | None = None,
+    allowed: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The next token of every row from logits [B, V], its log-probability under the model, and the
     top alternatives. `seen` [B, V] feeds the repetition penalty, `counts` [B, V] (each token's count in
@@ -413,12 +426,17 @@ def choose(
     max(p - q, 0), renormalised (Leviathan et al. 2023), so the token follows p whatever q is.
     `draft_probs` [B, V] is q; without it q is certainty on d (prompt lookup), so d is kept with
     probability p(d) and a rejection draws from p without d. A row kept its proposal exactly when the
-    token returned equals it."""
+    token returned equals it.
+
+    `allowed` [B, V] bool (an output constraint's mask; None: all) limits the choice, not the logprobs
+    reported, which stay the model's (as vLLM's raw logprobs)."""
     V = logits.shape[-1]
     logits = used_vocabulary(logits, n_vocab_used)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
     x = penalize(logits, seen, counts, count, s)
+    if allowed is not None:
+        x = jnp.where(allowed, x, -jnp.inf)
     greedy = argmax(x)
 
     def sampled(x: jax.Array) -> jax.Array:
@@ -440,6 +458,13 @@ def choose(
     token = jnp.where(s.temperature > 0, token, greedy)
     logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     return token, logprob, top_ids.astype(jnp.int32), top_logprobs
+
+
+def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, vocab_size] bool from a bitmask [B, ceil(vocab_size / 32)] int32: bit t % 32 of word t // 32 is
+    token t (the layout `meshlm.grammar.Matcher.fill` writes)."""
+    ids = jnp.arange(vocab_size)
+    return ((jnp.take(words, ids // 32, axis=1) >> (ids % 32)) & 1).astype(bool)
 
 
 # ---------------------------------------------------------------------------------------------------

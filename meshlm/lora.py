@@ -56,6 +56,33 @@ def adapter_params(projection: Projection, rank: int, scale: float) -> dict[str,
     }
 
 
+def slot_table(projections: dict[str, Projection], slots: int, rank: int) -> dict[str, dict[str, Param]]:
+    """An engine's adapter slots: an adapter of `rank` on every projection, with a slot axis (replicated)
+    after layers, all zeros. Slot 0 stays zero: the base's rows run it."""
+    table = {}
+    for role, projection in projections.items():
+        one = adapter_params(projection, rank, 0.0)
+        table[role] = {k: Param((p.shape[0], slots, *p.shape[1:]), (p.axes[0], None, *p.axes[1:]), "zeros")
+                       for k, p in one.items()}  # fmt: skip
+    return table
+
+
+def fill_slot(adapter: dict[str, dict[str, np.ndarray]], projections: dict[str, Projection], rank: int) -> Any:
+    """A host adapter (role -> {"a", "b", "scale"}) as one slot's contents: every projection, its rank
+    zero-padded to the slots' `rank` (zeros change nothing), zeros for projections it does not adapt."""
+    if (widest := max(parts["a"].shape[-1] for parts in adapter.values())) > rank:
+        raise ConfigError(f"the adapter's rank {widest} exceeds the adapter slots' rank {rank} (max_lora_rank)")
+    slot = {}
+    for role, projection in projections.items():
+        (L, *ins), outs = projection.weight.shape[: 1 + projection.n_in], projection.outs
+        a, b, scale = np.zeros((L, *ins, rank), np.float32), np.zeros((L, rank, *outs), np.float32), np.zeros(L)
+        if role in adapter:
+            r = adapter[role]["a"].shape[-1]
+            a[..., :r], b[:, :r], scale[:] = adapter[role]["a"], adapter[role]["b"], adapter[role]["scale"]
+        slot[role] = {"a": a, "b": b, "scale": scale.astype(np.float32)}
+    return slot
+
+
 def adapter_table(projections: dict[str, Projection], lora: LoraConfig) -> dict[str, dict[str, Param]]:
     """A LoRA adapter's parameters (`adapter_params` for each target), its rank checked against each projection."""
     for role in lora.targets:
@@ -112,6 +139,17 @@ def delta(a: Any, b: Any, scale: Any, x: Any = None) -> Any:
     dtype = a.dtype if x is None else x.dtype
     down = a.astype(dtype) if x is None else _contract(x, a.astype(dtype), a.ndim - 1)
     return scale.astype(dtype) * _contract(down, b.astype(dtype), 1)
+
+
+def row_delta(a: jax.Array, b: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
+    """What each row's own adapter adds to its projection's output: `delta` with one adapter per row of
+    x [B, T, in...], gathered from an engine's adapter slots as a [B, in..., rank], b [B, rank, out...] and
+    scale [B]. The base's rows carry a zero adapter, so a batch of any mix of adapters runs one program."""
+    n_in = a.ndim - 2
+    shared, rest = "ijklmnop"[:n_in], "qrstuvwx"[: b.ndim - 2]
+    down = jnp.einsum(f"bt{shared},b{shared}z->btz", x, a.astype(x.dtype))
+    up = jnp.einsum(f"btz,bz{rest}->bt{rest}", down, b.astype(x.dtype))
+    return scale.astype(x.dtype).reshape(-1, *(1,) * (up.ndim - 1)) * up
 
 
 def _contract(x: Any, y: Any, n: int) -> Any:

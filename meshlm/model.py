@@ -394,6 +394,7 @@ class Context(NamedTuple):
     bias: jax.Array | None  # [B, H, T, S] float32
     dropout: float = 0.0
     dropout_key: jax.Array | None = None  # None: no dropout (inference)
+    adapter_rows: jax.Array | None = None  # [B] each row's slot in `params["adapters"]` (an engine's adapters)
 
 
 class Layer(NamedTuple):
@@ -401,6 +402,7 @@ class Layer(NamedTuple):
 
     params: Params
     adapter: Params  # role -> {"a", "b", "scale"}; empty without an adapter
+    slots: Params  # role -> {"a", "b", "scale"} with a slot axis after layers; empty without adapter slots
     index: jax.Array
     local: jax.Array
 
@@ -409,6 +411,9 @@ def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.A
     """Projection `role` of x [B, T, in...] by w [in..., out...] (a float array, or quantized and
     rebuilt here one layer at a time), plus the adapter's update of dropout(x) where it targets `role`."""
     y = jnp.tensordot(x, quant.dense(w, x.dtype), PROJECTION_PATHS[role][1])
+    if role in layer.slots:  # each row gathers its own adapter from the slots
+        rows, slots = ctx.adapter_rows, layer.slots[role]
+        y = y + lora.row_delta(slots["a"][rows], slots["b"][rows], slots["scale"][rows], x)
     if role not in layer.adapter:
         return y
     adapter = layer.adapter[role]
@@ -510,16 +515,18 @@ def _run(
     policy: Policy,
     cache: CacheView | None,
     dropout_key: jax.Array | None = None,
+    adapter_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, CacheView | None]:
     """Embedding and the blocks (scanned over the stacked layers) up to the final norm: hidden states
-    [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers."""
+    [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers, and
+    so are an engine's adapter slots in `params["adapters"]`, of which row b runs slot `adapter_rows[b]`."""
     dt = dtype_of(policy.compute_dtype)
     sin, cos = rotary_tables(pos.query, cfg)
     bias = _t5_bias(params, cfg, pos) if cfg.position == "t5" else None
     allowed_local = None
     if "local" in cfg.attention_layers:
         allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
-    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, policy.lora_dropout, dropout_key)
+    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, policy.lora_dropout, dropout_key, adapter_rows)
 
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to
@@ -533,7 +540,10 @@ def _run(
     if policy.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[policy.remat], prevent_cse=False)
     local = jnp.array([kind == "local" for kind in cfg.layer_kinds])
-    layers = Layer(params["layers"], params.get("lora", {}), jnp.arange(cfg.n_layer), local)
+    slots = params.get("adapters", {})
+    if slots and adapter_rows is None:
+        raise ValueError("a model with adapter slots needs each row's slot (adapter_rows)")
+    layers = Layer(params["layers"], params.get("lora", {}), slots, jnp.arange(cfg.n_layer), local)
     (x, cache), _ = jax.lax.scan(step, (x, cache), layers)
     return norm(x, params["ln_f"], cfg), cache
 
@@ -604,6 +614,7 @@ def decode(
     at: jax.Array | None = None,
     write_from: jax.Array | None = None,
     hidden: bool = False,
+    adapter_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run tokens [B, T] after the `length[b]` tokens each row already holds in the pages of its
     `table` [B, n]: logits [B, T, vocab_size] (or [B, 1, vocab_size] at index `at[b]` of each row,
@@ -615,6 +626,7 @@ def decode(
     its outputs mean nothing. The caller gives each row pages for positions up to length + T. A row's
     tokens before index `write_from[b]` are run but not written: they are in the cache already (a
     cached prefix's last token, run again for the logits that follow it), in pages other rows may share.
+    `adapter_rows` [B]: each row's adapter slot, with adapter slots in `params["adapters"]`.
     """
     B, T = tokens.shape
     size = cache.page_size
@@ -629,7 +641,7 @@ def decode(
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
     view = CacheView(cache, table, slots, positions[:, -1] + 1)
-    x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view)
+    x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view, None, adapter_rows)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)
     return (x if hidden else unembed(params, x, cfg)), view.cache

@@ -73,9 +73,11 @@ class PagePool:
                 else:
                     self.free.append(page)
 
-    def keys(self, tokens: Sequence[int], n_pages: int) -> list[tuple]:
-        """The prefix key of each of the first `n_pages` full pages: the previous key and the page's tokens."""
-        keys, key = [], ()
+    def keys(self, tokens: Sequence[int], n_pages: int, salt: int = 0) -> list[tuple]:
+        """The prefix key of each of the first `n_pages` full pages: the previous key and the page's tokens.
+        The first page's previous key is the `salt`: what else the keys and values depend on (the
+        adapter the row runs), so rows that compute different ones never share pages."""
+        keys, key = [], (salt,)
         for i in range(n_pages):
             key = (hash(key), tuple(tokens[i * self.page_size : (i + 1) * self.page_size]))
             keys.append(key)
@@ -85,12 +87,12 @@ class PagePool:
         """Full pages of `tokens` a match can take: all but the one holding the last token, which must run."""
         return (len(tokens) - 1) // self.page_size if self.prefix_caching else 0
 
-    def match(self, tokens: Sequence[int], scored: bool = False) -> list[int]:
+    def match(self, tokens: Sequence[int], scored: bool = False, salt: int = 0) -> list[int]:
         """Take the cached pages that hold the longest full-page prefix of `tokens`, leaving at least one
         token to run (its logits choose the first new token); with `scored`, only pages whose tokens'
         scores are cached too."""
         pages = []
-        for key in self.keys(tokens, self.matchable(tokens)):
+        for key in self.keys(tokens, self.matchable(tokens), salt):
             page = self.by_prefix.get(key)
             if page is None or (scored and page not in self.scores):
                 break
@@ -106,12 +108,15 @@ class PagePool:
         self.lookups += prompt_tokens
         self.hits += pages_found * self.page_size
 
-    def publish(self, tokens: Sequence[int], pages: Sequence[int], scores: Sequence[Any] | None = None) -> None:
+    def publish(
+        self, tokens: Sequence[int], pages: Sequence[int], scores: Sequence[Any] | None = None, salt: int = 0
+    ) -> None:
         """Offer the full pages of a prompt that has just been written to later rows, with the scores of
-        their tokens (one entry per page) when the row was scored."""
+        their tokens (one entry per page) when the row was scored; `salt` as in `keys`."""
         if not self.prefix_caching:
             return
-        for i, (key, page) in enumerate(zip(self.keys(tokens, len(tokens) // self.page_size), pages, strict=False)):
+        keys = self.keys(tokens, len(tokens) // self.page_size, salt)
+        for i, (key, page) in enumerate(zip(keys, pages, strict=False)):
             if key not in self.by_prefix and page not in self.prefix_of:
                 self.by_prefix[key] = page
                 self.prefix_of[page] = key

@@ -19,18 +19,18 @@ class Param(NamedTuple):
     value: float = 0.0  # the normal's standard deviation, the uniform's bound, or the constant
 
 
-def _is_param(x: Any) -> bool:
+def is_param(x: Any) -> bool:
     return isinstance(x, Param)
 
 
 def axes_of(table: Any) -> Any:
     """The logical axis names of a table of `Param`s, same structure."""
-    return jax.tree.map(lambda p: p.axes, table, is_leaf=_is_param)
+    return jax.tree.map(lambda p: p.axes, table, is_leaf=is_param)
 
 
 def init_table(table: Any, key: jax.Array, dtype: str) -> Any:
     """Arrays for a table of `Param`s, same structure, each drawn with its own key split from `key`."""
-    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_param)
+    leaves, treedef = jax.tree.flatten(table, is_leaf=is_param)
     keys = jax.random.split(key, len(leaves))
     dt = dtype_of(dtype)
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from meshlm import model
+from meshlm import lora, model
 from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.generate import (
@@ -38,10 +38,12 @@ from meshlm.generate import (
     penalize,
     row_keys,
     settings_for,
+    unpack_bitmask,
     used_vocabulary,
 )
 from meshlm.pages import pages_for
-from meshlm.sharding import batch_ways, from_host, named_sharding, shard_bytes, to_host
+from meshlm.param import axes_of, is_param
+from meshlm.sharding import batch_ways, from_host, named_sharding, plan, shard_bytes, to_host
 
 PAGE_SIZE = 16  # tokens per KV page
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
@@ -76,6 +78,7 @@ class Rows(NamedTuple):
     length: jax.Array  # int32: tokens in the KV cache
     settings: Settings
     counts: jax.Array  # [B, V] int32: each token's count in the output (for frequency and presence penalties)
+    adapter: jax.Array  # int32: the row's adapter slot (0: the base alone)
 
 
 def _advance(rows: Rows, token: jax.Array) -> Rows:
@@ -97,10 +100,16 @@ def _choose(
     cfg: ModelConfig,
     proposal: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
+    allowed: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
+    """`choose` for the rows; `allowed` [B, words] is their output constraints' bitmask (a row of zeros: none)."""
+    if allowed is not None:
+        allowed = unpack_bitmask(allowed, logits.shape[-1])
+        allowed |= ~allowed.any(axis=-1, keepdims=True)
     return choose(
-        logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs, counts=rows.counts
-    )
+        logits, rows.seen, rows.count, rows.settings, cfg.n_vocab_used, proposal, draft_probs, counts=rows.counts,
+        allowed=allowed,
+    )  # fmt: skip
 
 
 def _active(rows: Rows, slots: jax.Array) -> Rows:
@@ -137,6 +146,8 @@ def _prefill(
     settings: Settings,
     refed: jax.Array,
     scored: jax.Array,
+    adapter: jax.Array,
+    allowed: jax.Array,
     draft_params: model.Params | None = None,
     draft_cache: model.KVCache | None = None,
     *,
@@ -149,12 +160,14 @@ def _prefill(
 
     A row's first `scored[b]` positions are scored: the logprob of the token after each and its top
     alternatives come back too (rows that are not scored have 0). A row with `refed[b]` 1 runs its cached
-    prefix's last token again first (not written), for the logits that score the token after it."""
+    prefix's last token again first (not written), for the logits that score the token after it. Row b
+    runs adapter slot `adapter[b]` (0: the base alone), from now on; its first token is one `allowed[b]` allows
+    (a bitmask, zeros: any)."""
     n_new = mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
     length = start - refed
     x, cache = model.decode(params, tokens, cache, table, length, cfg, policy, mask=mask, write_from=refed,
-                            hidden=True)  # fmt: skip
+                            hidden=True, adapter_rows=adapter)  # fmt: skip
     scores = _prompt_scores(params, x, tokens, scored, cfg)
     logits = model.unembed(params, jnp.take_along_axis(x, at[:, None, None], axis=1), cfg)
     if draft is not None:
@@ -163,8 +176,9 @@ def _prefill(
         )
     zeros = jnp.zeros_like(start)
     # a new row's output counts start at zero (the slot's previous row's are overwritten)
-    new = Rows(zeros, seen, zeros, settings.max_new <= 0, length + n_new, settings, jnp.zeros(seen.shape, jnp.int32))
-    out = _choose(logits[:, 0], new, cfg)
+    new = Rows(zeros, seen, zeros, settings.max_new <= 0, length + n_new, settings, jnp.zeros(seen.shape, jnp.int32),
+               adapter)  # fmt: skip
+    out = _choose(logits[:, 0], new, cfg, allowed=allowed)
     emitted = ~new.done
     new = _advance(new, out[0])
     produced = (*(o[:, None] for o in out), emitted[:, None], new.done)
@@ -205,6 +219,12 @@ def _prompt_scores(
     return lp.reshape(B, T), ids.reshape(B, T, TOP_LOGPROBS), lps.reshape(B, T, TOP_LOGPROBS)
 
 
+@partial(jax.jit, donate_argnums=0)
+def _write_slot(slots: model.Params, slot: jax.Array, weights: model.Params) -> model.Params:
+    """The adapter slots with slot `slot` replaced by `weights` (same structure, without the slot axis)."""
+    return jax.tree.map(lambda s, w: s.at[:, slot].set(w.astype(s.dtype)), slots, weights)
+
+
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _decode(
     params: model.Params,
@@ -213,6 +233,7 @@ def _decode(
     slots: jax.Array,
     table: jax.Array,
     n_steps: jax.Array,
+    allowed: jax.Array,
     draft_params: model.Params | None = None,
     draft_cache: model.KVCache | None = None,
     *,
@@ -221,7 +242,9 @@ def _decode(
     draft: tuple[ModelConfig, model.Policy] | None = None,
 ) -> Out:
     """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
-    `while_loop` that stops early once every row is done. (An engine with a draft model speculates instead.)"""
+    `while_loop` that stops early once every row is done. (An engine with a draft model speculates instead.)
+    Every step chooses among the tokens `allowed` [B, words] allows: a batch with output constraints runs one
+    step, for its next masks depend on the token chosen."""
     active = _active(rows, slots)
     B = slots.shape[0]
     bufs = (
@@ -238,8 +261,9 @@ def _decode(
 
     def body(carry: tuple) -> tuple:
         i, active, cache, bufs = carry
-        logits, cache = model.decode(params, active.token[:, None], cache, table, active.length, cfg, policy)
-        out = _choose(logits[:, 0], active, cfg)
+        logits, cache = model.decode(params, active.token[:, None], cache, table, active.length, cfg, policy,
+                                     adapter_rows=active.adapter)  # fmt: skip
+        out = _choose(logits[:, 0], active, cfg, allowed=allowed)
         running = ~active.done
         bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, running), strict=True))
         active = _advance(active, out[0])._replace(length=active.length + running)
@@ -279,7 +303,8 @@ def _speculate(
         q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # nothing is proposed after the last
     tokens = jnp.concatenate([active.token[:, None], jnp.maximum(proposals, 0)], axis=1)
     mask = jnp.concatenate([jnp.ones((B, 1), bool), proposals >= 0], axis=1)
-    logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask)
+    logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask,
+                                 adapter_rows=active.adapter)  # fmt: skip
     offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)
 
     def position(carry: tuple[Rows, jax.Array], j: jax.Array) -> tuple[tuple[Rows, jax.Array], tuple]:
@@ -357,7 +382,7 @@ def abstract_state(
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)
     vocab = partial(spec, (B, cfg.vocab_size))
-    return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32))
+    return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32), int32)
 
 
 def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
@@ -374,6 +399,8 @@ def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_wid
         settings,
         spec((rows,), np.int32),  # refed
         spec((rows,), np.int32),  # scored
+        spec((rows,), np.int32),  # adapter
+        spec((rows, bitmask_words(cfg)), np.int32),  # allowed
     )
 
 
@@ -383,9 +410,16 @@ def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> tuple[Any
     return spec((rows,), np.int32), spec((rows, table_width), np.int32), spec((rows, k), np.int32)
 
 
-def decode_args(mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
+def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
     """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
-    return _batch_spec(mesh, (rows,), np.int32), _batch_spec(mesh, (rows, table_width), np.int32), np.int32(1)
+    spec = partial(_batch_spec, mesh)
+    return spec((rows,), np.int32), spec((rows, table_width), np.int32), np.int32(1), spec((rows, bitmask_words(cfg)),
+                                                                                          np.int32)  # fmt: skip
+
+
+def bitmask_words(cfg: ModelConfig) -> int:
+    """int32 words of one row's output-constraint bitmask: a bit per token of the (padded) vocabulary."""
+    return -(-cfg.vocab_size // 32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -479,14 +513,18 @@ class Prefill(NamedTuple):
     settings: Settings
     refed: np.ndarray
     scored: np.ndarray
+    adapter: np.ndarray  # [rows] each row's adapter slot (0: the base alone)
+    allowed: np.ndarray  # [rows, words] each row's output-constraint bitmask for its first token (zeros: none)
 
 
 class Decode(NamedTuple):
-    """Up to `chunk` tokens of the rows in `slots`, over their page tables [rows, bucketed width]."""
+    """Up to `chunk` tokens of the rows in `slots`, over their page tables [rows, bucketed width], each among
+    the tokens `allowed` [rows, words] allows (zeros: any)."""
 
     slots: np.ndarray
     table: np.ndarray
     chunk: int
+    allowed: np.ndarray
 
 
 class Speculate(NamedTuple):
@@ -523,9 +561,12 @@ class Runner:
         page_size: int,
         speculate: int,
         draft: Draft | None,
+        adapter_slots: int = 0,
+        adapter_rank: int = 0,
     ):
-        self.params, self.cfg, self.policy, self.mesh = params, cfg, policy, mesh
+        self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.speculate, self.draft = speculate, draft
+        self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
         self.shapes = Shapes.of(max_batch, max_len, page_size, batch_ways(mesh))
         self.max_batch, self.page_size = self.shapes.max_batch, page_size
         free, slots = free_memory(self._local_device()), self._slot_bytes()
@@ -539,6 +580,26 @@ class Runner:
         self.compiled_shapes, self.compile_seconds = 0, 0.0
         self.compiles_since_warm_up = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
         self.reset()
+
+    # adapter slots --------------------------------------------------------------------------------
+
+    def _slots(self, n: int, rank: int) -> model.Params:
+        """`n` adapter slots of `rank` (see `lora.slot_table`), zeros, sharded like their projections."""
+        table = lora.slot_table(model.projections(self.cfg), n, rank)
+        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), table, is_leaf=is_param)
+        shardings = plan(abstract, axes_of(table), self.mesh)
+        dt = dtype_of(self.policy.compute_dtype)  # As and Bs compute in it; the scales [layers, slots] stay float32
+        return jax.tree.map(lambda a, s: jnp.zeros(a.shape, dt if len(a.shape) > 2 else np.float32, device=s),
+                            abstract, shardings)  # fmt: skip
+
+    def write_adapter(self, slot: int, weights: Any) -> None:
+        """Put an adapter (host arrays from `lora.fill_slot`) into adapter slot `slot`, in place: one
+        compiled program serves every slot and adapter."""
+        slots = self.params["adapters"]
+        one = jax.tree.map(lambda x: x.sharding.update(spec=(x.sharding.spec[:1] + x.sharding.spec[2:])), slots)
+        weights = jax.tree.map(lambda w, s, x: from_host(np.asarray(w, x.dtype), s), weights, one, slots)
+        with jax.set_mesh(self.mesh):
+            self.params = {**self.params, "adapters": _write_slot(slots, np.int32(slot), weights)}
 
     # sizes ----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -603,7 +664,8 @@ class Runner:
         zeros = np.zeros(B, np.int32)
         settings = settings_for([], B)._replace(max_new=zeros)
         V = self.cfg.vocab_size
-        host = Rows(zeros, np.zeros((B, V), bool), zeros, np.ones(B, bool), zeros, settings, np.zeros((B, V), np.int32))
+        host = Rows(zeros, np.zeros((B, V), bool), zeros, np.ones(B, bool), zeros, settings, np.zeros((B, V), np.int32),
+                    zeros)  # fmt: skip
         self.rows = jax.tree.map(self._from_host, host)
 
     def _from_host(self, x: np.ndarray) -> jax.Array:
@@ -638,7 +700,7 @@ class Runner:
                 if self.speculate:
                     programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
                 if not self.draft:  # prompt lookup decodes plainly when it has nothing to propose
-                    programs.append((_decode, decode_args(self.mesh, b, n)))
+                    programs.append((_decode, decode_args(self.cfg, self.mesh, b, n)))
         state, options = self._state()
         with jax.set_mesh(self.mesh):
             lowered = [fn.lower(*state, *args, **options) for fn, args in programs]
@@ -657,6 +719,8 @@ class Runner:
                 raise
         for fn, args in programs:
             jax.block_until_ready(self._call(fn, *self._padding(args)))
+        if "adapters" in self.params:  # slot 0 (the base's) is zeros: writing zeros there compiles the write
+            self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
         seconds = time.perf_counter() - began
         self.compiled_shapes, self.compile_seconds = len(programs), seconds
         _count_compiles(weakref.ref(self))
@@ -698,8 +762,8 @@ class Runner:
         return _on_host(out if batch.scored.any() else out[: Step._fields.index("proposed")])
 
     def decode(self, batch: Decode) -> Step:
-        return _on_host(self._call(_decode, self._from_host(batch.slots), self._from_host(batch.table),
-                                   np.int32(batch.chunk)))  # fmt: skip
+        slots, table, allowed = map(self._from_host, (batch.slots, batch.table, batch.allowed))
+        return _on_host(self._call(_decode, slots, table, np.int32(batch.chunk), allowed))
 
     def verify(self, batch: Speculate) -> Step:
         return _on_host(self._call(_speculate, *map(self._from_host, batch)))
@@ -739,7 +803,7 @@ def lower(
     if program == "prefill":
         fn, args = _prefill, prefill_args(cfg, mesh, rows, length, width)
     elif program == "decode":
-        fn, args = _decode, decode_args(mesh, rows, width)
+        fn, args = _decode, decode_args(cfg, mesh, rows, width)
     else:
         raise ValueError(f"program must be 'prefill' or 'decode', got {program!r}")
     with jax.set_mesh(mesh):

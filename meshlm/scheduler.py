@@ -27,6 +27,7 @@ import numpy as np
 
 from meshlm.config import InputError
 from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, settings_for
+from meshlm.grammar import Matcher
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
 from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Shapes, Speculate
 
@@ -54,6 +55,9 @@ class Request:
     length: int = 0  # tokens in the cache
     proposed: int = 0  # speculated tokens offered
     accepted: int = 0  # of which kept
+    adapter: int = 0  # the adapter slot the row runs (0: the base alone)
+    adapter_key: int = 0  # which adapter that is (0: none): the salt of its prefix-cache keys
+    matcher: Matcher | None = None  # where the output stands in its constraint (`SamplingParams.constraint`)
 
     @property
     def finished(self) -> bool:
@@ -146,6 +150,7 @@ class Scheduler:
         draft: bool = False,
     ):
         self.shapes, self.vocab_size = shapes, vocab_size
+        self.words = -(-vocab_size // 32)  # of a row's output-constraint bitmask
         self.speculate, self.ngram, self.draft = speculate, ngram, draft
         self.page_size = shapes.page_size
         self.pool = PagePool(n_pages, shapes.page_size, prefix_caching)
@@ -228,9 +233,12 @@ class Scheduler:
             start[i], slots[i] = r.length, r.slot
             seen[i, r.prompt] = True
         settings = settings_for([r.output.sampling for r in admitted], n)
-        refed, scored = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        refed, scored, adapter = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
         refed[: len(admitted)], scored[: len(admitted)] = [r.refed for r in admitted], [r.to_score for r in admitted]
-        return Scheduled(admitted, Prefill(slots, tokens, mask, table, start, seen, settings, refed, scored))
+        adapter[: len(admitted)] = [r.adapter for r in admitted]
+        allowed = self._allowed(admitted, n)
+        batch = Prefill(slots, tokens, mask, table, start, seen, settings, refed, scored, adapter, allowed)
+        return Scheduled(admitted, batch)
 
     def schedule_decode(self, chunk: int) -> Scheduled | None:
         """The running rows' next step: a speculative one when there are proposals, else a decode of up to
@@ -246,10 +254,21 @@ class Scheduler:
             table, slots = self._tables(running, len(proposals))
             return Scheduled(running, Speculate(slots, table, proposals))
         chunk = min(chunk, MAX_CHUNK, self.speculate + 1 if self.speculate else MAX_CHUNK)
+        if any(r.matcher is not None for r in running):  # each token's mask follows from the one before
+            chunk = 1
         for r in running:
             self._grow(r, r.length + chunk)
-        table, slots = self._tables(running, self.shapes.batch_bucket(len(running)))
-        return Scheduled(running, Decode(slots, table, chunk))
+        n = self.shapes.batch_bucket(len(running))
+        table, slots = self._tables(running, n)
+        return Scheduled(running, Decode(slots, table, chunk, self._allowed(running, n)))
+
+    def _allowed(self, rows: list[Request], n: int) -> np.ndarray:
+        """The rows' output-constraint bitmasks for their next token, padded to n rows (zeros: unconstrained)."""
+        allowed = np.zeros((n, self.words), np.int32)
+        for i, r in enumerate(rows):
+            if r.matcher is not None:
+                r.matcher.fill(allowed[i])
+        return allowed
 
     def update(self, scheduled: Scheduled, step: Step) -> None:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
@@ -261,7 +280,7 @@ class Scheduler:
             for i, r in enumerate(rows):
                 scores = self._score(r, step, i) if r.scored else None
                 r.length = len(r.prompt)
-                self.pool.publish(r.prompt, r.pages, scores)
+                self.pool.publish(r.prompt, r.pages, scores, r.adapter_key)
                 self.stats.prompt_tokens += len(r.prompt)
                 r.first_token = now
         else:
@@ -281,6 +300,9 @@ class Scheduler:
                 before = len(r.output.tokens)
                 r.output.add(step, i)
                 self.stats.record(len(r.output.tokens) - before)
+                if r.matcher is not None and not r.output.finished:
+                    for token in r.output.tokens[before:]:
+                        r.matcher.accept(token)
             _notify(r)
         self.drop_finished()
 
@@ -323,8 +345,8 @@ class Scheduler:
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
-            keys = self.pool.keys(r.prompt, self.pool.matchable(r.prompt))
-            shared = self.pool.match(r.prompt, scored=r.scored)
+            keys = self.pool.keys(r.prompt, self.pool.matchable(r.prompt), r.adapter_key)
+            shared = self.pool.match(r.prompt, scored=r.scored, salt=r.adapter_key)
             next_key = keys[len(shared)] if len(shared) < len(keys) else None
             if _written_now(next_key, r.scored, writing):
                 self.pool.release(shared)

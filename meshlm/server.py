@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from meshlm.api import LanguageModel
 from meshlm.chat import ChatTemplate, check_messages, load_chat_template
 from meshlm.config import ConfigError, DataError, InputError
-from meshlm.engine import Engine, QueueFull, Request
+from meshlm.engine import Engine, QueueFull, Request, SlotsBusy
 from meshlm.generate import SamplingParams
 from meshlm.tokenizer import Tokenizer
 
@@ -148,6 +148,20 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
+class LoadAdapterRequest(Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(Strict):
+    """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is accepted and unused: adapters go by name)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class LegacyRequest(BaseModel):
     """POST /complete, the seed's endpoint: {"context", "top_p", "temp"} and optionally "gen_len"."""
 
@@ -189,9 +203,12 @@ class Group:
         self.updates: asyncio.Queue[int] = asyncio.Queue()
         self.rows: list[Request] = []
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], tokenizer: Tokenizer) -> None:
-        """Add the rows to the engine (all or none)."""
-        self.rows = self.engine.add_requests(prompts, params, on_update=self._changed, tokenizer=tokenizer)
+    def add(
+        self, prompts: list[list[int]], params: list[SamplingParams], tokenizer: Tokenizer, adapter: str | None
+    ) -> None:
+        """Add the rows to the engine (all or none), running LoRA adapter `adapter` (None: the base)."""
+        adapters = [adapter] * len(prompts)
+        self.rows = self.engine.add_requests(prompts, params, self._changed, tokenizer, adapters)
 
     def _changed(self, index: int) -> None:
         """Wake the handler; called from the engine's thread, which may outlive the event loop at shutdown."""
@@ -235,8 +252,8 @@ class ServerState:
 
     @property
     def models(self) -> list[str]:
-        """The model names requests may ask for (the served name; LoRA adapters' names will join it)."""
-        return [self.model_name]
+        """The model names requests may ask for: the served name, then the LoRA adapters' names."""
+        return [self.model_name, *self.engine.adapter_sources()]
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -248,13 +265,20 @@ class ServerState:
         return (tok.eot_id,) if eos_id in (None, tok.eot_id) else (tok.eot_id, eos_id)
 
     def card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "meshlm", "root": self.model_name,
-                "parent": None, "max_model_len": self.ctx}  # fmt: skip
+        """/v1/models' entry: an adapter's root is its folder and its parent the base, as vLLM lists them."""
+        root, parent = self.model_name, None
+        if name != self.model_name:
+            root, parent = self.engine.adapter_sources()[name], self.model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "meshlm", "root": root,
+                "parent": parent, "max_model_len": self.ctx}  # fmt: skip
 
-    def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve (no name: the served one)."""
-        if name is not None and name not in self.models:
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the served model); 404 for one not served."""
+        if name is None or name == self.model_name:
+            return None
+        if name not in self.models:
             raise APIError(404, f"The model `{name}` does not exist.", code="model_not_found")
+        return name
 
     def stop(self) -> None:
         """Answer every request in flight 503 and refuse new ones (the server is stopping)."""
@@ -394,19 +418,24 @@ def check_stream_options(body: Sampling) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def add_rows(state: ServerState, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Group:
-    """The request's rows, `n` per prompt (completion j of a prompt samples with seed + j), added to the engine."""
+def add_rows(
+    state: ServerState, prompts: list[list[int]], params: list[SamplingParams], n: int, adapter: str | None = None
+) -> Group:
+    """The request's rows, `n` per prompt (completion j of a prompt samples with seed + j), added to the engine
+    to run LoRA adapter `adapter` (None: the served model)."""
     if state.stopping:
         raise APIError(503, "the server is shutting down", kind="server_error")
     group = Group(state.engine)
     rows = [p for p in prompts for _ in range(n)]
     settings = [sp.replace(seed=sp.seed + j) for sp in params for j in range(n)]
     try:
-        group.add(rows, settings, state.tokenizer)
+        group.add(rows, settings, state.tokenizer, adapter)
     except ValueError as e:  # InputError among them: a request that can never run, or ids out of range
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
     except QueueFull:
         raise APIError(503, "the server is busy (queue full); retry shortly", kind="server_overloaded") from None
+    except SlotsBusy as e:
+        raise APIError(503, str(e), kind="server_overloaded") from None
     return group
 
 
@@ -654,7 +683,7 @@ async def model_card(model_id: str, request: HTTPRequest) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
     state = state_of(request)
     tok = state.tokenizer
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     check_unsupported(body, UNSUPPORTED)
     include_usage = check_stream_options(body)
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
@@ -669,7 +698,7 @@ async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
     wanted = [k for k in (body.logprobs if scored else None, body.prompt_logprobs) if k is not None]
     params = [sampling_params(state, body, budget(state, p, body.max_tokens, "max_tokens"), max(wanted, default=None))
               for p in prompts]  # fmt: skip
-    group = add_rows(state, prompts, params, body.n)
+    group = add_rows(state, prompts, params, body.n, adapter)
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)]
     cid = f"cmpl-{secrets.token_hex(12)}"
     now = int(time.time())
@@ -802,7 +831,7 @@ def _plain_text(message: dict[str, Any]) -> dict[str, Any]:
 async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
     state = state_of(request)
     tok = state.tokenizer
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     check_unsupported(body, UNSUPPORTED_CHAT)
     include_usage = check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -815,7 +844,7 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(state, body, budget(state, prompt, max_tokens, name), body.prompt_logprobs)
-    group = add_rows(state, [prompt], [params], body.n)
+    group = add_rows(state, [prompt], [params], body.n, adapter)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     now = int(time.time())
     n_top = body.top_logprobs or 0
@@ -937,6 +966,32 @@ async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
     return {"completion": group.rows[0].output.text}
 
 
+async def load_adapter(body: LoadAdapterRequest, request: HTTPRequest) -> Response:
+    """vLLM's runtime adapter loading: the adapter is read now and takes a device slot on first use (nothing
+    compiles). 400 for a folder that is not an adapter of this base, a rank above the slots', a name in use."""
+    state = state_of(request)
+    if body.lora_name == state.model_name:
+        raise APIError(400, f"lora_name: {body.lora_name!r} is the served model's name", param="lora_name")
+    try:
+        await asyncio.to_thread(state.engine.load_adapter, body.lora_name, body.lora_path)
+    except (InputError, ConfigError, DataError) as e:
+        raise APIError(400, str(e), param=getattr(e, "param", None) or "lora_path") from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+
+async def unload_adapter(body: UnloadAdapterRequest, request: HTTPRequest) -> Response:
+    """vLLM's runtime adapter unloading: 404 for a name not loaded, 400 while requests run the adapter."""
+    state = state_of(request)
+    if body.lora_name not in state.engine.adapter_sources():
+        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                       code="model_not_found")  # fmt: skip
+    try:
+        state.engine.unload_adapter(body.lora_name)
+    except InputError as e:
+        raise APIError(400, str(e), param="lora_name") from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
 ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
     ("GET", "/health", health),
     ("GET", "/metrics", prometheus),
@@ -948,6 +1003,8 @@ ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
     ("POST", "/detokenize", detokenize),
     ("GET", "/tokenizer_info", tokenizer_info),
     ("POST", "/complete", complete),
+    ("POST", "/v1/load_lora_adapter", load_adapter),
+    ("POST", "/v1/unload_lora_adapter", unload_adapter),
 ]
 
 
@@ -1101,10 +1158,15 @@ def serve(
     attention: str | None = None,
     sock: socket.socket | None = None,
     chat_template: str | Path | None = None,
+    adapters: dict[str, str | Path] | None = None,
+    max_adapters: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
     `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else.
-    `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any)."""
+    `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any).
+    `adapters` (name -> folder), `max_adapters` and `max_lora_rank`: LoRA adapters served by name beside the
+    model, as in `Engine` (max_adapters > 0 lets /v1/load_lora_adapter add more while serving)."""
     with sock or bind(host, port) as sock:
         chat = load_chat_template(lm.tokenizer, chat_template)  # a bad file fails before anything compiles
         engine = lm.engine(
@@ -1116,6 +1178,9 @@ def serve(
             prefix_caching=prefix_caching,
             ngram=ngram,
             speculate=speculate,
+            adapters=adapters,
+            max_adapters=max_adapters,
+            max_lora_rank=max_lora_rank,
         )
         app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout, chat_template=chat)
         state = engine.snapshot()

@@ -83,6 +83,11 @@ class TiktokenTokenizer:
         self._enc = encoding
         self.vocab_size = encoding.n_vocab  # type: ignore[attr-defined]
 
+    @property
+    def encoding(self) -> object:
+        """The tiktoken Encoding (its byte tables, for a grammar's token trie)."""
+        return self._enc
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._enc.encode(text, allowed_special={EOT_TEXT})  # type: ignore[attr-defined]
 
@@ -158,6 +163,10 @@ class HFTokenizer:
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self.decode(ids).encode("utf-8")
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (for a grammar's token trie)."""
+        return self._tok.to_str()
 
 
 def tokenizer_config(folder: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ SOURCE = Path(meshlm.server.__file__).read_text()
 # the meshlm modules the server may import from, and the names it may take from each
 ALLOWED = {
     "meshlm.api": {"LanguageModel", "load"},
-    "meshlm.engine": {"Engine", "QueueFull", "Request", "Snapshot"},
+    "meshlm.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
     "meshlm.generate": {"SamplingParams"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},
     "meshlm.chat": {"ChatTemplate", "check_messages", "load_chat_template"},

@@ -21,6 +21,8 @@ import pytest
 
 import meshlm
 from meshlm.chat import ChatTemplate
+from tests import oracle
+from tests.test_lora import peft_model
 from tests.test_server import serving
 
 MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 128
@@ -44,7 +46,20 @@ def template_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file):
+def adapters(hf_tiny_gpt2_vocab, tmp_path_factory) -> dict[str, Path]:
+    """PEFT adapters of the served model: "tuned" (rank 4) served from the start, "late" (rank 8) loaded while
+    serving, "wide" (rank 16) above the slots' rank 8, and "alien", of another base."""
+    root = tmp_path_factory.mktemp("adapters")
+    folders = {name: root / name for name in ("tuned", "late", "wide", "alien")}
+    for seed, (name, rank) in enumerate((("tuned", 4), ("late", 8), ("wide", 16)), start=1):
+        peft_model(hf_tiny_gpt2_vocab.path, "gptj", seed=seed, r=rank, lora_alpha=rank).save_pretrained(folders[name])
+    alien = oracle.make_hf_model(root / "alien-base", n_embd=64, n_layer=2, n_head=4, rotary_dim=4, vocab_size=256)
+    peft_model(alien.path, "gptj").save_pretrained(folders["alien"])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def server(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file, adapters):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHLM_TOKENIZER": gpt2_bpe_file}
     args = [str(hf_tiny_gpt2_vocab.path), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)]
     args += [
@@ -56,6 +71,12 @@ def server(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file):
         API_KEY,
         "--chat-template",
         str(template_file),
+        "--adapter",
+        f"tuned={adapters['tuned']}",
+        "--max-adapters",
+        "2",
+        "--max-lora-rank",
+        "8",
     ]
     with serving(args, env, start_within=300) as url:
         yield url
@@ -546,3 +567,73 @@ def test_chat_flags_that_cannot_work_are_refused_before_the_model_loads(capsys):
     for argv, line in cases:
         assert cli.main(argv) == 1
         assert capsys.readouterr().err == line + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA adapters served by name (vLLM's --lora-modules and /v1/load_lora_adapter)
+
+
+def test_an_adapter_is_served_by_name_as_the_single_adapter_path_runs_it(server, client, adapters, gpt2_bpe_file,
+                                                                         hf_tiny_gpt2_vocab):  # fmt: skip
+    cards = httpx.get(f"{server}/v1/models", headers=AUTH).json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [("tiny", None), ("tuned", "tiny")]
+    assert cards[1]["root"] == str(adapters["tuned"])
+    tuned = meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file, adapter=adapters["tuned"])
+    want = greedy(tuned, tuned.encode_prompt(PROMPT), 8)
+    got = client.completions.create(model="tuned", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
+    assert got.model == "tuned" and got.choices[0].text == want.text
+    np.testing.assert_allclose(got.choices[0].logprobs.token_logprobs, want.logprobs, atol=1e-5, rtol=0)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
+    assert np.abs(np.subtract(plain.choices[0].logprobs.token_logprobs, want.logprobs)).max() > 1e-3
+    chat = client.chat.completions.create(model="tuned", messages=CHAT, max_tokens=4, temperature=0)
+    assert chat.model == "tuned" and chat.choices[0].message.content is not None
+
+
+def test_adapters_load_and_unload_while_serving_and_nothing_compiles(server, client, adapters):
+    r = post(f"{server}/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["late"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully.", r.text
+    assert [m.id for m in client.models.list().data] == ["tiny", "tuned", "late"]
+    # 16 rows of 120 tokens, 4 at a time: the request runs "late" for a while after its first token
+    payload = {
+        "model": "late",
+        "prompt": PROMPT,
+        "max_tokens": MAX_LEN - 8,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 16,
+    }
+    with httpx.stream("POST", f"{server}/v1/completions", json=payload, headers=AUTH, timeout=120) as running:
+        lines = running.iter_lines()
+        next(lines)
+        busy = post(f"{server}/v1/unload_lora_adapter", {"lora_name": "late"})
+        assert busy.status_code == 400 and "in use by running requests" in busy.json()["error"]["message"], busy.text
+        # "tuned" joins the batch that runs "late"
+        both = client.completions.create(model="tuned", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert both.choices[0].finish_reason == "length"
+        list(lines)
+    r = post(f"{server}/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' removed successfully.", r.text
+    gone = post(f"{server}/v1/completions", {"model": "late", "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+    health = httpx.get(f"{server}/health").json()
+    assert health["compiles_since_warm_up"] == 0, health
+
+
+def test_bad_adapters_get_a_clear_4xx_and_the_server_serves_on(server, client, adapters, tmp_path):
+    cases = [
+        ({"lora_name": "alien", "lora_path": str(adapters["alien"])}, 400, "adapter does not match the base"),
+        ({"lora_name": "wide", "lora_path": str(adapters["wide"])}, 400, "rank 16 exceeds the adapter slots' rank 8"),
+        ({"lora_name": "gone", "lora_path": str(tmp_path / "gone")}, 400, "does not exist"),
+        ({"lora_name": "tuned", "lora_path": str(adapters["late"])}, 400, "loaded already"),
+        ({"lora_name": "tiny", "lora_path": str(adapters["late"])}, 400, "the served model's name"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ]
+    for body, status, message in cases:
+        r = post(f"{server}/v1/load_lora_adapter", body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
+    r = post(f"{server}/v1/unload_lora_adapter", {"lora_name": "never"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name", r.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert [m.id for m in client.models.list().data] == ["tiny", "tuned"]
+    assert client.completions.create(model="tuned", prompt=PROMPT, max_tokens=2).choices[0].text is not None

@@ -1,0 +1,162 @@
+"""Output constrained to a JSON schema, a regex or a choice, through the engine: sampled completions from a random
+tiny model each parse and validate; greedy output equals a reference loop that applies llguidance's own mask to
+transformers' logits; constrained rows mix with free rows in one batch without changing them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.numpy
+import numpy as np
+import pytest
+import torch
+from llguidance.tiktoken import lltokenizer_from_encoding
+
+import meshlm
+from meshlm import InputError
+from meshlm.grammar import Constraint
+
+SAMPLES = 200
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 5},
+                    "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    },
+    "arrays_and_enums": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["tags", "ok"],
+        "additionalProperties": False,
+    },
+    "numbers_and_optional_keys": {
+        "type": "object",
+        "properties": {
+            # a random model writes digits forever where a schema lets it: numbers are bounded, fractions too
+            "score": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "note": {"type": "string", "maxLength": 4},
+        },
+        "required": ["score"],
+        "additionalProperties": False,
+    },
+    "array_of_objects": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "kind": {"const": "x"}},
+            "required": ["id", "kind"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 2,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def lm(hf_tiny_gpt2_vocab, gpt2_bpe_file):
+    return meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file)
+
+
+def sampled(lm, constraint: Constraint, n: int = SAMPLES, max_new: int = 96) -> list:
+    prompt = lm.encode_prompt("Data:")
+    params = [lm.sampling(max_new_tokens=max_new, temperature=1.0, seed=i, constraint=constraint) for i in range(n)]
+    return lm.generate_tokens([prompt] * n, params)
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_sampled_completions_validate_against_the_schema(lm, name):
+    schema = SCHEMAS[name]
+    outputs = sampled(lm, Constraint.json_schema(schema))
+    for out in outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({out.text for out in outputs}) > SAMPLES // 4  # sampled, not one answer
+
+
+def test_regex_and_choice_outputs_match(lm):
+    pattern = r"(yes|no), [0-9]{2,3}!"
+    for out in sampled(lm, Constraint.regex(pattern), n=50, max_new=16):
+        assert re.fullmatch(pattern, out.text), out.text
+    choices = ["alpha", "beta gamma", "δ"]
+    texts = {out.text for out in sampled(lm, Constraint.choice(choices), n=50, max_new=8)}
+    assert texts <= set(choices) and len(texts) > 1
+
+
+def reference_greedy(hf_model, tokenizer, schema: dict, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' logits, llguidance's own mask (its matcher, its numpy bitmask), argmax: the tokens before
+    end-of-sequence."""
+    ll = lltokenizer_from_encoding(tokenizer.encoding, eos_token=tokenizer.eot_id)
+    matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("json", json.dumps(schema)))
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, ll.vocab_size)
+    tokens, out = list(prompt), []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = hf_model.torch_model(torch.tensor([tokens])).logits[0, -1].numpy()
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[: ll.vocab_size].astype(bool)
+        masked = np.full_like(logits, -np.inf)
+        masked[: ll.vocab_size] = np.where(bits, logits[: ll.vocab_size], -np.inf)
+        token = int(masked.argmax())
+        if token == tokenizer.eot_id:
+            return out
+        assert matcher.consume_token(token)
+        tokens.append(token)
+        out.append(token)
+    return out
+
+
+def test_greedy_under_a_schema_equals_the_reference_loop(lm, hf_tiny_gpt2_vocab):
+    schema = SCHEMAS["numbers_and_optional_keys"]
+    prompt = lm.encode_prompt("Score:")
+    want = reference_greedy(hf_tiny_gpt2_vocab, lm.tokenizer, schema, prompt, 64)
+    got = lm.generate_tokens([prompt], lm.sampling(max_new_tokens=64, temperature=0,
+                                                   constraint=Constraint.json_schema(schema)))[0]  # fmt: skip
+    assert got.tokens == want and got.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
+
+
+def test_constrained_rows_mix_with_free_rows(lm):
+    """Free rows in a batch with constrained ones generate what they generate alone; `generate` takes a schema."""
+    prompts = ["Once upon a time", "The capital of"]
+    free = lm.generate(prompts, max_new_tokens=12, temperature=0)
+    ids = [lm.encode_prompt(p) for p in prompts]
+    json_row = lm.sampling(max_new_tokens=64, temperature=0, constraint=Constraint.json_schema(SCHEMAS["nested"]))
+    mixed = lm.generate_tokens([ids[0], ids[0], ids[1]], [lm.sampling(max_new_tokens=12, temperature=0), json_row,
+                                                          lm.sampling(max_new_tokens=12, temperature=0)])  # fmt: skip
+    assert [mixed[0].text, mixed[2].text] == free
+    jsonschema.validate(json.loads(mixed[1].text), SCHEMAS["nested"])
+    (text,) = lm.generate(prompts[:1], max_new_tokens=64, temperature=0, json_schema=SCHEMAS["arrays_and_enums"])
+    jsonschema.validate(json.loads(text), SCHEMAS["arrays_and_enums"])
+
+
+def test_bad_constraints_are_refused_in_one_line(lm):
+    with pytest.raises(InputError, match="invalid json"):
+        lm.generate(["x"], json_schema={"type": "object", "properties": {"a": {"type": "no-such-type"}}})
+    with pytest.raises(InputError, match="invalid regex"):
+        lm.generate(["x"], regex="(unclosed")
+    with pytest.raises(InputError, match="one of json_schema, regex and choice"):
+        lm.generate(["x"], regex="a", choice=["a"])
+    speculating = lm.engine(ngram=2, max_batch=2)
+    params = lm.sampling(max_new_tokens=4, constraint=Constraint.json_object())
+    with pytest.raises(InputError, match="speculative decoding"):
+        speculating.add_request(lm.encode_prompt("x"), params)

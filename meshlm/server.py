@@ -41,6 +41,7 @@ from meshlm.chat import ChatTemplate, check_messages, load_chat_template
 from meshlm.config import ConfigError, DataError, InputError
 from meshlm.engine import Engine, QueueFull, Request, SlotsBusy
 from meshlm.generate import SamplingParams
+from meshlm.grammar import Constraint, request_constraint, tool_calls, tool_constraint
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -51,11 +52,8 @@ UNSUPPORTED = {
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
-UNSUPPORTED_CHAT = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-}
+CONSTRAINT_FIELDS = {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"}  # fmt: skip
 # What a field of a union type must be, for an error message that says so (not pydantic's per-member errors)
 EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -101,6 +99,13 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for the caller's own records
+    # output constraints: OpenAI's, and vLLM's extensions (checked by `meshlm.grammar.request_constraint`)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(Sampling):
@@ -126,9 +131,8 @@ class ChatRequest(Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
+    tools: Any = None  # rendered by the chat template; a named or "required" tool_choice constrains the output
     tool_choice: Any = None
-    response_format: Any = None
 
 
 class TokenizeRequest(Strict):
@@ -373,7 +377,20 @@ def budget(state: ServerState, prompt: list[int], max_tokens: int | None, name: 
     return max_tokens
 
 
-def sampling_params(state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None) -> SamplingParams:
+def output_constraint(body: Sampling, tools: Constraint | None = None) -> Constraint | None:
+    """The request's output constraint (`tools`: a forced tool call's), 400 for a malformed one or for two."""
+    try:
+        found = request_constraint(body.model_dump(include=CONSTRAINT_FIELDS))
+    except InputError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if found is not None and tools is not None:
+        raise APIError(400, f"a forced tool call constrains the output already; drop {found.param}", param=found.param)
+    return found or tools
+
+
+def sampling_params(
+    state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None, constraint: Constraint | None
+) -> SamplingParams:
     """The request's fields as the engine's settings (400 for what cannot be); the seed is the request's, or random."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
@@ -406,6 +423,7 @@ def sampling_params(state: ServerState, body: Sampling, max_new: int, prompt_log
             include_stop_str_in_output=body.include_stop_str_in_output,
             seed=secrets.randbits(31) if body.seed is None else body.seed,
             prompt_logprobs=prompt_logprobs,
+            constraint=constraint,
         )
     except ValueError as e:  # InputError among them
         raise APIError(400, str(e)) from None
@@ -696,8 +714,9 @@ async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
     # echo with logprobs scores the prompt (lm-eval's loglikelihood requests); so does vLLM's prompt_logprobs
     scored = body.echo and body.logprobs is not None
     wanted = [k for k in (body.logprobs if scored else None, body.prompt_logprobs) if k is not None]
-    params = [sampling_params(state, body, budget(state, p, body.max_tokens, "max_tokens"), max(wanted, default=None))
-              for p in prompts]  # fmt: skip
+    constraint = output_constraint(body)
+    params = [sampling_params(state, body, budget(state, p, body.max_tokens, "max_tokens"), max(wanted, default=None),
+                              constraint) for p in prompts]  # fmt: skip
     group = add_rows(state, prompts, params, body.n, adapter)
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)]
     cid = f"cmpl-{secrets.token_hex(12)}"
@@ -832,18 +851,22 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
     state = state_of(request)
     tok = state.tokenizer
     adapter = state.check_model(body.model)
-    check_unsupported(body, UNSUPPORTED_CHAT)
     include_usage = check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    try:
+        constraint = output_constraint(body, tool_constraint(body.tools, body.tool_choice))
+    except InputError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    template_kwargs = {**({"tools": body.tools} if body.tools else {}), **(body.chat_template_kwargs or {})}
     text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       body.chat_template_kwargs)  # fmt: skip
+                       template_kwargs)  # fmt: skip
     prompt = tok.encode(text)
     if not prompt:
         raise APIError(400, "messages: the chat template renders this chat as no tokens", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(state, body, budget(state, prompt, max_tokens, name), body.prompt_logprobs)
+    params = sampling_params(state, body, budget(state, prompt, max_tokens, name), body.prompt_logprobs, constraint)
     group = add_rows(state, [prompt], [params], body.n, adapter)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     now = int(time.time())
@@ -858,8 +881,8 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
         lp = None
         if body.logprobs:
             lp = {"content": chat_logprobs(tok, out.tokens, out.logprobs, out.top_logprobs, n_top), "refusal": None}
-        choice = {"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                  "logprobs": lp, "finish_reason": out.finish_reason}  # fmt: skip
+        choice = {"index": i, "message": assistant_message(body, out.text), "logprobs": lp,
+                  "finish_reason": out.finish_reason}  # fmt: skip
         if body.prompt_logprobs is not None:
             _prompt_scores(row)
             choice["prompt_logprobs"] = prompt_logprobs_of(state.token_text, row, body.prompt_logprobs)
@@ -869,14 +892,34 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
                          "usage": usage_of(state, group, [prompt])})  # fmt: skip
 
 
+def assistant_message(body: ChatRequest, text: str) -> dict[str, Any]:
+    """The reply as a message: its text, or the tool calls a forced `tool_choice` made (as vLLM, the
+    finish_reason stays the row's own)."""
+    calls = tool_calls(text, body.tools, body.tool_choice)
+    if calls:
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+    return {"role": "assistant", "content": text, "refusal": None}
+
+
+def tool_delta(body: ChatRequest, text: str) -> dict[str, Any]:
+    """A streamed choice's last delta under a forced `tool_choice`: its calls (indexed), or its text."""
+    message = assistant_message(body, text)
+    if "tool_calls" not in message:
+        return {"content": text}
+    return {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+
+
 async def stream_chat(
     state: ServerState, group: Group, prompt: list[int], body: ChatRequest, include_usage: bool, cid: str, now: int
 ) -> AsyncIterator[str]:
     """Server-sent `chat.completion.chunk`s, as OpenAI sends them: per choice a first delta with the role, then
-    content deltas, the last with its finish_reason; then a usage chunk if asked, and [DONE]."""
+    content deltas, the last with its finish_reason; then a usage chunk if asked, and [DONE]. Under a forced
+    `tool_choice` a choice's calls come whole, in its last delta."""
     tok, model = state.tokenizer, body.model or state.model_name
     extra = {"usage": None} if include_usage else {}
     n_top = body.top_logprobs or 0
+    calling = tool_constraint(body.tools, body.tool_choice) is not None
+    texts = [""] * len(group.rows)  # the calls' text so far, per choice
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
         return sse({"id": cid, "object": "chat.completion.chunk", "created": now, "model": model,
@@ -897,8 +940,13 @@ async def stream_chat(
                 if body.logprobs:
                     content = chat_logprobs(tok, piece.tokens, piece.logprobs, piece.top_logprobs, n_top)
                     lp = {"content": content, "refusal": None}
-                choice = {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
-                          "logprobs": lp, "finish_reason": piece.finish_reason}  # fmt: skip
+                delta = {"content": piece.text} if piece.text else {}
+                if calling:  # the calls come whole, once the choice is done
+                    texts[piece.index] += piece.text
+                    if not piece.finish_reason:
+                        continue
+                    delta = tool_delta(body, texts[piece.index])
+                choice = {"index": piece.index, "delta": delta, "logprobs": lp, "finish_reason": piece.finish_reason}
                 yield chunk([choice], **extra)
         except APIError as e:
             yield sse(error_body(e.message, e.kind))
@@ -960,7 +1008,7 @@ async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
         )
     except ValidationError as e:
         raise APIError(400, e.errors()[0]["msg"]) from None
-    params = sampling_params(state, completion, completion.max_tokens, None)
+    params = sampling_params(state, completion, completion.max_tokens, None, None)
     group = add_rows(state, [prompt], [params], 1)
     await wait(state, group, request)
     return {"completion": group.rows[0].output.text}

@@ -12,6 +12,7 @@ ALLOWED = {
     "meshlm.api": {"LanguageModel", "load"},
     "meshlm.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
     "meshlm.generate": {"SamplingParams"},
+    "meshlm.grammar": {"Constraint", "request_constraint", "tool_calls", "tool_constraint"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},
     "meshlm.chat": {"ChatTemplate", "check_messages", "load_chat_template"},
     "meshlm.tokenizer": {"Tokenizer"},

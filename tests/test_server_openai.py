@@ -10,11 +10,13 @@ need the engine to fill `RowOutput.prompt_logprobs`; the sampling-parameter test
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -22,6 +24,7 @@ import pytest
 import meshlm
 from meshlm.chat import ChatTemplate
 from tests import oracle
+from tests.test_constrained import SCHEMAS
 from tests.test_lora import peft_model
 from tests.test_server import serving
 
@@ -637,3 +640,82 @@ def test_bad_adapters_get_a_clear_4xx_and_the_server_serves_on(server, client, a
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     assert [m.id for m in client.models.list().data] == ["tiny", "tuned"]
     assert client.completions.create(model="tuned", prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output constrained to a JSON schema, a regex, a choice or a tool call
+
+
+def test_response_format_json_schema_streamed_and_not(server, client):
+    for name in ("nested", "array_of_objects"):
+        schema = SCHEMAS[name]
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+        plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=1, n=8, seed=1,
+                                               response_format=fmt)  # fmt: skip
+        texts = [c.message.content for c in plain.choices]
+        streamed = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=1, n=8,
+                                                  seed=2, response_format=fmt, stream=True)  # fmt: skip
+        pieces = [""] * 8
+        for chunk in streamed:
+            for c in chunk.choices:
+                pieces[c.index] += c.delta.content or ""
+        completions = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=96, temperature=1, n=8, seed=3,
+                                                extra_body={"guided_json": schema})  # fmt: skip
+        for text in [*texts, *pieces, *(c.text for c in completions.choices)]:
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_guided_regex_choice_and_stop_strings(server, client):
+    regex = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1, n=8,
+                                      extra_body={"guided_regex": r"(yes|no), [0-9]{2}!"})  # fmt: skip
+    assert all(re.fullmatch(r"(yes|no), [0-9]{2}!", c.text) for c in regex.choices), regex
+    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1, n=8,
+                                       extra_body={"structured_outputs": {"choice": ["red", "green"]}})  # fmt: skip
+    assert {c.text for c in choice.choices} <= {"red", "green"}
+    stopped = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=["b"],
+                                        extra_body={"guided_regex": "a(bc)+"})  # fmt: skip
+    assert stopped.choices[0].text == "a" and stopped.choices[0].finish_reason == "stop"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+        "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "description": "The time"}},
+]  # fmt: skip
+
+
+def test_a_forced_tool_call_returns_tool_calls_whose_arguments_follow_the_schema(server, client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=64, temperature=1, n=4, seed=0,
+                                           tools=TOOLS, tool_choice=named)  # fmt: skip
+    streamed = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=64, temperature=1, n=2, seed=1,
+                                              tools=TOOLS, tool_choice=named, stream=True)  # fmt: skip
+    calls = [c.message.tool_calls[0] for c in reply.choices]
+    calls += [d.tool_calls[0] for chunk in streamed for c in chunk.choices if (d := c.delta).tool_calls]
+    assert len(calls) == 6 and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    required = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=1, n=4, seed=2,
+                                              tools=TOOLS, tool_choice="required")  # fmt: skip
+    for choice in required.choices:
+        if choice.finish_reason == "length":  # a long list of calls, cut off: its text is the content
+            continue
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "now")
+            if call.function.name == "get_weather":
+                jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
+def test_an_invalid_constraint_is_a_400(server, client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError, match="invalid json"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, response_format=bad)
+    r = post(f"{server}/v1/completions", {"prompt": PROMPT, "guided_regex": "(", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    r = post(f"{server}/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
+             "function": {"name": "nope"}}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    r = post(f"{server}/v1/completions", {"prompt": PROMPT, "guided_regex": "a", "guided_choice": ["a"]})
+    assert r.status_code == 400, r.text

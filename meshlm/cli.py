@@ -481,6 +481,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
             search=not args.no_search,
             capacity=capacity,
             progress=print,
+            adapters=args.max_adapters,
+            lora_rank=args.max_lora_rank,
         )
         print(planner.describe_serve(p, cfg.model))
         return
@@ -732,6 +734,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int, default=1, help="--serve: concurrent rows to report (default 1)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="--serve weights")
     p.add_argument("--quantize", choices=QUANTIZED, default=None, help="--serve: quantized projections")
+    p.add_argument("--max-adapters", type=int, default=0, help="--serve: LoRA adapter slots (as meshlm serve's)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="--serve: the adapter slots' rank (default 16)")
     p.set_defaults(handler=cmd_plan)
 
 

@@ -401,6 +401,7 @@ class ServeFit:
     rows: int
     weights: int
     cache: int  # the rows' KV cache (and their other per-row state)
+    adapters: int  # LoRA adapter slots
     total: int | None
     capacity: int | None
     estimated: bool = False
@@ -423,23 +424,35 @@ class ServePlan:
 
 
 def fit_serve(
-    cfg: ModelConfig, tgt: Target, mesh: Any, rows: int, context: int, dtype: str, quantize: str | None
+    cfg: ModelConfig,
+    tgt: Target,
+    mesh: Any,
+    rows: int,
+    context: int,
+    dtype: str,
+    quantize: str | None,
+    adapters: int = 0,
+    lora_rank: int = 16,
 ) -> ServeFit:
     """The server's resident state for `rows` rows of `context` tokens: the engine's decode step (weights,
-    slots and a KV pool that holds every row's whole context) plus, on top, a prefill of one whole
-    context (its output and temporaries)."""
+    `adapters` LoRA slots of `lora_rank`, slots and a KV pool that holds every row's whole context) plus, on
+    top, a prefill of one whole context (its output and temporaries)."""
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
     params = model.abstract_params(cfg, dtype, quantize)
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh))
+    slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
+    params = {**params, "adapters": slots} if slots else params
     ways = batch_ways(mesh)
     n_rows = -(-rows // ways) * ways
     width = pages_for(context, runner.PAGE_SIZE)
-    cache, slots = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, runner.PAGE_SIZE, n_rows)
-    weights, capacity = shard_bytes(params), tgt.capacity
-    state = shard_bytes((cache, slots))
+    cache, rows_state = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, runner.PAGE_SIZE, n_rows)
+    adapter_bytes = shard_bytes(slots)
+    weights, capacity = shard_bytes(params) - adapter_bytes, tgt.capacity
+    state = shard_bytes((cache, rows_state))
     if tgt.estimated:
         one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
-        return ServeFit(rows, weights, state, weights + state + one, capacity, estimated=True)
+        total = weights + adapter_bytes + state + one
+        return ServeFit(rows, weights, state, adapter_bytes, total, capacity, estimated=True)
     pages = n_rows * width + 1
     try:
         with jax.set_mesh(mesh):
@@ -449,10 +462,10 @@ def fit_serve(
             )
             decode, prefill = footprint.compile_for(decode), footprint.compile_for(prefill)
     except OutOfMemory as e:
-        return ServeFit(rows, weights, state, e.needed, e.capacity or capacity, refused=str(e))
+        return ServeFit(rows, weights, state, adapter_bytes, e.needed, e.capacity or capacity, refused=str(e))
     decoding, prefilling = Footprint.of(decode), Footprint.of(prefill)
     total = decoding.total + prefilling.total - prefilling.arguments  # a prefill runs beside the rows
-    return ServeFit(rows, weights, state, total, capacity)
+    return ServeFit(rows, weights, state, adapter_bytes, total, capacity)
 
 
 def plan_serve(
@@ -468,9 +481,12 @@ def plan_serve(
     max_rows: int = 4096,
     capacity: int | None = None,
     progress: Callable[[str], None] | None = None,
+    adapters: int = 0,
+    lora_rank: int = 16,
 ) -> ServePlan:
     """Weights and KV cache per device for `rows` concurrent rows of `context` tokens (default: the model's
-    context), and with `search` the most rows that fit. `capacity` (bytes per device) replaces the target's."""
+    context), and with `search` the most rows that fit. `capacity` (bytes per device) replaces the target's.
+    `adapters`: LoRA adapter slots of `lora_rank` beside the weights (`meshlm serve --max-adapters`)."""
     tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
     if mesh is None and tgt.n_devices and tgt.n_devices > 1:  # tensor parallel as far as the heads allow
         ways = max(d for d in _divisors(tgt.n_devices) if cfg.n_head % d == 0)
@@ -482,7 +498,7 @@ def plan_serve(
     say = progress or (lambda _: None)
 
     def fit(n: int) -> ServeFit:
-        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize)
+        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank)
         say(f"  {n} rows x {ctx} tokens: {'fits' if f.fits else 'does not fit'}, {gib(f.total)} of {gib(f.capacity)}")
         return f
 
@@ -555,6 +571,7 @@ def describe_serve(p: ServePlan, cfg: ModelConfig) -> str:
         f"target {p.target.spec}: {p.target.device_kind}, mesh {p.mesh}; {how}",
         "per device:",
         f"  weights                     {gib(fit.weights)}",
+        *([f"  LoRA adapter slots          {gib(fit.adapters)}"] if fit.adapters else []),
         f"  {fit.rows} rows' KV cache and state {gib(fit.cache)}",
         f"  total (decode + a prefill)  {gib(fit.total)} of {gib(fit.capacity)}: "
         + ("fits" if fit.fits else "does NOT fit"),

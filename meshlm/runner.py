@@ -43,7 +43,7 @@ from meshlm.generate import (
 )
 from meshlm.pages import pages_for
 from meshlm.param import axes_of, is_param
-from meshlm.sharding import batch_ways, from_host, named_sharding, plan, shard_bytes, to_host
+from meshlm.sharding import batch_ways, from_host, named_sharding, plan, shard_bytes, to_host, with_shardings
 
 PAGE_SIZE = 16  # tokens per KV page
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
@@ -385,6 +385,16 @@ def abstract_state(
     return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32), int32)
 
 
+def abstract_adapter_slots(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, n: int, rank: int) -> model.Params:
+    """Shapes and shardings of `n` adapter slots of `rank` (`lora.slot_table`), sharded like their projections:
+    As and Bs in the compute dtype, the scales [layers, slots] in float32."""
+    table = lora.slot_table(model.projections(cfg), n, rank)
+    dt = dtype_of(policy.compute_dtype)
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dt if len(p.shape) > 2 else np.float32), table,
+                            is_leaf=is_param)  # fmt: skip
+    return with_shardings(abstract, plan(abstract, axes_of(table), mesh))
+
+
 def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
     """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
     settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
@@ -584,13 +594,9 @@ class Runner:
     # adapter slots --------------------------------------------------------------------------------
 
     def _slots(self, n: int, rank: int) -> model.Params:
-        """`n` adapter slots of `rank` (see `lora.slot_table`), zeros, sharded like their projections."""
-        table = lora.slot_table(model.projections(self.cfg), n, rank)
-        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), table, is_leaf=is_param)
-        shardings = plan(abstract, axes_of(table), self.mesh)
-        dt = dtype_of(self.policy.compute_dtype)  # As and Bs compute in it; the scales [layers, slots] stay float32
-        return jax.tree.map(lambda a, s: jnp.zeros(a.shape, dt if len(a.shape) > 2 else np.float32, device=s),
-                            abstract, shardings)  # fmt: skip
+        """`n` adapter slots of `rank`, zeros (see `abstract_adapter_slots`)."""
+        abstract = abstract_adapter_slots(self.cfg, self.policy, self.mesh, n, rank)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), abstract)
 
     def write_adapter(self, slot: int, weights: Any) -> None:
         """Put an adapter (host arrays from `lora.fill_slot`) into adapter slot `slot`, in place: one

@@ -4,6 +4,7 @@ largest micro-batch, the GPU estimate stays within 15% of compiled figures, and 
 import functools
 import importlib.util
 import itertools
+import math
 
 import jax
 import numpy as np
@@ -179,6 +180,17 @@ def test_serve_plan_finds_the_most_rows():
     plan = planner.plan_serve(TINY, "cpu", mesh="data=1", context=128, dtype="float32", capacity=capacity, max_rows=5)
     assert plan.largest == 4
     assert np.isclose(plan.config.weights, four.weights)
+
+
+def test_serve_plan_holds_the_adapter_slots():
+    """`--max-adapters` slots (and the base's zero slot) of every projection's A and B, compiled into the step."""
+    tgt, mesh = planner.target("cpu"), make_one_device_mesh()
+    plain = planner.fit_serve(TINY, tgt, mesh, 2, 128, "float32", None)
+    slots = planner.fit_serve(TINY, tgt, mesh, 2, 128, "float32", None, adapters=3, lora_rank=8)
+    projections = model.projections(TINY).values()
+    per_slot = sum(math.prod(p.ins) * 8 + 8 * math.prod(p.outs) + 1 for p in projections)  # A, B, scale per layer
+    assert slots.adapters == 4 * TINY.n_layer * per_slot * 4  # float32
+    assert slots.weights == plain.weights and slots.total >= plain.total + slots.adapters
 
 
 def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):

@@ -1,7 +1,8 @@
 """`meshlm serve` as OpenAI's and vLLM's clients use it, against a live server on a tiny model: chat
 completions (the openai SDK, lm-eval's `local-chat-completions`), the tokenizer endpoints (lm-eval's remote
 tokenizer), the standard sampling parameters, prompt scoring (lm-eval's `local-completions` loglikelihood),
-the defects of issue 25, and `meshlm sample --chat`.
+the defects of issue 25, `meshlm sample --chat`, LoRA adapters served by name (loaded and unloaded while
+serving) and output constrained to JSON schemas, regexes, choices and forced tool calls.
 
 Which tests wait for work elsewhere: the prompt-scoring tests (`test_prompt_scoring_*`, `test_lm_eval_*loglikelihood*`)
 need the engine to fill `RowOutput.prompt_logprobs`; the sampling-parameter tests need the engine to honour

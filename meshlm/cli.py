@@ -905,9 +905,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `meshlm` program: `main`, then an exit that a late Ctrl-C cannot turn into a traceback (JAX's
-    clean-up at exit is not to be interrupted; the command has said how it ended)."""
+    clean-up at exit is not to be interrupted; the command has said how it ended). A command that Ctrl-C
+    stopped exits 130 at once: CPython would end a process whose KeyboardInterrupt crossed an embedded
+    interpreter call (a C extension's `PyRun_String`) by killing itself with SIGINT, even once caught."""
     status = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if status == 128 + signal.SIGINT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     sys.exit(status)
 
 

@@ -208,7 +208,7 @@ class Group:
         self.rows: list[Request] = []
 
     def add(
-        self, prompts: list[list[int]], params: list[SamplingParams], tokenizer: Tokenizer, adapter: str | None
+        self, prompts: list[list[int]], params: list[SamplingParams], tokenizer: Tokenizer, adapter: str | None = None
     ) -> None:
         """Add the rows to the engine (all or none), running LoRA adapter `adapter` (None: the base)."""
         adapters = [adapter] * len(prompts)

@@ -32,7 +32,6 @@ class Registered:
     name: str
     source: str  # where it was read from, for /v1/models
     weights: Any  # host arrays, one slot's contents
-    rank: int
     key: int = field(default_factory=lambda: next(_keys))  # unique per registration: its prefix-cache salt
     slot: int = 0  # its device slot, 0 while it has none
     used: float = 0.0  # when a request last asked for it

@@ -200,7 +200,7 @@ class Engine:
     def _register(self, name: str, weights: dict, source: str) -> None:
         slot = lora.fill_slot(weights, model.projections(self.cfg), self.adapters.rank)
         with self._device:
-            self.adapters.register(Registered(name, source, slot, _rank(weights)))
+            self.adapters.register(Registered(name, source, slot))
 
     def _busy(self) -> set[int]:
         """The adapters (keys) that queued or running requests use. Called under `_device`."""
@@ -212,12 +212,13 @@ class Engine:
         if self.adapters is None:
             raise InputError(f"no adapter named {sorted(names)[0]!r} is loaded: this engine has no adapters",
                              param="model")  # fmt: skip
-        placed = {}
+        placed, busy = {}, self._busy()
         for name in sorted(names):
-            adapter, write = self.adapters.place(name, self._busy() | {a.key for a in placed.values()})
+            adapter, write = self.adapters.place(name, busy)
             if write:
                 self.runner.write_adapter(adapter.slot, adapter.weights)
             placed[name] = adapter
+            busy.add(adapter.key)  # not to be evicted by the next name
         return placed
 
     # requests -------------------------------------------------------------------------------------

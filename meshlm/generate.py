@@ -460,6 +460,11 @@ def choose(
     return token, logprob, top_ids.astype(jnp.int32), top_logprobs
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's output-constraint bitmask: a bit per token of the (padded) vocabulary."""
+    return -(-vocab_size // 32)
+
+
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
     """[B, vocab_size] bool from a bitmask [B, ceil(vocab_size / 32)] int32: bit t % 32 of word t // 32 is
     token t (the layout `meshlm.grammar.Matcher.fill` writes)."""

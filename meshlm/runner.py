@@ -32,6 +32,7 @@ from meshlm.generate import (
     Settings,
     Step,
     argmax,
+    bitmask_words,
     choose,
     distribution,
     draw,
@@ -410,7 +411,7 @@ def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_wid
         spec((rows,), np.int32),  # refed
         spec((rows,), np.int32),  # scored
         spec((rows,), np.int32),  # adapter
-        spec((rows, bitmask_words(cfg)), np.int32),  # allowed
+        spec((rows, bitmask_words(cfg.vocab_size)), np.int32),  # allowed
     )
 
 
@@ -423,13 +424,8 @@ def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> tuple[Any
 def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
     """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
     spec = partial(_batch_spec, mesh)
-    return spec((rows,), np.int32), spec((rows, table_width), np.int32), np.int32(1), spec((rows, bitmask_words(cfg)),
-                                                                                          np.int32)  # fmt: skip
-
-
-def bitmask_words(cfg: ModelConfig) -> int:
-    """int32 words of one row's output-constraint bitmask: a bit per token of the (padded) vocabulary."""
-    return -(-cfg.vocab_size // 32)
+    allowed = spec((rows, bitmask_words(cfg.vocab_size)), np.int32)
+    return spec((rows,), np.int32), spec((rows, table_width), np.int32), np.int32(1), allowed
 
 
 # ---------------------------------------------------------------------------------------------------

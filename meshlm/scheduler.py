@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from meshlm.config import InputError
-from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, settings_for
+from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, bitmask_words, settings_for
 from meshlm.grammar import Matcher
 from meshlm.pages import PAD_PAGE, PagePool, pages_for
 from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Shapes, Speculate
@@ -150,7 +150,7 @@ class Scheduler:
         draft: bool = False,
     ):
         self.shapes, self.vocab_size = shapes, vocab_size
-        self.words = -(-vocab_size // 32)  # of a row's output-constraint bitmask
+        self.words = bitmask_words(vocab_size)
         self.speculate, self.ngram, self.draft = speculate, ngram, draft
         self.page_size = shapes.page_size
         self.pool = PagePool(n_pages, shapes.page_size, prefix_caching)

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from meshlm.sharding import constrain
+from meshlm.sharding import batch_ways, constrain
 
-# Tokens whose logits exist at once. At gptj-tiny's head (d_model 256, vocab 50400) on XLA:CPU, chunks of
+# Tokens whose logits exist at once on a device. At gptj-tiny's head (d_model 256, vocab 50400) on XLA:CPU, chunks of
 # 1024 tokens ran faster than chunks of 512 or 2048: XLA's matmuls want rows, the rest wants cache.
 CHUNK_TOKENS = 1024
 
@@ -45,7 +45,8 @@ class Losses(NamedTuple):
 
 
 def chunk_positions(rows: int, seq_len: int, chunk_tokens: int | None = None) -> int:
-    """Positions of every row that one step of the scan runs the head on (`CHUNK_TOKENS` tokens by default)."""
+    """Positions of every row that one step of the scan runs the head on, for `rows` rows on each device:
+    `chunk_tokens` (by default `CHUNK_TOKENS`) tokens per device, whatever the mesh splits the batch into."""
     return max(1, min(seq_len, (chunk_tokens or CHUNK_TOKENS) // rows))
 
 
@@ -64,7 +65,8 @@ def cross_entropy(
     [B, T]; `w` is [D, V], or [V, D] with `vocab_first` (a tied embedding), in x's dtype. With `weights`
     [B, T], also their weighted sum `total`, whose gradient is computed in the forward pass."""
     B, T, _ = x.shape
-    c = chunk_positions(B, T, chunk_tokens)
+    mesh = jax.sharding.get_abstract_mesh()
+    c = chunk_positions(max(1, B // (1 if mesh.empty else batch_ways(mesh))), T, chunk_tokens)
     pad = -T % c
 
     def split(a: jax.Array) -> jax.Array:  # [B, T, ...] -> [chunks, B, c, ...], padded with zeros

@@ -254,7 +254,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
         "none": (3 * d + 5 * a + 3 * f) * c + 3 * s * 4,
     }[cfg.remat]
     block = (d + a + 2 * f) * c + 3 * s * 4
-    chunk = rows * fused_ce.chunk_positions(train_step.rows_per_micro_batch(cfg), seq_len)
+    chunk = rows * fused_ce.chunk_positions(rows, seq_len)
     head = chunk * 7 * (m.vocab_size // tp)
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
     trained = adapter_size(model.projections(m), cfg.lora) if cfg.lora else model.count_params(m)

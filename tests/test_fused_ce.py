@@ -22,6 +22,7 @@ HEADS = {  # head kind -> (vocab_first, with a bias)
     "untied": (False, False),
     "untied with bias": (False, True),
     "tied": (True, False),
+    "tied with bias": (True, True),
 }
 
 
@@ -44,7 +45,7 @@ def head_inputs(vocab_first: bool, bias: bool, seed: int = 0):
     return (x, w, b), targets, mask, (g_nll, g_z)
 
 
-def losses(head, vocab_first, targets, mask, cotangents, chunk_tokens=None):
+def losses(vocab_first, targets, mask, cotangents, chunk_tokens=None):
     """Two losses of (x, w, b) by the fused head and by the oracle: the lm objective's masked mean with
     z-loss (the gradient precomputed in the forward pass) and a sum of nll and log Z times cotangents that
     the forward pass does not know (the recompute sweep), and the per-target values."""
@@ -80,21 +81,21 @@ def test_values_and_gradients_equal_the_plain_head_in_chunks_that_do_not_divide_
     head, targets, mask, cotangents = head_inputs(vocab_first, bias)
     argnums = (0, 1, 2) if bias else (0, 1)
     # 12 tokens a chunk: 3 positions of each of the 4 rows, so the 10 positions are padded to 12
-    fused, plain = losses(head, vocab_first, targets, mask, cotangents, chunk_tokens=12)
+    fused, plain = losses(vocab_first, targets, mask, cotangents, chunk_tokens=12)
     assert_close(values_and_gradients(fused, head, argnums), values_and_gradients(plain, head, argnums))
 
 
 def test_a_frozen_head_passes_gradients_to_the_hidden_states_alone():
     """As in a LoRA run: only x is differentiated, and the backward pass needs no logits."""
     head, targets, mask, cotangents = head_inputs(False, True)
-    fused, plain = losses(head, False, targets, mask, cotangents, chunk_tokens=8)
+    fused, plain = losses(False, targets, mask, cotangents, chunk_tokens=8)
     assert_close(values_and_gradients(fused, head, 0), values_and_gradients(plain, head, 0))
 
 
 def test_values_and_gradients_on_a_data_fsdp_model_mesh_equal_one_device():
     mesh = make_mesh("data=2,fsdp=2,model=2")
     head, targets, mask, cotangents = head_inputs(False, True, seed=1)
-    fused, plain = losses(head, False, targets, mask, cotangents, chunk_tokens=8)
+    fused, plain = losses(False, targets, mask, cotangents, chunk_tokens=8)
     want = values_and_gradients(plain, head, (0, 1, 2))
     axes = (("batch", "seq", "act_embed"), ("embed", "vocab"), ("vocab",))
     with jax.set_mesh(mesh):

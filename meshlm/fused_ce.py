@@ -10,10 +10,10 @@ needs from it. With cotangents g_nll and g_z of -log p(target) and log Z, the lo
 
 - When the loss is a weighted sum over the targets fixed before the model runs, sum weights * (nll +
   z_loss * log_z^2) (the `lm` objective, `total` below), both cotangents are known in the forward pass:
-  each chunk computes its whole gradient there and the backward pass only scales it. Three matmuls the
-  size of the head's and one exp over the logits, where autodiff of the plain head takes three matmuls
-  and two exps, and a recompute (as chunking needs) four and three: on a CPU the head is most of a small
-  model's training step.
+  each chunk computes its whole gradient there and the backward pass only scales it: three matmuls the
+  size of the head's and one exp over the logits, as autodiff of the plain head, which keeps the logits
+  and their exp for the backward pass, where recomputing them (as chunking otherwise needs) takes four
+  matmuls and two exps. On a CPU the head is most of a small model's training step.
 - Per-target cotangents (DPO and ORPO combine nll per row) are known only in the backward pass. The
   forward pass keeps p @ W^T [tokens, d_model], so that d hidden = (g_nll + g_z) * (p @ W^T) - g_nll *
   W[target] needs no logits; the head's own gradient, hidden^T @ dlogits, needs p again: one sweep

@@ -3,6 +3,9 @@
 Same config, batch, sequence length, optimizer settings and fp32 on this machine, measured in one run;
 MFU is against the best square-matmul FLOP/s (JAX or torch) measured in the same run. `--arch` trains
 GPT-J, GPT-NeoX/Pythia or GPT-Neo at the preset's sizes (the peer: that architecture's transformers class).
+The two sides' steps are taken in turn after two warm-up steps each (the first compiles), and each side's
+fastest step counts: other work on a shared machine then slows both alike. The load average is printed
+before and after.
 
     python benchmarks/train.py [--arch gptj|neox|neo] [--preset gptj-tiny] [--batch 4] [--seq 128] [--steps 5]
 """
@@ -17,20 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from family import ARCHS, shaped_as, torch_model  # benchmarks/family.py, beside this script
+from timing import best_times, load_average  # benchmarks/timing.py, beside this script
 
 from meshlm import config, metrics, model, optim, train_step
 from meshlm.data import default_weights
 from meshlm.sharding import make_mesh
-
-
-def time_steps(step: callable, n: int) -> float:
-    """Seconds per step after two warm-up steps (the first compiles)."""
-    for _ in range(2):
-        step()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - start) / n
 
 
 def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -102,16 +96,20 @@ def main() -> None:
     print(
         f"config {args.arch} at {args.preset}'s sizes: {model.count_params(cfg):,} params, "
         f"batch {args.batch} x seq {args.seq}, fp32, torch threads {torch.get_num_threads()}, "
-        f"{jax.devices()[0].platform}"
+        f"{jax.devices()[0].platform}; load average {load_average()}"
     )
 
     peak = max(metrics.measure_matmul_peak(), torch_matmul_peak())
-    t_meshlm = time_steps(meshlm_step(cfg, tokens), args.steps)
-    t_torch = time_steps(torch_step(cfg, tokens), args.steps)
+    steps = {"meshlm": meshlm_step(cfg, tokens), "torch": torch_step(cfg, tokens)}
+    for step in steps.values():  # the first warm-up step: best_times runs the second
+        step()
+    best = best_times(steps, args.steps)
+    t_meshlm, t_torch = best["meshlm"], best["torch"]
     print(f"matmul peak (best of JAX, torch): {peak / 1e9:.1f} GFLOP/s")
     for name, t in (("meshlm", t_meshlm), ("torch", t_torch)):
         print(f"{name:>7}: {t * 1e3:8.1f} ms/step  {n_tokens / t:9,.0f} tokens/s  MFU {flops / t / peak:.1%}")
-    print(f"meshlm / torch throughput: {t_torch / t_meshlm:.2f}x")
+    print(f"meshlm / torch throughput: {t_torch / t_meshlm:.2f}x (fastest of {args.steps} steps each)")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm import lora, quant
+from meshlm import fused_ce, lora, quant
 from meshlm.config import PROJECTIONS, ModelConfig, Policy, dtype_of
 from meshlm.paged_attention import paged_attention
 from meshlm.param import Param, axes_of, init_table
@@ -647,30 +647,6 @@ def decode(
     return (x if hidden else unembed(params, x, cfg)), view.cache
 
 
-LOSS_CHUNK = 512  # positions whose logits exist at once in the loss, for sequences it divides
-
-
-def _nll(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """(-log p(target), log Z), each [B, T], from hidden states [B, T, D]."""
-    logits = unembed(params, x, cfg)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    return log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], log_z
-
-
-def _chunked_nll(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """`_nll` with the LM head applied `LOSS_CHUNK` positions at a time and recomputed in the backward
-    pass: the float32 [B, T, vocab] logits (and their gradient) never exist whole, which at GPT-J's
-    50400-entry vocabulary and 2048 positions is most of a step's activation memory. Sequences of one
-    chunk or less keep their logits (recomputing them would cost more than they weigh)."""
-    B, T = targets.shape
-    if T <= LOSS_CHUNK or T % LOSS_CHUNK:
-        return _nll(params, x, targets, cfg)
-    split = lambda a: jnp.moveaxis(a.reshape(B, T // LOSS_CHUNK, LOSS_CHUNK, *a.shape[2:]), 1, 0)
-    nll, log_z = jax.lax.map(jax.checkpoint(lambda xs: _nll(params, *xs, cfg)), (split(x), split(targets)))
-    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T)
-    return merge(nll), merge(log_z)
-
-
 def target_nll(
     params: Params,
     tokens: jax.Array,
@@ -679,13 +655,22 @@ def target_nll(
     *,
     segments: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    weights: jax.Array | None = None,
+    z_loss: float = 0.0,
+) -> fused_ce.Losses:
     """(-log p(target), log Z), each [B, T], of the next-token predictions in tokens [B, T+1] (inputs
-    tokens[:, :-1], targets tokens[:, 1:]); `segments` [B, T+1] as in `hidden_states`, `dropout_key` too."""
+    tokens[:, :-1], targets tokens[:, 1:]); `segments` [B, T+1] as in `hidden_states`, `dropout_key` too.
+    With `weights` [B, T], also `total`, their sum of nll + z_loss * log Z^2, whose gradient comes from
+    the head's forward pass. The LM head is fused with the loss (`fused_ce`): the float32 [B, T, vocab]
+    logits, at GPT-J's vocabulary most of a step's activation memory, never exist whole."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments = None if segments is None else segments[:, :-1]
     x = hidden_states(params, inputs, cfg, policy, segments=segments, dropout_key=dropout_key)
-    return _chunked_nll(params, x, targets, cfg)
+    w = params["embed"]["w"] if cfg.tie_embeddings else params["head"]["w"]
+    b = params["head"]["b"] if cfg.head_bias else None
+    return fused_ce.cross_entropy(
+        x, w.astype(x.dtype), b, targets, weights, z_loss=z_loss, vocab_first=cfg.tie_embeddings
+    )
 
 
 def loss(
@@ -704,9 +689,10 @@ def loss(
     `loss_mask` [B, T] weights each target (0 for padding). `z_loss` adds z_loss * logsumexp^2, which
     keeps the softmax normaliser near 1 in low-precision training. Returns (loss, metrics).
     """
-    nll, log_z = target_nll(params, tokens, cfg, policy, segments=segments, dropout_key=dropout_key)
-    weights = jnp.ones_like(nll) if loss_mask is None else loss_mask.astype(jnp.float32)
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+    out = target_nll(
+        params, tokens, cfg, policy, segments=segments, dropout_key=dropout_key, weights=weights, z_loss=z_loss
+    )
     n = jnp.maximum(weights.sum(), 1.0)
-    ce = (nll * weights).sum() / n
-    total = ce + z_loss * (jnp.square(log_z) * weights).sum() / n
-    return total, {"ce": ce, "tokens": weights.sum()}
+    return out.total / n, {"ce": (out.nll * weights).sum() / n, "tokens": weights.sum()}

@@ -33,19 +33,36 @@ class Inputs(NamedTuple):
     in_document: jax.Array  # [R, T] 1 for each target inside a document, prompt included (ORPO's NLL term)
     examples: jax.Array  # [R] 1 for a row of the data, 0 for a row that only pads an evaluation batch
     reference: jax.Array | None  # [R] each row's log-prob under the frozen reference model (DPO)
+    # sum of weights * (nll + z_loss * log_z^2), computed by the model with its gradient (an objective that
+    # declares `token_sum`); the same number from nll and log_z costs the backward pass a sweep over the head
+    total: jax.Array | None = None
 
     @classmethod
     def of(
-        cls, nll: jax.Array, log_z: jax.Array, batch: dict[str, jax.Array], reference: jax.Array | None = None
+        cls,
+        nll: jax.Array,
+        log_z: jax.Array,
+        batch: dict[str, jax.Array],
+        reference: jax.Array | None = None,
+        total: jax.Array | None = None,
     ) -> Inputs:
         """From the model's per-target outputs and a batch of rows {"tokens", "weights", "segments"}
-        [R, T + 1] (and "examples" [R] for an evaluation batch): a target's weight is the row's weight of
-        the token it predicts; it lies inside a document when its input token belongs to the same one."""
-        examples = batch.get("examples", jnp.ones(nll.shape[0], jnp.float32))
+        [R, T + 1] (and "examples" [R] for an evaluation batch): a target lies inside a document when its
+        input token belongs to the same one."""
+        examples = _examples(batch)
         segments = batch["segments"]
         in_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
-        weights = batch["weights"][:, 1:].astype(jnp.float32) * examples[:, None]
-        return cls(nll, log_z, weights, in_document * examples[:, None], examples, reference)
+        weights = target_weights(batch)
+        return cls(nll, log_z, weights, in_document * examples[:, None], examples, reference, total)
+
+
+def _examples(batch: dict[str, jax.Array]) -> jax.Array:
+    return batch.get("examples", jnp.ones(batch["tokens"].shape[0], jnp.float32))
+
+
+def target_weights(batch: dict[str, jax.Array]) -> jax.Array:
+    """[R, T] each target's loss weight: the row's weight of the token it predicts, 0 in a row that only pads."""
+    return batch["weights"][:, 1:].astype(jnp.float32) * _examples(batch)[:, None]
 
 
 class Result(NamedTuple):
@@ -73,7 +90,10 @@ def lm(cfg: TrainConfig, x: Inputs) -> Result:
     """Next-token cross-entropy over the weighted targets, plus `z_loss` * log Z^2 (the PaLM z-loss)."""
     tokens = x.weights.sum()
     ce = _mean(x.nll, x.weights)
-    loss = ce + cfg.z_loss * _mean(jnp.square(x.log_z), x.weights)
+    if x.total is None:
+        loss = ce + cfg.z_loss * _mean(jnp.square(x.log_z), x.weights)
+    else:
+        loss = x.total / jnp.maximum(tokens, 1.0)
     return Result(loss, {"loss": ce, "loss_with_z": loss}, tokens)
 
 
@@ -162,6 +182,9 @@ class Objective:
     loss: Callable[[TrainConfig, Inputs], Result]
     data: str  # the kind of dataset it trains on: "lm" (text) or "preference" (interleaved pairs)
     reference: bool  # whether it needs the reference model's row log-probs (`Inputs.reference`)
+    # whether its loss is `Inputs.total` divided by the summed weights: the model then computes its LM
+    # head's whole gradient in the forward pass (`meshlm.fused_ce`)
+    token_sum: bool = False
 
     @property
     def rows_per_example(self) -> int:
@@ -170,7 +193,7 @@ class Objective:
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "lm": Objective(lm, "lm", reference=False),
+    "lm": Objective(lm, "lm", reference=False, token_sum=True),
     "dpo": Objective(dpo, "preference", reference=True),
     "orpo": Objective(orpo, "preference", reference=False),
 }

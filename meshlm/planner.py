@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from meshlm import footprint, metrics, model, runner, train_step
+from meshlm import footprint, fused_ce, metrics, model, runner, train_step
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
 from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
@@ -236,7 +236,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     `dots_no_batch` the outputs of q, k, v, out and fc_in; `dots` those, the block's input and the
     attention probabilities; `none` every intermediate. On top come one block's intermediates while it is
     recomputed (float32 attention scores among them) and the LM head's float32 logits with their softmax
-    and gradient, for the `model.LOSS_CHUNK` positions computed at once. The coefficients are counts of
+    and gradient, for the positions `fused_ce` computes at once. The coefficients are counts of
     XLA's buffers, checked against compiled CPU and TPU figures by `tests/test_planner.py`.
     """
     m = cfg.model
@@ -254,7 +254,7 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
         "none": (3 * d + 5 * a + 3 * f) * c + 3 * s * 4,
     }[cfg.remat]
     block = (d + a + 2 * f) * c + 3 * s * 4
-    chunk = tokens if seq_len <= model.LOSS_CHUNK or seq_len % model.LOSS_CHUNK else rows * model.LOSS_CHUNK
+    chunk = rows * fused_ce.chunk_positions(rows, seq_len)
     head = chunk * 7 * (m.vocab_size // tp)
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
     trained = adapter_size(model.projections(m), cfg.lora) if cfg.lora else model.count_params(m)

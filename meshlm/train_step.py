@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshlm import footprint, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, Policy, TrainConfig
 from meshlm.lora import base_storage
-from meshlm.objectives import OBJECTIVES, Inputs, Result, sequence_logps
+from meshlm.objectives import OBJECTIVES, Inputs, Result, sequence_logps, target_weights
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
 from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
@@ -117,7 +117,7 @@ def abstract_batch(mesh: Mesh, keys: tuple[str, ...], rows: tuple[int, ...], seq
 def row_logps(params: model.Params, batch: dict[str, jax.Array], model_cfg: ModelConfig, policy: Policy) -> jax.Array:
     """Each row's log-prob [R] of its weighted targets, without dropout: the DPO reference's, computed in
     the step or once before training by the same code."""
-    nll, _ = model.target_nll(params, batch["tokens"], model_cfg, policy, segments=batch["segments"])
+    nll = model.target_nll(params, batch["tokens"], model_cfg, policy, segments=batch["segments"]).nll
     return sequence_logps(nll, batch["weights"][:, 1:])
 
 
@@ -131,12 +131,15 @@ def objective_forward(cfg: TrainConfig, model_cfg: ModelConfig, policy: Policy) 
         params: model.Params, frozen: model.Params | None, batch: dict[str, jax.Array], key: jax.Array | None = None
     ) -> Result:
         full = params if cfg.lora is None else {**frozen, "lora": params}
+        weights = target_weights(batch) if objective.token_sum else None
         tokens, segments = batch["tokens"], batch["segments"]
-        nll, log_z = model.target_nll(full, tokens, model_cfg, policy, segments=segments, dropout_key=key)
+        out = model.target_nll(
+            full, tokens, model_cfg, policy, segments=segments, dropout_key=key, weights=weights, z_loss=cfg.z_loss
+        )
         reference = batch.get("reference")
         if objective.reference and reference is None:
             reference = jax.lax.stop_gradient(row_logps(frozen, batch, model_cfg, policy))
-        return objective.loss(cfg, Inputs.of(nll, log_z, batch, reference))
+        return objective.loss(cfg, Inputs.of(out.nll, out.log_z, batch, reference, out.total))
 
     return forward
 

@@ -206,7 +206,7 @@ def test_lm_loss_is_normalised_by_the_loss_tokens_of_the_whole_batch_whatever_mi
     weights[2, -1] = 1
     weights[3, 1:12] = 1
     params = jax.tree.map(np.asarray, model.init(CFG, jax.random.key(0)))
-    nll, _ = jax.jit(functools.partial(model.target_nll, cfg=CFG))(params, tokens, segments=segments)
+    nll = jax.jit(functools.partial(model.target_nll, cfg=CFG))(params, tokens, segments=segments).nll
     want = float((nll * weights[:, 1:]).sum() / weights[:, 1:].sum())
 
     results = []

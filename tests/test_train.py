@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import checkpoint, cli, data, metrics, model, optim, train, train_step
+from meshlm import checkpoint, cli, data, fused_ce, metrics, model, optim, train, train_step
 from meshlm.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from meshlm.loader import LoaderState, TrainLoader
 from meshlm.sharding import make_mesh
@@ -253,7 +253,7 @@ def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorise
 
 
 def test_loss_in_chunks_equals_torch_cross_entropy_and_its_gradients(hf_tiny, monkeypatch):
-    monkeypatch.setattr(model, "LOSS_CHUNK", 4)  # 16 positions: the LM head runs on 4 chunks
+    monkeypatch.setattr(fused_ce, "CHUNK_TOKENS", 8)  # 2 rows x 16 positions: the LM head runs on 4 chunks
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 500, (2, SEQ + 1))
     mask = rng.random((2, SEQ)) < 0.6  # which targets count: checks each position keeps its own target

@@ -172,15 +172,6 @@ def frequency_presence_penalty(
     return logits - frequency[:, None] * c - presence[:, None] * (c > 0)
 
 
-def ban_stop_ids(logits: jax.Array, stop_ids: jax.Array, count: jax.Array, min_tokens: jax.Array) -> jax.Array:
-    """min_tokens (transformers' MinNewTokensLengthLogitsProcessor): a row that has produced fewer than
-    `min_tokens` tokens (`count`) cannot produce its stop token ids [B, MAX_STOP_IDS] (-1: unused)."""
-    V = logits.shape[-1]
-    rows = jnp.arange(logits.shape[0])[:, None]
-    banned = (stop_ids >= 0) & (count < min_tokens)[:, None]
-    return logits.at[rows, jnp.where(banned, stop_ids, V)].set(-jnp.inf, mode="drop")
-
-
 def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     """Divide by the temperature; rows with temperature 0 (greedy) are left as they are."""
     return logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -279,24 +270,16 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, keys: jax.Array) -> jax.Array:
-    """One draw per row from softmax(logits)."""
-    return draw(jax.nn.softmax(logits, axis=-1), keys)
+    """One draw per row from softmax(logits), by the Gumbel-max trick: the argmax of the logits plus
+    independent Gumbel noise. No softmax, no cumulative sum, no sort: one pass over the vocabulary, and a
+    token at -inf (filtered out, or refused by an output constraint) is never taken."""
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+    return argmax(logits.astype(jnp.float32) + noise)
 
 
 def draw(weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """One draw per row in proportion to `weights` [B, V] (>= 0, not all 0), by inverting the CDF with a
-    single uniform number per row (a Gumbel draw needs a random number per vocabulary entry, ten times
-    slower on CPU).
-
-    XLA's cumsum adds in a tree, so neighbouring sums may differ in their last bits where a weight is 0: a
-    token of zero weight (filtered out, or refused by an output constraint) is never taken, and a u past
-    every drawable token's sum takes the last drawable one."""
-    cdf = jnp.cumsum(weights, axis=-1)
-    u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
-    drawable = weights > 0
-    hit = (cdf > u[:, None]) & drawable
-    last = weights.shape[-1] - 1 - argmax(drawable[:, ::-1])
-    return jnp.where(hit.any(axis=-1), argmax(hit), last)
+    """One draw per row in proportion to `weights` [B, V] (>= 0, not all 0): a zero weight is never taken."""
+    return sample(jnp.log(weights), keys)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,16 +369,21 @@ def row_keys(s: Settings, count: jax.Array) -> jax.Array:
 def penalize(logits: jax.Array, seen: jax.Array, counts: jax.Array | None, count: jax.Array, s: Settings) -> jax.Array:
     """The logits a row chooses from, greedy or not (vLLM's order): logit bias, repetition penalty over the
     prompt and output (`seen` [B, V]), frequency and presence penalties over the output (`counts` [B, V];
-    None: nothing counted), then min_tokens' ban on the stop token ids while `count` < min_tokens. Each
-    step beyond the repetition penalty runs only when some row asks for it."""
-    skip = lambda x: x
-    x = jax.lax.cond(jnp.any(s.bias_ids >= 0), lambda x: apply_logit_bias(x, s.bias_ids, s.bias), skip, logits)
-    x = repetition_penalty(x, seen, s.penalty)
-    if counts is not None:
-        penalised = lambda x: frequency_presence_penalty(x, counts, s.frequency, s.presence)
-        x = jax.lax.cond(jnp.any((s.frequency != 0) | (s.presence != 0)), penalised, skip, x)
-    banned = lambda x: ban_stop_ids(x, s.stop_ids, count, s.min_tokens)
-    return jax.lax.cond(jnp.any(count < s.min_tokens), banned, skip, x)
+    None: nothing counted), then min_tokens' ban on the stop token ids while `count` < min_tokens
+    (transformers' MinNewTokensLengthLogitsProcessor).
+
+    One scatter adds the biases and the ban's -inf (which stays -inf through the penalties), and one
+    elementwise pass applies the penalties; the scatter, and the read of the counts, run only when some
+    row asks for them."""
+    banned = (s.stop_ids >= 0) & (count < s.min_tokens)[:, None]
+    ids = jnp.concatenate([s.bias_ids, jnp.where(banned, s.stop_ids, -1)], axis=1)
+    added = jnp.concatenate([s.bias, jnp.full(s.stop_ids.shape, -jnp.inf, s.bias.dtype)], axis=1)
+    x = jax.lax.cond(jnp.any(ids >= 0), lambda x: apply_logit_bias(x, ids, added), lambda x: x, logits)
+    repeated = lambda x: repetition_penalty(x, seen, s.penalty)
+    if counts is None:
+        return repeated(x)
+    counted = lambda x: frequency_presence_penalty(repeated(x), counts, s.frequency, s.presence)
+    return jax.lax.cond(jnp.any((s.frequency != 0) | (s.presence != 0)), counted, repeated, x)
 
 
 def distribution(x: jax.Array, s: Settings) -> jax.Array:
@@ -440,10 +428,10 @@ def choose(
     greedy = argmax(x)
 
     def sampled(x: jax.Array) -> jax.Array:
-        p = distribution(x, s)
         keys = row_keys(s, count)
         if proposal is None:
-            return draw(p, keys)
+            return sample(filter_logits(x, s.temperature, s.top_k, s.top_p, s.min_p), keys)
+        p = distribution(x, s)
         offered = proposal >= 0
         d = jnp.maximum(proposal, 0)[:, None]
         q = jax.nn.one_hot(d[:, 0], V, dtype=p.dtype) if draft_probs is None else draft_probs

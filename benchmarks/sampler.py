@@ -1,8 +1,12 @@
-"""Sampling filters per decode step: top-k and top-p read off each row's 256 largest logits (today's
-`filter_logits`) against the exact bisection filters they replace (32 masked passes over the vocabulary
-each), on the same logits, in one run.
+"""The sampler per decode step, in one run on the same logits:
 
-    python benchmarks/sampler.py [--rows 16 --vocab 50400 --repeats 20]
+1. Sampling filters: top-k and top-p read off each row's 256 largest logits (today's `filter_logits`)
+   against the exact bisection filters they replace (32 masked passes over the vocabulary each).
+2. The whole choice of a token (`generate.choose`: penalties, filters, the draw, logprobs) against the
+   same function at an earlier revision (`--before`, read with `git show`): the Gumbel-max draw and the
+   one-pass penalties against the inverse-CDF draw and the penalties one cond each.
+
+    python benchmarks/sampler.py [--rows 16 --vocab 50400 --repeats 20 --before cc9d5e3]
 
 Settings: top-k 50 with top-p 0.9, top-p 0.95 alone, top-k 40 alone, all at temperature 0.8, on confident
 rows (normal logits, standard deviation 6: a nucleus of about 10 tokens) and on uncertain ones (deviation 3:
@@ -13,14 +17,61 @@ the same tokens (checked here too).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import subprocess
+import sys
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import best_time  # benchmarks/timing.py, beside this script
+from timing import best_time, best_times  # benchmarks/timing.py, beside this script
 
 from meshlm import generate as gen
+
+
+def generate_at(revision: str) -> ModuleType:
+    """meshlm/generate.py as it was at `revision`, imported as a module of its own."""
+    source = subprocess.run(["git", "show", f"{revision}:meshlm/generate.py"], capture_output=True, text=True,
+                            check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout  # fmt: skip
+    spec = importlib.util.spec_from_loader("generate_before", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    exec(compile(source, f"{revision}:meshlm/generate.py", "exec"), module.__dict__)
+    return module
+
+
+def choose_steps(rows: int, vocab: int, repeats: int, before: str) -> None:
+    """Per-step cost of `choose` now and at `before`, for each kind of row a server sees."""
+    old = generate_at(before)
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 4, (rows, vocab)).astype(np.float32))
+    seen = jnp.asarray(rng.random((rows, vocab)) < 0.01)
+    counts = jnp.asarray((rng.random((rows, vocab)) < 0.005).astype(np.int32))
+    count = jnp.full(rows, 8, jnp.int32)
+    settings = {
+        "greedy": dict(temperature=0.0),
+        "temperature 0.8": dict(temperature=0.8),
+        "top-p 0.9": dict(temperature=0.8, top_p=0.9),
+        "penalties + bias": dict(
+            temperature=0.8,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            repetition_penalty=1.1,
+            logit_bias={5: 1.0, 9: -2.0},
+        ),
+    }
+    for name, kw in settings.items():
+        steps = {}
+        for side, module in (("now", gen), ("before", old)):
+            params = [module.SamplingParams(**kw, seed=i) for i in range(rows)]
+            s = jax.tree.map(jnp.asarray, module.settings_for(params, rows))
+            step = jax.jit(lambda x, s, m=module: m.choose(x, seen, count, s, vocab, counts=counts)[0])
+            steps[side] = lambda step=step, s=s: jax.block_until_ready(step(logits, s))
+        t = best_times(steps, repeats)
+        print(f"choose, {name:>16}: now {t['now'] * 1e3:6.2f} ms, before {t['before'] * 1e3:6.2f} ms: "
+              f"{t['before'] / t['now']:4.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -28,6 +79,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50400)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--before", default="cc9d5e3", help="the revision whose choose is the peer")
     args = ap.parse_args()
     load = os.getloadavg()[0]
 
@@ -50,6 +102,7 @@ def main() -> None:
             old = best_time(lambda a=args_: jax.block_until_ready(bisection(*a)), args.repeats)
             print(f"{spread:>9} {name:>20}: candidates {new * 1e3:6.2f} ms, bisection {old * 1e3:6.2f} ms: "
                   f"{old / new:4.1f}x (same tokens kept: {same})")  # fmt: skip
+    choose_steps(args.rows, args.vocab, args.repeats, args.before)
     print(f"load {os.getloadavg()[0]:.2f} after")
 
 

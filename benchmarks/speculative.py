@@ -1,47 +1,80 @@
-"""Speculative decoding at batch 1: plain decoding against prompt lookup and a draft model, and what bounds them.
+"""Speculative decoding with a draft that knows the target: acceptance and speed-up against plain decoding.
 
-    PYTHONPATH=. python benchmarks/speculative.py [CHECKPOINT] [--draft DRAFT] [--d-model 256 --layers 4]
-                                                  [--new-tokens 256 --speculate 4 --repeats 3]
+    PYTHONPATH=. python benchmarks/speculative.py [TARGET --draft DRAFT] [--speculate 3 --new-tokens 128]
+                                                  [--batches 1,4 --temperatures 0,0.8 --repeats 3]
 
-Without CHECKPOINT a random GPT-J (`--d-model`, `--layers`, vocab 50400) is written to a temporary folder;
-without `--draft` the model is its own draft, which keeps every proposal but costs as much as the model:
-it shows the engine's overhead at full acceptance, not a useful speed-up. One greedy row of
-`--new-tokens` after a 64-token prompt, best of `--repeats`, compiling excluded:
+Without TARGET, a target and a draft are trained on the built-in demo corpus (`meshlm train`, the same
+GPT-2 vocabulary and data) and cached under benchmarks/.cache/speculative/ for later runs:
 
-1. decode tokens/s: plain (chunks of 16 steps per device call), prompt lookup (`ngram=3`) and the draft,
-   with each one's acceptance rate;
-2. the bound: the time of one forward pass over k + 1 tokens (a verification) against one over 1 token
-   (a plain step), and the speed-up a free draft that is always right would give, (k + 1) / that ratio.
+- target: GPT-J, 4 layers, d_model 256, 200 steps (about 10 minutes on 2 CPU cores);
+- draft: GPT-J, 1 layer, d_model 64, 200 steps (about 2 minutes).
+
+With TARGET and no `--draft`, the target is its own draft (every proposal kept, at the target's cost: the
+engine's overhead at full acceptance). Prompts are 32-token passages of the demo corpus, one per row. For
+each batch size and temperature, best tokens/s of `--repeats` runs (compiling excluded) of:
+
+1. plain decoding (chunks of 16 steps per device call), and prompt lookup (`ngram=3`) for reference;
+2. the draft proposing `--speculate` tokens per step, with the share of proposals the target kept;
+3. the bound: one forward pass over k + 1 tokens (a verification) against one over 1 token (a plain step),
+   and the speed-up a free draft that is always right would give, (k + 1) / that ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import meshlm
-from benchmarks.serve import write_random_model
 from meshlm import model
+from meshlm.demo_corpus import documents, gpt2_tokenizer
 from meshlm.generate import SamplingParams
 
+CACHE = Path(__file__).parent / ".cache" / "speculative"
+PAIR = {  # what each model overrides of the demo run (configs/demo-tiny.yaml)
+    "target": ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.d_ff=1024"],
+    "draft": ["model.n_layer=1", "model.d_model=64", "model.n_head=2", "model.d_ff=256"],
+}
 
-def decode_speed(lm, prompt: list[int], new_tokens: int, repeats: int, **options) -> tuple[float, float]:
-    """Best tokens/s of one greedy row, and the share of proposals kept."""
-    engine = lm.engine(max_batch=1, max_len=len(prompt) + new_tokens + 64, **options)
+
+def trained(name: str) -> Path:
+    """The run folder of one model of the pair, trained on the demo corpus unless cached."""
+    folder = CACHE / name
+    if not (folder / "meta.json").exists():
+        print(f"training the {name} ({' '.join(PAIR[name])}) into {folder}", flush=True)
+        sets = [arg for kv in PAIR[name] + ["sample_tokens=0"] for arg in ("--set", kv)]
+        subprocess.run([sys.executable, "-m", "meshlm", "train", *sets, "--out-dir", str(folder), "--no-progress"],
+                       check=True)  # fmt: skip
+    return folder
+
+
+def prompts(lm, rows: int, length: int = 32) -> list[list[int]]:
+    """`rows` passages of `length` tokens from the demo corpus's documents, one per document."""
+    tokenizer = lm.tokenizer or gpt2_tokenizer()
+    docs = [tokenizer.encode(d) for d in documents()]
+    long = [ids for ids in docs if len(ids) >= 4 * length]
+    return [long[i * len(long) // rows][length : 2 * length] for i in range(rows)]
+
+
+def decode_speed(lm, rows: list[list[int]], new_tokens: int, temperature: float, repeats: int, **options):
+    """Best tokens/s over all rows, and the share of proposals kept."""
+    engine = lm.engine(max_batch=len(rows), max_len=max(map(len, rows)) + new_tokens + 64, **options)
     engine.warm_up()
-    params = [SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())]
+    params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i, stop_token_ids=())
+              for i in range(len(rows))]  # fmt: skip
     best = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        (done,) = engine.generate([prompt], params, chunk=16)
-        best = max(best, len(done.tokens) / (time.perf_counter() - t0))
-    return best, engine.snapshot().accepted / max(engine.snapshot().proposed, 1)
+        done = engine.generate(rows, params, chunk=16)
+        best = max(best, sum(len(d.tokens) for d in done) / (time.perf_counter() - t0))
+    stats = engine.snapshot()
+    return best, stats.accepted / max(stats.proposed, 1)
 
 
 def forward_ms(lm, tokens: int, repeats: int = 50) -> float:
@@ -63,37 +96,39 @@ def forward_ms(lm, tokens: int, repeats: int = 50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", nargs="?", default=None)
-    ap.add_argument("--draft", default=None, help="a draft model's checkpoint (default: the model itself)")
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--speculate", type=int, default=4, help="tokens proposed per step (k)")
+    ap.add_argument("target", nargs="?", default=None, help="the target's checkpoint (default: the trained pair)")
+    ap.add_argument("--draft", default=None, help="the draft's checkpoint (default: the trained pair's draft)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--speculate", type=int, default=3, help="tokens proposed per step (k)")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    target = args.target or trained("target")
+    draft_path = args.draft or (None if args.target else trained("draft"))
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs", flush=True)
-    with tempfile.TemporaryDirectory() as folder:
-        if args.checkpoint is None:
-            write_random_model(folder, args.d_model, args.layers)
-        lm = meshlm.load(args.checkpoint or folder)
-        draft = meshlm.load(args.draft, mesh=lm.mesh) if args.draft else lm
-        prompt = np.random.default_rng(4).integers(1, lm.config.n_vocab_used, 64).tolist()
-        run = lambda **options: decode_speed(lm, prompt, args.new_tokens, args.repeats, **options)
-        plain, _ = run()
-        ngram, ngram_kept = run(ngram=3, speculate=args.speculate)
-        drafted, draft_kept = run(draft=draft, speculate=args.speculate)
-        one, verify = forward_ms(lm, 1), forward_ms(lm, args.speculate + 1)
+    lm = meshlm.load(target)
+    draft = meshlm.load(draft_path, mesh=lm.mesh) if draft_path else lm
+    print(f"target: {lm}; draft: {'the target itself' if draft is lm else draft}")
+    print(f"{args.new_tokens} new tokens per row, k = {args.speculate}, best of {args.repeats}:")
+    for batch in map(int, args.batches.split(",")):
+        rows = prompts(lm, batch)
+        for temperature in map(float, args.temperatures.split(",")):
+            run = lambda **o: decode_speed(lm, rows, args.new_tokens, temperature, args.repeats, **o)  # noqa: B023
+            plain, _ = run()
+            ngram, ngram_kept = run(ngram=3, speculate=args.speculate)
+            drafted, kept = run(draft=draft, speculate=args.speculate)
+            print(f"  batch {batch}, temperature {temperature}: plain {plain:7.1f} tokens/s; "
+                  f"draft {drafted:7.1f} ({drafted / plain:.2f}x, {kept:.0%} of proposals kept); "
+                  f"prompt lookup {ngram:7.1f} ({ngram / plain:.2f}x, {ngram_kept:.0%} kept)", flush=True)  # fmt: skip
+    one, verify = forward_ms(lm, 1), forward_ms(lm, args.speculate + 1)
+    ratio, k = verify / one, args.speculate
+    draft_one = forward_ms(draft, 1)
+    print(f"a target pass over {k + 1} tokens takes {verify:.2f} ms, over 1 token {one:.2f} ms ({ratio:.2f}x), "
+          f"a draft step {draft_one:.2f} ms; a free draft always right would give {(k + 1) / ratio:.2f}x")  # fmt: skip
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"model: {lm}; draft: {'the model itself' if draft is lm else draft}")
-    print(f"batch 1, greedy, {args.new_tokens} new tokens, k = {args.speculate}, best of {args.repeats}:")
-    print(f"  plain decoding     {plain:7.1f} tokens/s")
-    print(f"  prompt lookup      {ngram:7.1f} tokens/s ({ngram / plain:.2f}x), {ngram_kept:.0%} of proposals kept")
-    print(f"  draft model        {drafted:7.1f} tokens/s ({drafted / plain:.2f}x), {draft_kept:.0%} of proposals kept")
-    ratio, k = verify / one, args.speculate
-    print(f"a forward pass over {k + 1} tokens takes {verify:.2f} ms, over 1 token {one:.2f} ms: {ratio:.2f}x; "
-          f"a free draft that is always right would give {(k + 1) / ratio:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ needs from it. With cotangents g_nll and g_z of -log p(target) and log Z, the lo
   forward pass keeps p @ W^T [tokens, d_model], so that d hidden = (g_nll + g_z) * (p @ W^T) - g_nll *
   W[target] needs no logits; the head's own gradient, hidden^T @ dlogits, needs p again: one sweep
   over the chunks recomputes it, and only when the head is trained (a LoRA run's head is frozen).
+
+On a mesh, tokens stay split over the batch axes and the vocabulary over `model` (the logits' `act_vocab`):
+log Z's max and sum cross `model` as [tokens] reductions, d hidden as [tokens, d_model] partial sums, and
+the targets' rows are a Megatron lookup (`sharding.embedding_lookup`). No collective carries a whole
+vocabulary (tests/test_fused_ce.py reads the compiled program's collectives).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from meshlm.sharding import batch_ways, constrain
+from meshlm.sharding import batch_ways, constrain, embedding_lookup
 
 # Tokens whose logits exist at once on a device. gptj-tiny's training step (batch 8 x 256) on this 2-core
 # CPU took 1515, 1541, 1565 and 1709 ms with chunks of 256, 512, 1024 and 2048 tokens: below 1024 the size
@@ -95,8 +100,10 @@ def _logits(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: _Spec) -> jax
 
 
 def _target_rows(w: jax.Array, targets: jax.Array, spec: _Spec) -> jax.Array:
-    """[B, c, D]: the head's weights of each target (W's column; a tied embedding's row)."""
-    return jnp.take(w, targets, axis=0) if spec.vocab_first else jnp.moveaxis(jnp.take(w, targets, axis=1), 0, -1)
+    """[B, c, D]: the head's weights of each target (W's column; a tied embedding's row), looked up where
+    the vocabulary is split over `model` and summed over it (XLA would gather the whole head for the
+    backward pass's lookup)."""
+    return embedding_lookup(w if spec.vocab_first else w.T, targets)
 
 
 def _target_logits(x: jax.Array, w: jax.Array, b: jax.Array | None, targets: jax.Array, spec: _Spec) -> jax.Array:

@@ -104,6 +104,30 @@ def test_values_and_gradients_on_a_data_fsdp_model_mesh_equal_one_device():
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["lm", "per-target"])
+def test_on_a_mesh_the_vocabulary_stays_split_and_only_small_sums_cross_devices(weighted):
+    """Compiled on data=2,fsdp=2,model=2 with the head split over `model` on the vocabulary: no collective
+    carries a whole vocabulary (no logits, softmax or head gathered); the vocabulary's reductions cross
+    `model` as [tokens] sums and the hidden states' gradient as [tokens, d_model] partial sums."""
+    import re
+
+    mesh = make_mesh("data=2,fsdp=2,model=2")
+    (x, w, b), targets, mask, _ = head_inputs(False, True, seed=2)
+
+    def loss(x, w, b):
+        out = fused_ce.cross_entropy(x, w, b, targets, mask if weighted else None, chunk_tokens=8)
+        return out.total if weighted else out.nll.sum()
+
+    axes = (("batch", "seq", "act_embed"), ("embed", "vocab"), ("vocab",))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, named_sharding(mesh, ax)) for a, ax in zip((x, w, b), axes, strict=True)]
+        hlo = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(*args).compile().as_text()
+    collectives = re.findall(r"= \w+\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)", hlo)
+    assert any(op == "all-reduce" for _, op in collectives)
+    for dims, op in collectives:
+        assert V not in [int(d) for d in dims.split(",") if d], (op, dims)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The training step: every objective's gradients with the fused head equal those with the plain head
 

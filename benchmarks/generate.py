@@ -6,6 +6,10 @@ Both decode greedily in float32 on this machine's CPU, one after the other in th
 Time to first token is a generation of one new token (prefill plus the first choice); decode speed
 is the extra new tokens per second of a `--new`-token generation beyond that first one; end to end
 is all new tokens over the whole `--new`-token generation.
+
+With `--profile`, what bounds a meshlm decode step at each batch: the device time of one paged decode step
+through the layers alone (final hidden states), with the LM head, and with the head and the sampler's
+`choose`, against the step time the engine achieved; the rest is the engine's host work per step.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import argparse
 import tempfile
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from timing import best_time  # benchmarks/timing.py, beside this script
 from transformers import GPTJConfig, GPTJForCausalLM
 
 import meshlm
+from meshlm import generate, model
 from meshlm.generate import SamplingParams
 
 
@@ -33,6 +40,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens per row")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="split a meshlm decode step into its parts")
     args = ap.parse_args()
 
     hf_config = GPTJConfig(
@@ -72,6 +80,33 @@ def main() -> None:
             f"  ratio meshlm / transformers: decode {m_rate / t_rate:.2f}x, first token {t_first / m_first:.2f}x, "
             f"end to end {m_total / t_total:.2f}x"
         )
+        if args.profile:
+            profile(lm, batch, args.prompt + args.new // 2, batch / m_rate, args.repeats)
+
+
+def profile(lm: meshlm.LanguageModel, batch: int, cached: int, engine_step: float, repeats: int) -> None:
+    """Device milliseconds of one decode step of `batch` rows with `cached` tokens each, in parts."""
+    cfg, policy, page = lm.config, lm.policy, 16
+    pages = -(-(cached + 1) // page)
+    cache = model.init_cache(cfg, batch * pages + 1, page, policy.compute_dtype)
+    table = jnp.arange(1, batch * pages + 1, dtype=jnp.int32).reshape(batch, pages)
+    tokens, length = jnp.zeros((batch, 1), jnp.int32), jnp.full(batch, cached, jnp.int32)
+    settings = jax.tree.map(jnp.asarray, generate.settings_for([SamplingParams(temperature=0.0)] * batch, batch))
+    seen, count = jnp.zeros((batch, cfg.vocab_size), bool), jnp.zeros(batch, jnp.int32)
+
+    def step(p, c, hidden: bool, sample: bool):
+        out = model.decode(p, tokens, c, table, length, cfg, policy, hidden=hidden)[0][:, 0]
+        return generate.choose(out, seen, count, settings, cfg.n_vocab_used)[0] if sample else out
+
+    parts = {}
+    for name, hidden, sample in (("layers", True, False), ("+ head", False, False), ("+ choose", False, True)):
+        f = jax.jit(lambda p, c, h=hidden, s=sample: step(p, c, h, s))
+        parts[name] = best_time(lambda f=f: jax.block_until_ready(f(lm.params, cache)), repeats * 4)
+    head_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(lm.params["head"]))
+    print(f"  profile, batch {batch} ({cached} tokens cached): layers {parts['layers'] * 1e3:.2f} ms, "
+          f"LM head {(parts['+ head'] - parts['layers']) * 1e3:.2f} ms (reads {head_bytes / 1e6:.1f} MB), "
+          f"choose {(parts['+ choose'] - parts['+ head']) * 1e3:.2f} ms; device step {parts['+ choose'] * 1e3:.2f} ms "
+          f"of the engine's {engine_step * 1e3:.2f} ms per step")  # fmt: skip
 
 
 def run_meshlm(lm: meshlm.LanguageModel, prompts: np.ndarray, new: int) -> None:

@@ -109,7 +109,7 @@ def _target_rows(w: jax.Array, targets: jax.Array, spec: _Spec) -> jax.Array:
 def _target_logits(x: jax.Array, w: jax.Array, b: jax.Array | None, targets: jax.Array, spec: _Spec) -> jax.Array:
     """The targets' logits [B, c] from their rows of the head: no pass over the chunk's logits."""
     z = jnp.einsum("bcd,bcd->bc", x, _target_rows(w, targets, spec), preferred_element_type=jnp.float32)
-    return z if b is None else z + b.astype(jnp.float32)[targets]
+    return z if b is None else z + jnp.take(jnp.asarray(b, jnp.float32), targets)
 
 
 def _total(nll: jax.Array, log_z: jax.Array, weights: jax.Array | None, spec: _Spec) -> jax.Array | None:

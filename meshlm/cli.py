@@ -135,7 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _add_destination(p: argparse.ArgumentParser) -> None:
-    """DST and --overwrite, for the commands that write a model folder the way `checkpoint.staged` does."""
+    """DST and --overwrite, for the commands that write a model folder the way `native.staged` does."""
     p.add_argument("dst", help="destination folder: new or empty, unless --overwrite")
     p.add_argument(
         "--overwrite",

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import api, checkpoint
+from meshlm import api
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.demo_corpus import DEMO_DATA, prepare_demo_corpus, prepare_demo_records
-from meshlm.formats import mtj, registry
+from meshlm.formats import mtj, native, registry
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
@@ -127,7 +127,7 @@ class Start(NamedTuple):
 
 def resolve(
     cfg: TrainConfig,
-    ckpts: checkpoint.TrainCheckpoints,
+    ckpts: native.TrainCheckpoints,
     train_ds: TokenDataset,
     val_sets: dict[str, TokenDataset],
     mesh: Mesh,
@@ -143,7 +143,7 @@ def resolve(
     latest, seed_opt, model_cfg = ckpts.latest_step(), None, cfg.model
     base_ref = base_reference(cfg) if cfg.lora is not None else None
     if latest is not None:
-        desc = checkpoint.read_description(ckpts.folder / str(latest))
+        desc = native.read_description(ckpts.folder / str(latest))
         model_cfg = ModelConfig.from_dict(desc["model"])
         base_ref = resumed_base(cfg, desc, ckpts.folder / str(latest))
     elif cfg.init_from and cfg.lora is None:
@@ -178,7 +178,7 @@ def base_reference(cfg: TrainConfig) -> dict[str, Any]:
     otherwise move on), else the random model of `seed`; `dtype` is how the base is stored."""
 
     def absolute(path: str | None) -> str | None:
-        return None if path is None else str(Path(checkpoint.resolve(path)).absolute())
+        return None if path is None else str(Path(native.resolve(path)).absolute())
 
     return {
         "init_from": absolute(cfg.init_from),

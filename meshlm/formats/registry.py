@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshlm import checkpoint
 from meshlm.config import CheckpointError, ModelConfig, is_url
-from meshlm.formats import hf, mtj
+from meshlm.formats import hf, mtj, native
 from meshlm.formats.slices import SliceSource
 
 # name -> module with detect(path) -> bool and open(path, dtype, ...) -> (ModelConfig, SliceSource);
 # checked in this order (a meshlm checkpoint may also carry a config.json)
-FORMATS = {"meshlm": checkpoint, "hf": hf, "mtj": mtj}
+FORMATS = {"meshlm": native, "hf": hf, "mtj": mtj}
 
 
 def detect(path: str | Path) -> str:
@@ -20,7 +19,7 @@ def detect(path: str | Path) -> str:
     if is_url(path):
         if mtj.detect(path):
             return "mtj"
-        if checkpoint.detect(path):
+        if native.detect(path):
             return "meshlm"
         raise CheckpointError(f"{path}: URLs are read for the seed's checkpoints and meshlm's, and this is neither")
     path = Path(path)
@@ -39,7 +38,7 @@ def detect(path: str | Path) -> str:
 
 def resolve(path: str | Path) -> tuple[str | Path, str]:
     """The checkpoint a path stands for (a run folder's latest step) and its format."""
-    path = checkpoint.resolve(path)
+    path = native.resolve(path)
     return path, detect(path)
 
 

@@ -14,11 +14,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import model
-from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of, local_folder
+from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
-from meshlm.formats import hf, native, registry
-from meshlm.formats.slices import place, projection_quantizers
+from meshlm.formats import native, registry
+from meshlm.formats.slices import Placed, place, projection_quantizers
 from meshlm.generate import Completion, SamplingParams
 from meshlm.grammar import Constraint
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
@@ -315,25 +315,14 @@ class LanguageModel:
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face folder (the architecture's
         `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
-        if format not in ("meshlm", "hf"):
-            raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
-        if format == "hf":
-            local_folder(path, "Hugging Face folder")  # safetensors files are written locally
+        write = registry.writer(format, "save format")
         if self.quantized or "lora" in self.params:
             what = f"{self.quantized}-quantized weights" if self.quantized else "an unmerged LoRA adapter"
             raise ConfigError(
                 f"this model holds {what}; save the full-precision model, or write a merged one with `meshlm merge`"
             )
-        params = self.params
-        if dtype is not None:
-            target = dtype_of(dtype)
-            params = jax.tree.map(lambda x: x.astype(target), params)
         files = tokenizer_files(self._tokenizer, self.folder)
-        if format == "meshlm":
-            native.save_params(path, params, self.config, files=files)
-        else:
-            _start_hf_folder(path, self.config, files)
-            hf.save(path, params, self.config, dtype=dtype or self.dtype)
+        write(path, self.config, dtype or self.dtype, Placed(self.params), files)
 
 
 def load(
@@ -410,13 +399,6 @@ def read_config(path: str | Path, seed_config: str | Path | None = None) -> Mode
     return registry.open(path, fmt, "float32", seed_config)[0]
 
 
-def _start_hf_folder(path: str | Path, cfg: ModelConfig, files: dict[str, Path], every_process: bool = True) -> None:
-    """Check that an architecture represents `cfg`, then start the folder with the tokenizer `files`: a
-    refused config writes nothing, and config.json (the mark of a whole HF folder) comes last."""
-    hf.to_hf_config(cfg)
-    native.start_folder(path, files, every_process)
-
-
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -467,8 +449,7 @@ def _stream(
     adapter: str | Path | None = None,
     overwrite: bool = False,
 ) -> None:
-    if to not in ("meshlm", "hf"):
-        raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
+    write = registry.writer(to, "target format")
     dtype_of(dtype)
     native.check_new_folder(dst, overwrite)
     if jax.process_index() != 0:
@@ -480,11 +461,7 @@ def _stream(
     files = tokenizer_files(model=src)
     size = model.count_params(cfg) * np.dtype(dtype_of(dtype)).itemsize
     with native.staged(dst, "convert" if adapter is None else "merge", overwrite, size) as folder:
-        if to == "meshlm":
-            native.write_params(folder, cfg, dtype, source, files=files)
-        else:
-            _start_hf_folder(folder, cfg, files, every_process=False)
-            hf.write_from(folder, cfg, dtype, source)
+        write(folder, cfg, dtype, source, files)
 
 
 def from_config(

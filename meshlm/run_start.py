@@ -19,7 +19,8 @@ from meshlm import api
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.demo_corpus import DEMO_DATA, prepare_demo_corpus, prepare_demo_records
-from meshlm.formats import mtj, native, registry
+from meshlm.formats import native, registry
+from meshlm.formats.slices import OptimizerState
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
@@ -122,7 +123,7 @@ class Start(NamedTuple):
     cfg: TrainConfig
     latest: int | None
     base_ref: dict[str, Any] | None
-    seed_opt: mtj.SeedOptimizerState | None
+    seed_opt: OptimizerState | None
 
 
 def resolve(
@@ -231,19 +232,20 @@ def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, cfg: Tra
     return api.from_config(model_cfg, mesh, dtype, base["seed"], quantize=quantize)
 
 
-def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
+def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> OptimizerState:
     """Adam's state and the step of the full seed checkpoint `cfg.init_from`, which the run then continues.
 
     `total_steps` counts from the seed run's start, as in the seed's own config, so it must exceed the
     checkpoint's step.
     """
-    if registry.detect(cfg.init_from) != "mtj":
+    read = registry.optimizer_reader(cfg.init_from)
+    if read is None:
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
             "checkpoint carries Adam's moments to resume"
         )
     # Moments take the parameters' dtype, as optax's Adam keeps them (adam_dtype is float32 with resume_optimizer).
-    seed = mtj.load_optimizer_moments(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
+    seed = read(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
     if seed.step >= cfg.total_steps:
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is at step {seed.step}, total_steps is {cfg.total_steps}; "

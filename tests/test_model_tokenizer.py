@@ -95,7 +95,7 @@ def test_a_save_never_overwrites_and_an_interrupted_one_is_no_checkpoint(folder,
         raise OSError("disk full")
 
     # The weights fail after the tokenizer files are in: the folder holds no marker, so it is no checkpoint.
-    monkeypatch.setattr(*((hf, "save", crash) if fmt == "hf" else (native, "_write_marker", crash)))
+    monkeypatch.setattr(*((hf, "write_folder", crash) if fmt == "hf" else (native, "_write_marker", crash)))
     with pytest.raises(OSError, match="disk full"):
         lm.save(tmp_path / "partial", format=fmt)
     assert (tmp_path / "partial" / "tokenizer.json").is_file()

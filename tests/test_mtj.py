@@ -85,7 +85,7 @@ def test_cli_convert_to_hf_loads_in_transformers(seed, tmp_path):
 def test_streamed_hf_conversion_in_bf16_and_in_several_files(seed, tmp_path):
     ck = seed(2, "float32", True)
     cfg, source = mtj.open(ck.step_dir, "bfloat16", ck.seed_config)
-    hf.write_from(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
+    hf.write(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     from safetensors import safe_open

@@ -1,7 +1,8 @@
-"""Where a training run starts: its tokenizer and datasets (of the kind its objective trains on), the model
-it trains (its own latest checkpoint, else `init_from`'s config, else the config's), a LoRA run's frozen
-base, a seed run's optimizer state to continue, and a full DPO run's precomputed reference log-probs.
-Every check here needs no weights, so a run that cannot start says so before compiling or loading anything."""
+"""Where a training run starts: its config file (meshlm's or the seed's), its tokenizer and datasets (of the
+kind its objective trains on), the model it trains (its own latest checkpoint, else `init_from`'s config, else
+the config's), a LoRA run's frozen base, a seed run's optimizer state to continue, and a full DPO run's
+precomputed reference log-probs. Every check here needs no weights, so a run that cannot start says so before
+compiling or loading anything."""
 
 from __future__ import annotations
 
@@ -16,14 +17,42 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import api
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, apply_overrides, one_line
 from meshlm.data import TokenDataset
 from meshlm.demo_corpus import DEMO_DATA, prepare_demo_corpus, prepare_demo_records
 from meshlm.formats import native, registry
+from meshlm.formats.mtj_config import from_seed_config, is_seed_config
 from meshlm.formats.slices import OptimizerState
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
+
+
+def load_train_config(
+    path: str | Path | None = None, overrides: list[str] = (), values: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Read a YAML/JSON config (meshlm's or the seed's), apply `key=value` overrides, then the already
+    typed `values` (the command line's flags, which win), validate."""
+    read: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file in UTF-8 (byte {e.start}); expected YAML or JSON") from None
+        try:
+            read = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: cannot parse ({one_line(e)})") from None
+        if not isinstance(read, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+        if is_seed_config(read):
+            read = from_seed_config(read)
+    return TrainConfig.from_dict({**apply_overrides(read, list(overrides)), **(values or {})})
 
 
 def _split_spec(spec: str) -> tuple[str, str]:

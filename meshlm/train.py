@@ -33,7 +33,6 @@ from meshlm.config import (
     Interrupted,
     TrainConfig,
     TrainingStopped,
-    as_path,
     is_url,
 )
 from meshlm.data import Batch, TokenDataset
@@ -43,6 +42,7 @@ from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
 from meshlm.objectives import OBJECTIVES
+from meshlm.paths import as_path
 from meshlm.sharding import describe, make_mesh
 from meshlm.train_step import (
     ROW_TOKENS,

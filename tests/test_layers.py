@@ -9,7 +9,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "meshlm"
 
 FLOORS = {
-    0: "config",
+    0: "config paths",
     1: "sharding param footprint devices",
     2: "model fused_ce quant paged_attention lora tokenizer chat",
     3: "generate pages grammar",

@@ -18,9 +18,10 @@ import torch
 
 import meshlm
 from meshlm import cli, data, fused_ce, metrics, model, optim, train, train_step
-from meshlm.config import ConfigError, ModelConfig, TrainConfig, load_train_config
+from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader
+from meshlm.run_start import load_train_config
 from meshlm.sharding import make_mesh
 from tests import oracle
 

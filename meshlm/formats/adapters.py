@@ -26,10 +26,11 @@ import jax
 import numpy as np
 
 from meshlm import lora, model
-from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of, read_json
+from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of
 from meshlm.formats import hf, native
 from meshlm.formats.slices import SliceSource, normalise
 from meshlm.param import axes_of
+from meshlm.paths import read_json
 from meshlm.sharding import from_host, plan, to_host
 
 CONFIG = "adapter_config.json"

@@ -24,9 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, local_folder, read_json
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of
 from meshlm.formats import native
 from meshlm.formats.slices import Index, Placed, SliceSource, normalise
+from meshlm.paths import local_folder, read_json
 
 # ---------------------------------------------------------------------------------------------------
 # Tensor layouts

@@ -35,21 +35,11 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import (
-    GPT2_VOCAB,
-    SEED_NORMS,
-    SEED_POSITIONS,
-    CheckpointError,
-    ConfigError,
-    ModelConfig,
-    dtype_of,
-    is_url,
-    read_json,
-    seed_model_fields,
-    seed_variant,
-)
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, is_url
 from meshlm.formats import hf
+from meshlm.formats.mtj_config import SEED_NORMS, SEED_POSITIONS, seed_model_fields, seed_variant
 from meshlm.formats.slices import Index, OptimizerState, SliceReader, SliceSource, normalise, place
+from meshlm.paths import read_json
 
 CHUNKS = 16  # the seed splits every shard's leaf list into this many files
 ROOT = "causal_transformer_shard/~/"

@@ -46,14 +46,11 @@ from meshlm.config import (
     CheckpointError,
     ModelConfig,
     TrainingStopped,
-    as_path,
     dtype_of,
-    has_path,
     is_url,
-    local_folder,
-    read_json,
 )
 from meshlm.formats.slices import Index, Placed, SliceReader, SliceSource
+from meshlm.paths import as_path, has_path, local_folder, read_json
 from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import TOKENIZER_FILES, copy_files
 

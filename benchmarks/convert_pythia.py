@@ -50,7 +50,7 @@ def random_source(dtype: str, seed: int = 0) -> SliceSource:
 
 def write_source(folder: Path, cfg: ModelConfig, dtype: str) -> None:
     """A random Hugging Face checkpoint of `cfg` in `dtype`, streamed."""
-    hf.write_from(folder, cfg, dtype, random_source(dtype))
+    hf.write(folder, cfg, dtype, random_source(dtype))
 
 
 def last_layer(folder: Path, n_layer: int) -> dict[str, np.ndarray]:

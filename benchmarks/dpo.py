@@ -52,6 +52,7 @@ from trl import DPOConfig, DPOTrainer
 
 from meshlm import api, config, model, train_step
 from meshlm.formats import adapters, hf
+from meshlm.formats.slices import Placed
 from meshlm.lora import adapter_size
 from meshlm.sharding import make_mesh
 
@@ -302,7 +303,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="meshlm-dpo-bench-") as tmp:
         folder = Path(tmp) / "model"
-        hf.save(folder, base, cfg)  # the same weights for transformers
+        hf.write(folder, cfg, "float32", Placed(base))  # the same weights for transformers
         for mode in args.modes:
             mode_lora = lora if mode == "lora" else None
             t_trl, trl_losses, adapter = trl_run(

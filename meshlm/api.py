@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import checkpoint, model
-from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of, local_folder
+from meshlm import model
+from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
-from meshlm.formats import hf, registry
-from meshlm.formats.slices import place, projection_quantizers
+from meshlm.formats import native, registry
+from meshlm.formats.slices import Placed, place, projection_quantizers
 from meshlm.generate import Completion, SamplingParams
 from meshlm.grammar import Constraint
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
@@ -315,25 +315,14 @@ class LanguageModel:
     def save(self, path: str | Path, format: str = "meshlm", dtype: str | None = None) -> None:
         """Write the weights as a meshlm checkpoint or a Hugging Face folder (the architecture's
         `transformers` class), with the model's tokenizer files; `path` must be new or empty."""
-        if format not in ("meshlm", "hf"):
-            raise ConfigError(f"unknown save format {format!r}; choose 'meshlm' or 'hf'")
-        if format == "hf":
-            local_folder(path, "Hugging Face folder")  # safetensors files are written locally
+        write = registry.writer(format, "save format")
         if self.quantized or "lora" in self.params:
             what = f"{self.quantized}-quantized weights" if self.quantized else "an unmerged LoRA adapter"
             raise ConfigError(
                 f"this model holds {what}; save the full-precision model, or write a merged one with `meshlm merge`"
             )
-        params = self.params
-        if dtype is not None:
-            target = dtype_of(dtype)
-            params = jax.tree.map(lambda x: x.astype(target), params)
         files = tokenizer_files(self._tokenizer, self.folder)
-        if format == "meshlm":
-            checkpoint.save_params(path, params, self.config, files=files)
-        else:
-            _start_hf_folder(path, self.config, files)
-            hf.save(path, params, self.config, dtype=dtype or self.dtype)
+        write(path, self.config, dtype or self.dtype, Placed(self.params), files)
 
 
 def load(
@@ -373,7 +362,7 @@ def load(
     if fmt == "meshlm" and adapter_files.is_lora_run(path):  # a LoRA run: its base, with its adapter
         if adapter is not None:
             raise ConfigError(f"{path} is a LoRA run's adapter, not a base for another adapter")
-        desc = checkpoint.read_description(path)
+        desc = native.read_description(path)
         base = adapter_files.run_base(desc)
         quantize = quantize or (base["dtype"] if base["dtype"] in QUANTIZED else None)  # as it was trained
         if base["init_from"] is None:  # the random model of the run's seed
@@ -393,7 +382,7 @@ def load(
         )
     device_mesh = make_mesh(mesh)
     if fmt == "meshlm" and seed_config is None and not quantize:  # orbax restores its own arrays onto any mesh
-        cfg, params = checkpoint.restore_params(path, device_mesh, dtype)
+        cfg, params = native.restore_params(path, device_mesh, dtype)
     else:
         cfg, source = registry.open(path, fmt, dtype, seed_config)
         params = place(cfg, source, device_mesh, dtype, quantize)
@@ -406,15 +395,8 @@ def read_config(path: str | Path, seed_config: str | Path | None = None) -> Mode
     """The model config of anything `load` reads (a LoRA run: its base's), without reading its weights."""
     path, fmt = registry.resolve(path)
     if fmt == "meshlm":
-        return ModelConfig.from_dict(checkpoint.read_description(path)["model"])
+        return ModelConfig.from_dict(native.read_description(path)["model"])
     return registry.open(path, fmt, "float32", seed_config)[0]
-
-
-def _start_hf_folder(path: str | Path, cfg: ModelConfig, files: dict[str, Path], every_process: bool = True) -> None:
-    """Check that an architecture represents `cfg`, then start the folder with the tokenizer `files`: a
-    refused config writes nothing, and config.json (the mark of a whole HF folder) comes last."""
-    hf.to_hf_config(cfg)
-    checkpoint.start_folder(path, files, every_process)
 
 
 def convert(
@@ -433,7 +415,7 @@ def convert(
 
     `dst` must be new or empty; with `overwrite` it may hold meshlm's own output (a checkpoint it wrote,
     finished or not), replaced once the new one is whole. The checkpoint is written beside `dst` in
-    `DST.convert-unfinished` and renamed to `dst` at the end (`checkpoint.staged`).
+    `DST.convert-unfinished` and renamed to `dst` at the end (`native.staged`).
     """
     _stream(src, dst, to, dtype, seed_config, overwrite=overwrite)
 
@@ -467,10 +449,9 @@ def _stream(
     adapter: str | Path | None = None,
     overwrite: bool = False,
 ) -> None:
-    if to not in ("meshlm", "hf"):
-        raise ConfigError(f"unknown target format {to!r}; choose 'meshlm' or 'hf'")
+    write = registry.writer(to, "target format")
     dtype_of(dtype)
-    checkpoint.check_new_folder(dst, overwrite)
+    native.check_new_folder(dst, overwrite)
     if jax.process_index() != 0:
         return
     src, fmt = registry.resolve(src)
@@ -479,12 +460,8 @@ def _stream(
         source = adapter_files.merged_source(cfg, source, adapter_files.read(adapter, cfg))
     files = tokenizer_files(model=src)
     size = model.count_params(cfg) * np.dtype(dtype_of(dtype)).itemsize
-    with checkpoint.staged(dst, "convert" if adapter is None else "merge", overwrite, size) as folder:
-        if to == "meshlm":
-            checkpoint.write_params(folder, cfg, dtype, source, files=files)
-        else:
-            _start_hf_folder(folder, cfg, files, every_process=False)
-            hf.write_from(folder, cfg, dtype, source)
+    with native.staged(dst, "convert" if adapter is None else "merge", overwrite, size) as folder:
+        write(folder, cfg, dtype, source, files)
 
 
 def from_config(

@@ -26,7 +26,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from meshlm.config import ConfigError, DataError, as_path
+from meshlm.config import ConfigError, DataError
+from meshlm.paths import as_path
 from meshlm.tokenizer import HFTokenizer, Tokenizer, named_special_tokens, tokenizer_config
 
 TEMPLATE_FILE = "chat_template.jinja"

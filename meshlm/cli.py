@@ -135,7 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _add_destination(p: argparse.ArgumentParser) -> None:
-    """DST and --overwrite, for the commands that write a model folder the way `checkpoint.staged` does."""
+    """DST and --overwrite, for the commands that write a model folder the way `native.staged` does."""
     p.add_argument("dst", help="destination folder: new or empty, unless --overwrite")
     p.add_argument(
         "--overwrite",
@@ -434,7 +434,7 @@ def _train(args: argparse.Namespace) -> int:
     """`cmd_train`'s work, under its Ctrl-C handler."""
     import jax
 
-    from meshlm import config, train
+    from meshlm import run_start, train
 
     # typed flags go straight into the config (a folder named "2024" stays a string); they win over --set
     flags = {
@@ -447,7 +447,7 @@ def _train(args: argparse.Namespace) -> int:
     flags = {key: value for key, value in flags.items() if value is not None}
     if args.resume_optimizer:
         flags["resume_optimizer"] = True
-    cfg = config.load_train_config(args.config, args.set or [], flags)
+    cfg = run_start.load_train_config(args.config, args.set or [], flags)
     evaluator = None
     if cfg.eval_tasks:  # lm-eval is an optional extra: imported only when a run asks for its tasks
         from meshlm.evaluate import evaluate_tasks as evaluator
@@ -460,10 +460,10 @@ def _train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> None:
     """What a training run (or, with --serve, a server) needs per device on a TPU slice, this CPU or a GPU,
     from XLA's own compiler: whether it fits, the largest micro-batch that does, and what to change if not."""
-    from meshlm import api, config, planner
+    from meshlm import api, config, planner, run_start
 
     flags = {"init_from": args.init_from, "mesh": args.mesh}
-    cfg = config.load_train_config(args.config, args.set or [], {k: v for k, v in flags.items() if v is not None})
+    cfg = run_start.load_train_config(args.config, args.set or [], {k: v for k, v in flags.items() if v is not None})
     if cfg.init_from:
         cfg = cfg.replace(model=api.read_config(cfg.init_from, cfg.seed_config))
     if args.memory is not None and args.memory <= 0:

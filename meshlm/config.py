@@ -1,13 +1,12 @@
-"""Model configuration: one validated dataclass, named presets, and conversion from Hugging Face's config."""
+"""Configs: the model's and a training run's (validated dataclasses), named presets, dtypes, the errors meshlm
+raises, and `key=value` overrides."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -61,50 +60,10 @@ def one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def read_json(path: str | Path, missing: str) -> Any:
-    """A JSON file's contents; a missing file raises ConfigError(`missing`), bad JSON one naming the file."""
-    try:
-        return json.loads(as_path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(missing) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({one_line(e)})") from None
-
-
 def is_url(path: object) -> bool:
-    """gs://bucket/run, s3://..., memory://...: a remote location rather than a local path."""
+    """gs://bucket/run, s3://..., memory://...: a remote location rather than a local path. Here, not in
+    `paths` with the other path helpers, because the train config's checks need it and `paths` needs the errors."""
     return "://" in str(path)
-
-
-PATH_URLS = ("gs://", "s3://", "az://")  # the schemes orbax's path layer reads and writes
-
-
-def has_path(path: str | Path) -> bool:
-    """Whether `as_path` reaches `path`: a local path, or a URL of a scheme orbax's path layer serves."""
-    return not is_url(path) or str(path).startswith(PATH_URLS)
-
-
-def as_path(path: str | Path) -> Path:
-    """A local path as a `Path`; a URL (gs://, s3://, az://) as orbax's own path type (`etils.epath`),
-    which reads and writes it through fsspec (gcsfs for gs://) with `Path`'s methods. Written through a
-    plain `Path`, `gs://b/run` would silently become a local folder `gs:/b/run`."""
-    if is_url(path):
-        if not has_path(path):
-            raise ConfigError(f"{path}: unsupported URL for a run or checkpoint folder; use one of {list(PATH_URLS)}")
-        from etils import epath
-
-        return epath.Path(path)  # type: ignore[return-value]
-    return Path(path)
-
-
-def local_folder(path: str | Path, what: str) -> Path:
-    """A folder that only local writes reach (a Hugging Face folder's safetensors): a URL is refused."""
-    if is_url(path):
-        raise ConfigError(
-            f"{what} {path}: remote URLs are not supported here; give a local path or a filesystem every "
-            "host mounts (for a bucket, e.g. gcsfuse)"
-        )
-    return Path(path)
 
 
 # The architectural choices the GPT-J family differs in; each field's default is GPT-J's.
@@ -717,102 +676,6 @@ def _model_from(value: Any) -> ModelConfig:
     return ModelConfig.from_dict(value)
 
 
-# The seed's (mesh-transformer-jax) JSON config keys: model keys, then keys mapped one to one.
-SEED_MODEL_KEYS = {"layers": "n_layer", "d_model": "d_model", "n_heads": "n_head", "n_vocab": "vocab_size"}
-SEED_DIRECT_KEYS = {
-    "warmup_steps": "warmup_steps",
-    "anneal_steps": "anneal_steps",
-    "lr": "lr",
-    "end_lr": "end_lr",
-    "weight_decay": "weight_decay",
-    "total_steps": "total_steps",
-    "val_every": "val_every",
-    "val_batches": "val_batches",
-    "ckpt_every": "ckpt_every",
-    "keep_every": "keep_every",
-    "gradient_accumulation_steps": "micro_batches",
-    "model_dir": "out_dir",
-    "train_set": "data",
-    "val_set": "val_data",
-    "seed": "seed",
-}
-# Keys the seed used for its TPU/GCS/wandb plumbing; accepted and ignored.
-SEED_IGNORED_KEYS = {"bucket", "name", "wandb_project", "comment", "eval_harness_tasks", "early_cast", "optimizer"}
-# The seed's `pe` and `norm` -> ModelConfig's position and norm. `fixed` is a learned table despite its
-# name; layernorm-desync keeps one LayerNorm per model shard, the same math as one replicated LayerNorm.
-SEED_POSITIONS = {"rotary": "rotary", "fixed": "learned", "t5": "t5"}
-SEED_NORMS = {
-    "layernorm": "layernorm",
-    "layernorm-desync": "layernorm",
-    "layernorm-nobias": "layernorm-nobias",
-    "rmsnorm": "rmsnorm",
-    "scalenorm": "scalenorm",
-    "rmsnorm-bias": "rmsnorm-bias",
-    "scalenorm-bias": "scalenorm-bias",
-}
-
-
-def seed_variant(seed: dict[str, Any], where: str = "seed config") -> tuple[str, str]:
-    """The seed JSON's `pe` and `norm` (absent: GPT-J's rotary and layernorm), checked."""
-    values = {"pe": seed.get("pe", "rotary"), "norm": seed.get("norm", "layernorm")}
-    for key, table in (("pe", SEED_POSITIONS), ("norm", SEED_NORMS)):
-        if values[key] not in table:
-            raise ConfigError(f"{where}: {key} must be one of {list(table)}, got {values[key]!r}")
-    return values["pe"], values["norm"]
-
-
-def seed_model_fields(seed: dict[str, Any], d_head: int, where: str = "seed config") -> dict[str, Any]:
-    """ModelConfig's position, norm and rotary_dim for a seed JSON. Rotary applies to `pe_rotary_dims`
-    of each head, by the seed's default the whole head (`d_head`); other positions rotate nothing."""
-    pe, norm = seed_variant(seed, where)
-    rotary_dim = seed.get("pe_rotary_dims", d_head) if pe == "rotary" else 0
-    return {"position": SEED_POSITIONS[pe], "norm": SEED_NORMS[norm], "rotary_dim": rotary_dim}
-
-
-def is_seed_config(values: dict[str, Any]) -> bool:
-    return "layers" in values and "n_heads" in values
-
-
-def from_seed_config(seed: dict[str, Any]) -> dict[str, Any]:
-    """Map a mesh-transformer-jax JSON config to TrainConfig keys.
-
-    Every `pe` and `norm` of the seed maps onto the model config (`seed_model_fields`). The seed's
-    global batch per step is `per_replica_batch * (tpu_size / cores_per_replica) *
-    gradient_accumulation_steps`; `cores_per_replica` becomes the `model` (tensor-parallel) mesh axis.
-    """
-    seed = dict(seed)
-    d_model = seed["d_model"]
-    model = {new: seed.pop(old) for old, new in SEED_MODEL_KEYS.items() if old in seed}
-    model.update(seed_model_fields(seed, d_model // model["n_head"]))
-    for key in ("pe", "norm", "pe_rotary_dims"):
-        seed.pop(key, None)
-    model["d_ff"] = seed.pop("d_ff", 4 * d_model)
-    if "seq" in seed:
-        model["max_seq_len"] = seed.pop("seq")
-    model["n_vocab_used"] = min(GPT2_VOCAB, model.get("vocab_size", 50400))
-    out: dict[str, Any] = {"model": model}
-    cores = seed.pop("cores_per_replica", 1)
-    tpu_size = seed.pop("tpu_size", cores)
-    per_replica = seed.pop("per_replica_batch", 1)
-    if tpu_size % cores:
-        raise ConfigError(f"seed config: tpu_size ({tpu_size}) must be a multiple of cores_per_replica ({cores})")
-    gas = seed.get("gradient_accumulation_steps", 1)
-    out["batch_size"] = per_replica * (tpu_size // cores) * gas
-    out["mesh"] = f"model={cores}"
-    for old, new in SEED_DIRECT_KEYS.items():
-        if old in seed:
-            out[new] = seed.pop(old)
-    if isinstance(out.get("val_data"), str):
-        out["val_data"] = {"val": out["val_data"]}
-    if out.get("keep_every") is None:
-        out.pop("keep_every", None)
-    for key in SEED_IGNORED_KEYS:
-        seed.pop(key, None)
-    if seed:
-        raise ConfigError(f"seed config: unknown key(s) {sorted(seed)}")
-    return out
-
-
 def parse_override(item: str) -> tuple[list[str], Any]:
     """ "model.n_layer=2" -> (["model", "n_layer"], 2); the value is read as YAML (numbers, bools, lists)."""
     import yaml
@@ -843,30 +706,3 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         else:
             raise ConfigError(f"--set {item!r}: only model.*, lora.*, dpo.* and orpo.* keys are nested")
     return values
-
-
-def load_train_config(
-    path: str | Path | None = None, overrides: list[str] = (), values: dict[str, Any] | None = None
-) -> TrainConfig:
-    """Read a YAML/JSON config (meshlm's or the seed's), apply `key=value` overrides, then the already
-    typed `values` (the command line's flags, which win), validate."""
-    read: dict[str, Any] = {}
-    if path is not None:
-        import yaml
-
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not a text file in UTF-8 (byte {e.start}); expected YAML or JSON") from None
-        try:
-            read = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: cannot parse ({one_line(e)})") from None
-        if not isinstance(read, dict):
-            raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
-        if is_seed_config(read):
-            read = from_seed_config(read)
-    return TrainConfig.from_dict({**apply_overrides(read, list(overrides)), **(values or {})})

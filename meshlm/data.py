@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from meshlm.config import ConfigError, DataError, read_json
+from meshlm.config import ConfigError, DataError
+from meshlm.paths import read_json
 
 FORMAT = "meshlm-tokens"
 FORMAT_VERSION = 2

@@ -1,7 +1,8 @@
-"""Where a training run starts: its tokenizer and datasets (of the kind its objective trains on), the model
-it trains (its own latest checkpoint, else `init_from`'s config, else the config's), a LoRA run's frozen
-base, a seed run's optimizer state to continue, and a full DPO run's precomputed reference log-probs.
-Every check here needs no weights, so a run that cannot start says so before compiling or loading anything."""
+"""Where a training run starts: its config file (meshlm's or the seed's), its tokenizer and datasets (of the
+kind its objective trains on), the model it trains (its own latest checkpoint, else `init_from`'s config, else
+the config's), a LoRA run's frozen base, a seed run's optimizer state to continue, and a full DPO run's
+precomputed reference log-probs. Every check here needs no weights, so a run that cannot start says so before
+compiling or loading anything."""
 
 from __future__ import annotations
 
@@ -15,14 +16,43 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import api, checkpoint
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm import api
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, apply_overrides, one_line
 from meshlm.data import TokenDataset
 from meshlm.demo_corpus import DEMO_DATA, prepare_demo_corpus, prepare_demo_records
-from meshlm.formats import mtj, registry
+from meshlm.formats import native, registry
+from meshlm.formats.mtj_config import from_seed_config, is_seed_config
+from meshlm.formats.slices import OptimizerState
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES
 from meshlm.tokenizer import HFTokenizer, Tokenizer, copy_files, model_tokenizer_json, tokenizer_files
+
+
+def load_train_config(
+    path: str | Path | None = None, overrides: list[str] = (), values: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Read a YAML/JSON config (meshlm's or the seed's), apply `key=value` overrides, then the already
+    typed `values` (the command line's flags, which win), validate."""
+    read: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file in UTF-8 (byte {e.start}); expected YAML or JSON") from None
+        try:
+            read = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: cannot parse ({one_line(e)})") from None
+        if not isinstance(read, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+        if is_seed_config(read):
+            read = from_seed_config(read)
+    return TrainConfig.from_dict({**apply_overrides(read, list(overrides)), **(values or {})})
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
@@ -122,12 +152,12 @@ class Start(NamedTuple):
     cfg: TrainConfig
     latest: int | None
     base_ref: dict[str, Any] | None
-    seed_opt: mtj.SeedOptimizerState | None
+    seed_opt: OptimizerState | None
 
 
 def resolve(
     cfg: TrainConfig,
-    ckpts: checkpoint.TrainCheckpoints,
+    ckpts: native.TrainCheckpoints,
     train_ds: TokenDataset,
     val_sets: dict[str, TokenDataset],
     mesh: Mesh,
@@ -143,7 +173,7 @@ def resolve(
     latest, seed_opt, model_cfg = ckpts.latest_step(), None, cfg.model
     base_ref = base_reference(cfg) if cfg.lora is not None else None
     if latest is not None:
-        desc = checkpoint.read_description(ckpts.folder / str(latest))
+        desc = native.read_description(ckpts.folder / str(latest))
         model_cfg = ModelConfig.from_dict(desc["model"])
         base_ref = resumed_base(cfg, desc, ckpts.folder / str(latest))
     elif cfg.init_from and cfg.lora is None:
@@ -178,7 +208,7 @@ def base_reference(cfg: TrainConfig) -> dict[str, Any]:
     otherwise move on), else the random model of `seed`; `dtype` is how the base is stored."""
 
     def absolute(path: str | None) -> str | None:
-        return None if path is None else str(Path(checkpoint.resolve(path)).absolute())
+        return None if path is None else str(Path(native.resolve(path)).absolute())
 
     return {
         "init_from": absolute(cfg.init_from),
@@ -231,19 +261,20 @@ def load_base(base: dict[str, Any], model_cfg: ModelConfig, mesh: Mesh, cfg: Tra
     return api.from_config(model_cfg, mesh, dtype, base["seed"], quantize=quantize)
 
 
-def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> mtj.SeedOptimizerState:
+def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> OptimizerState:
     """Adam's state and the step of the full seed checkpoint `cfg.init_from`, which the run then continues.
 
     `total_steps` counts from the seed run's start, as in the seed's own config, so it must exceed the
     checkpoint's step.
     """
-    if registry.detect(cfg.init_from) != "mtj":
+    read = registry.optimizer_reader(cfg.init_from)
+    if read is None:
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
             "checkpoint carries Adam's moments to resume"
         )
     # Moments take the parameters' dtype, as optax's Adam keeps them (adam_dtype is float32 with resume_optimizer).
-    seed = mtj.load_optimizer_moments(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
+    seed = read(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
     if seed.step >= cfg.total_steps:
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is at step {seed.step}, total_steps is {cfg.total_steps}; "

@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshlm.config import RUN_CHECKPOINTS, ConfigError, as_path, has_path
+from meshlm.config import RUN_CHECKPOINTS, ConfigError
+from meshlm.paths import as_path, has_path
 
 EOT_ID = 50256
 EOT_TEXT = "<|endoftext|>"

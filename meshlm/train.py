@@ -26,22 +26,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import api, checkpoint, footprint, model, run_start
+from meshlm import api, footprint, model, run_start
 from meshlm.config import (
     RUN_CHECKPOINTS,
     ConfigError,
     Interrupted,
     TrainConfig,
     TrainingStopped,
-    as_path,
     is_url,
 )
 from meshlm.data import Batch, TokenDataset
 from meshlm.demo_corpus import DEMO_DATA
+from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
 from meshlm.objectives import OBJECTIVES
+from meshlm.paths import as_path
 from meshlm.sharding import describe, make_mesh
 from meshlm.train_step import (
     ROW_TOKENS,
@@ -130,7 +131,7 @@ def train(
         check_batch(cfg, mesh)
         train_ds, val_sets = run_start.open_datasets(cfg, out_dir, run_start.run_tokenizer(cfg, out_dir))
         _stop_if_signalled(signals)
-        ckpts = checkpoint.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
+        ckpts = native.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
         try:  # the manager's background threads must be stopped on every way out
             return _train(cfg, mesh, train_ds, val_sets, ckpts, progress, sample, signals, evaluate_tasks)
         finally:
@@ -155,7 +156,7 @@ def _train(
     mesh: Mesh,
     train_ds: TokenDataset,
     val_sets: dict[str, TokenDataset],
-    ckpts: checkpoint.TrainCheckpoints,
+    ckpts: native.TrainCheckpoints,
     progress: bool,
     sample: bool,
     signals: list[int],
@@ -244,7 +245,7 @@ class Run:
         mesh: Mesh,
         program: StepProgram,
         start: run_start.Start,
-        ckpts: checkpoint.TrainCheckpoints,
+        ckpts: native.TrainCheckpoints,
         train_ds: TokenDataset,
         val_sets: dict[str, TokenDataset],
     ):
@@ -402,7 +403,7 @@ class Run:
             )
         lora = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": self.base_ref}
         loader = self.loader.state.to_dict()
-        desc = checkpoint.description(
+        desc = native.description(
             cfg.model, self.state.params, step=step, loader=loader, train_config=_jsonable(cfg), **lora
         )
         self.ckpts.save(step, self.state.params, self.state.opt_state, desc)

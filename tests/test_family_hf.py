@@ -19,6 +19,7 @@ from transformers import AutoConfig
 import meshlm
 from meshlm import ConfigError, config
 from meshlm.formats import hf
+from meshlm.formats.slices import Placed
 from tests import oracle
 from tests.test_generate import greedy, hf_greedy
 from tests.test_train import SEQ, run_steps, smooth, tiny_config, write_dataset
@@ -288,7 +289,7 @@ def test_a_config_no_transformers_architecture_represents_is_refused_before_writ
         hf.to_hf_config(cfg)
     lm = meshlm.from_config(cfg)
     with pytest.raises(ConfigError, match=message):
-        hf.save(tmp_path / "out", lm.params, cfg)
+        hf.write(tmp_path / "out", cfg, "float32", Placed(lm.params))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match=message):
         lm.save(tmp_path / "saved", format="hf")

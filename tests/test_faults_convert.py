@@ -23,7 +23,7 @@ from meshlm.lora import init_adapter
 from tests.small_disk import tmpfs
 
 TOKENS = np.arange(24).reshape(2, 12)
-LAYOUTS = ["zarr", "ocdbt"]  # meshlm's two layouts: write_params' (convert --to meshlm) and orbax's (lm.save)
+LAYOUTS = ["zarr", "ocdbt"]  # meshlm's two layouts: a streamed write's (convert --to meshlm) and orbax's (lm.save)
 DAMAGES = ["missing", "truncated", "garbage"]
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshlm import checkpoint, cli, data, train
+from meshlm import cli, data, train
 from meshlm.config import TrainConfig, TrainingStopped
+from meshlm.formats import native
 from tests.small_disk import tmpfs
 from tests.test_train import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 
@@ -123,7 +124,7 @@ def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(noticed,
     reference = train.train(tiny_config(dataset, tmp_path / "ref", **settings), progress=False)
     one_checkpoint = disk_bytes(tmp_path / "ref" / "checkpoints" / "16")
     if noticed == "in-the-background-save":  # free space unknown (as for a bucket): the write itself fails
-        monkeypatch.setattr(checkpoint, "_free_bytes", lambda folder: None)
+        monkeypatch.setattr(native, "_free_bytes", lambda folder: None)
     # room for the first checkpoint and the run's logs, not for a second checkpoint
     with tmpfs(tmp_path / "disk", f"{(one_checkpoint * 3 // 2) >> 10}k") as disk:
         cfg = tiny_config(dataset, disk / "run", **settings)

@@ -65,8 +65,9 @@ def test_export_in_half_precision_loads_in_transformers(hf_tiny, tmp_path):
 def test_sharded_safetensors_export_and_import(hf_tiny, tmp_path):
     lm = meshlm.load(hf_tiny.path)
     from meshlm.formats import hf
+    from meshlm.formats.slices import Placed
 
-    hf.save(tmp_path / "sharded", lm.params, lm.config, max_shard_bytes=100_000)
+    hf.write(tmp_path / "sharded", lm.config, "float32", Placed(lm.params), max_shard_bytes=100_000)
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 3
     tokens = np.arange(30).reshape(1, 30)

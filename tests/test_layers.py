@@ -9,11 +9,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "meshlm"
 
 FLOORS = {
-    0: "config",
+    0: "config paths",
     1: "sharding param footprint devices",
     2: "model fused_ce quant paged_attention lora tokenizer chat",
     3: "generate pages grammar",
-    4: "engine runner scheduler adapter_slots checkpoint formats data prepare loader corpus demo_corpus",
+    4: "engine runner scheduler adapter_slots formats data prepare loader corpus demo_corpus",
     5: "train_step optim metrics objectives",
     6: "api __init__",
     7: "train planner run_start distributed",

@@ -13,8 +13,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import meshlm
-from meshlm import checkpoint, metrics, model, quant, train, train_step
+from meshlm import metrics, model, quant, train, train_step
 from meshlm.config import CheckpointError, ConfigError, LoraConfig, ModelConfig, TrainConfig
+from meshlm.formats import native
 from meshlm.lora import adapter_size
 from meshlm.sharding import make_mesh
 from tests.test_train import SEQ, metrics_losses, start_run, tiny_config, write_dataset
@@ -88,11 +89,11 @@ def test_the_checkpoint_holds_the_adapter_and_its_optimizer_state_only(lora_run)
         assert sum(math.prod(a.shape) for a in stored if a.shape) == values, item
         assert sum(not a.shape for a in stored) <= 4, item  # counters only, no other state
     assert 10 * adapter < model.count_params(CFG)  # and the adapter is a small fraction of the base
-    desc = checkpoint.read_description(step)
+    desc = native.read_description(step)
     assert desc["lora"] == {**LORA, "rslora": False}
     assert desc["base"] == {"init_from": None, "seed_config": None, "dtype": "float32", "seed": 3}
     with pytest.raises(CheckpointError, match="a LoRA run's checkpoint holds an adapter, not a model"):
-        checkpoint.restore_params(lora_run.out_dir, make_mesh(None))  # nor does it convert
+        native.restore_params(lora_run.out_dir, make_mesh(None))  # nor does it convert
 
 
 def test_flops_of_a_lora_step_skip_the_frozen_weights_gradients():
@@ -124,7 +125,7 @@ def test_quantized_bases_train_and_stay_unchanged(kind, rows, saved_base, tmp_pa
     weight_type = quant.Int8Weight if kind == "int8" else quant.NF4Weight
     assert isinstance(result.lm.params["layers"]["attn"]["q"], weight_type)
     assert_base_unchanged(result.lm, meshlm.load(saved_base, MESH, quantize=kind))
-    desc = checkpoint.read_description(checkpoint.resolve(tmp_path / "run"))
+    desc = native.read_description(native.resolve(tmp_path / "run"))
     assert desc["base"] == {"init_from": str(saved_base.absolute()), "seed_config": None, "dtype": kind, "seed": None}
     assert TrainConfig.from_dict(desc["train_config"]).init_from == str(saved_base.absolute())
     loaded = meshlm.load(tmp_path / "run", MESH, quantize=kind)  # the run: its recorded base with its adapter
@@ -135,7 +136,7 @@ def test_quantized_bases_train_and_stay_unchanged(kind, rows, saved_base, tmp_pa
 def test_a_lora_run_killed_mid_way_resumes_to_the_uninterrupted_adapter(lora_run, tmp_path):
     run_dir = tmp_path / "run"
     config = tmp_path / "run.json"
-    values = checkpoint.read_description(checkpoint.resolve(lora_run.out_dir))["train_config"]
+    values = native.read_description(native.resolve(lora_run.out_dir))["train_config"]
     config.write_text(json.dumps({**values, "out_dir": str(run_dir)}))
 
     proc = start_run(config, tmp_path / "jax_cache")
@@ -200,7 +201,7 @@ def test_resuming_a_lora_run_with_other_settings_is_refused(lora_run, rows, tmp_
     assert "base_dtype nf4 differs from float32" in err
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [STEPS - 4, STEPS]  # nothing written
     # the description of a full run's checkpoint, where the config trains an adapter
-    metadata = run / "checkpoints" / str(STEPS) / checkpoint.TRAIN_DESCRIPTION
+    metadata = run / "checkpoints" / str(STEPS) / native.TRAIN_DESCRIPTION
     desc = json.loads(metadata.read_text())
     metadata.write_text(json.dumps({k: v for k, v in desc.items() if k not in ("lora", "base")}))
     err = one_line_error(ConfigError, train.train, cfg)

@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoTokenizer
 
 import meshlm
-from meshlm import checkpoint, cli, data, evaluate, train
+from meshlm import cli, data, evaluate, train
 from meshlm.config import ConfigError, TrainConfig, preset
-from meshlm.formats import hf, registry
+from meshlm.formats import hf, native, registry
 from meshlm.tokenizer import EOT_ID, TOKENIZER_FILES, tokenizer_json
 
 TEXT = "How do you keep bread fresh for longer? Store it in a sealed bag."
@@ -95,7 +95,7 @@ def test_a_save_never_overwrites_and_an_interrupted_one_is_no_checkpoint(folder,
         raise OSError("disk full")
 
     # The weights fail after the tokenizer files are in: the folder holds no marker, so it is no checkpoint.
-    monkeypatch.setattr(*((hf, "save", crash) if fmt == "hf" else (checkpoint, "_write_marker", crash)))
+    monkeypatch.setattr(*((hf, "write_folder", crash) if fmt == "hf" else (native, "_write_marker", crash)))
     with pytest.raises(OSError, match="disk full"):
         lm.save(tmp_path / "partial", format=fmt)
     assert (tmp_path / "partial" / "tokenizer.json").is_file()

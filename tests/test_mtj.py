@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import ConfigError, api, checkpoint, cli
-from meshlm.formats import hf, mtj, registry
+from meshlm import ConfigError, api, cli
+from meshlm.formats import hf, mtj, native, registry
 from meshlm.sharding import make_mesh
 from tests import oracle
 from tests.mtj_fixture import SeedCheckpoint, write_seed_checkpoint
@@ -85,7 +85,7 @@ def test_cli_convert_to_hf_loads_in_transformers(seed, tmp_path):
 def test_streamed_hf_conversion_in_bf16_and_in_several_files(seed, tmp_path):
     ck = seed(2, "float32", True)
     cfg, source = mtj.open(ck.step_dir, "bfloat16", ck.seed_config)
-    hf.write_from(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
+    hf.write(tmp_path / "hf", cfg, "bfloat16", source, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     from safetensors import safe_open
@@ -114,10 +114,10 @@ def test_converted_to_meshlm_format_restores_on_several_meshes(seed, tmp_path):
 def test_meshlm_conversion_streams_slices_that_do_not_divide_the_parameters(seed, tmp_path, monkeypatch):
     """Slices of 1,000 bytes: several per parameter, the last one short; bf16 output equals a bf16 load."""
     ck = seed(2, "bfloat16", True)
-    monkeypatch.setattr(checkpoint, "SLICE_BYTES", 1000)
+    monkeypatch.setattr(native, "SLICE_BYTES", 1000)
     args = ["convert", str(ck.step_dir), str(tmp_path / "ckpt"), "--to", "meshlm", "--out-dtype", "bfloat16"]
     assert cli.main([*args, "--seed-config", str(ck.seed_config)]) == 0
-    assert checkpoint.read_description(tmp_path / "ckpt")["dtype"] == "bfloat16"
+    assert native.read_description(tmp_path / "ckpt")["dtype"] == "bfloat16"
     converted = meshlm.load(tmp_path / "ckpt", mesh=MESH, dtype="bfloat16")
     direct = meshlm.load(ck.step_dir, mesh=MESH, dtype="bfloat16", seed_config=ck.seed_config)
     pairs = zip(jax.tree_util.tree_leaves_with_path(converted.params), jax.tree.leaves(direct.params), strict=True)

@@ -13,8 +13,9 @@ import optax
 import pytest
 
 import meshlm
-from meshlm import checkpoint, cli, data, model, optim, train_step
+from meshlm import cli, data, model, optim, train_step
 from meshlm.config import TrainConfig
+from meshlm.formats import native
 from meshlm.loader import TrainLoader
 from meshlm.sharding import make_mesh
 from tests import oracle
@@ -70,7 +71,7 @@ def saved_opt_state(run: Path, step: int, cfg: TrainConfig):
     params_target, opt_target = train_step.abstract_state(
         train_step.state_shardings(model_cfg, opt, make_mesh(None)), model_cfg, opt
     )
-    ckpts = checkpoint.TrainCheckpoints(run / "checkpoints")
+    ckpts = native.TrainCheckpoints(run / "checkpoints")
     try:
         return ckpts.restore(step, params_target, opt_target)[1]
     finally:

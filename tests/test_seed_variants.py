@@ -17,8 +17,8 @@ import pytest
 
 import meshlm
 from meshlm import ConfigError, api, cli, data, model, optim
-from meshlm.config import from_seed_config
 from meshlm.formats import mtj
+from meshlm.formats.mtj_config import from_seed_config
 from meshlm.loader import TrainLoader
 from meshlm.sharding import make_mesh
 from tests.mtj_fixture import ROOT, ShardParams, VariantCheckpoint, write_variant_checkpoint

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import checkpoint, cli, data, fused_ce, metrics, model, optim, train, train_step
-from meshlm.config import ConfigError, ModelConfig, TrainConfig, load_train_config
+from meshlm import cli, data, fused_ce, metrics, model, optim, train, train_step
+from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader
+from meshlm.run_start import load_train_config
 from meshlm.sharding import make_mesh
 from tests import oracle
 
@@ -240,7 +242,7 @@ def test_checkpoint_saved_on_one_mesh_gives_the_same_logits_on_another(memorised
 def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorised, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(memorised.out_dir, run)
-    desc = checkpoint.read_description(checkpoint.resolve(run))
+    desc = native.read_description(native.resolve(run))
     saved = TrainConfig.from_dict(desc["train_config"])
     resumed = train.train(saved.replace(out_dir=str(run), total_steps=121, mesh="fsdp=4,model=2"), progress=False)
     assert list(resumed.losses) == [121]

@@ -25,11 +25,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm import checkpoint, lora, model
-from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of, read_json
-from meshlm.formats import hf
+from meshlm import lora, model
+from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of
+from meshlm.formats import hf, native
 from meshlm.formats.slices import SliceSource, normalise
 from meshlm.param import axes_of
+from meshlm.paths import read_json
 from meshlm.sharding import from_host, plan, to_host
 
 CONFIG = "adapter_config.json"
@@ -172,15 +173,15 @@ def _stack(layers: dict[int, tuple[np.ndarray, np.ndarray, float]], cfg: ModelCo
 
 def is_lora_run(path: str | Path) -> bool:
     """A meshlm training run (or one of its steps) whose checkpoints hold a LoRA adapter."""
-    path = checkpoint.resolve(path)
-    return checkpoint.detect(path) and "lora" in checkpoint.read_description(path)
+    path = native.resolve(path)
+    return native.detect(path) and "lora" in native.read_description(path)
 
 
 def read_run(path: str | Path) -> tuple[dict[str, Any], Adapter]:
     """A LoRA run's (latest, or the given step's) description and adapter, on the host."""
-    path = Path(checkpoint.resolve(path))
-    desc = checkpoint.read_description(path)
-    adapter = checkpoint.restore_tree(path / "params")
+    path = Path(native.resolve(path))
+    desc = native.read_description(path)
+    adapter = native.restore_tree(path / "params")
     return desc, jax.tree.map(lambda x: np.asarray(x, np.float32), adapter)
 
 
@@ -232,7 +233,7 @@ def write_peft(
     """Write `adapter` as a PEFT folder for `arch`'s transformers model (`folder` must be new or empty)."""
     from safetensors.numpy import save_file
 
-    checkpoint.check_new_folder(folder)
+    native.check_new_folder(folder)
     modules = _modules(arch, cfg)
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, tuple[int, float]] = {}  # module -> (rank, alpha)
@@ -307,7 +308,7 @@ def export_run(run: str | Path, folder: str | Path, overwrite: bool = False) -> 
     base's transformers class: the base folder's own architecture when it is a Hugging Face folder (so a
     CodeGen base gets CodeGen's module names), else the one `hf.export_arch` picks. Returns the step read.
     `folder` is written as `meshlm.convert` writes its destination (`overwrite` likewise)."""
-    run = Path(checkpoint.resolve(run))
+    run = Path(native.resolve(run))
     if not (Path(run).exists() and is_lora_run(run)):
         raise CheckpointError(f"{run}: not a meshlm LoRA run (its checkpoints hold no adapter)")
     desc, adapter = read_run(run)
@@ -316,7 +317,7 @@ def export_run(run: str | Path, folder: str | Path, overwrite: bool = False) -> 
     arch = hf.export_arch(cfg)
     if base is not None and hf.detect(base):
         arch = hf.ARCHS.get(read_json(Path(base) / "config.json", "").get("model_type"), arch)
-    with checkpoint.staged(folder, "export-adapter", overwrite) as staging:
+    with native.staged(folder, "export-adapter", overwrite) as staging:
         write_peft(staging, adapter, cfg, arch, dropout=desc["lora"].get("dropout", 0.0), base=base)
     return run
 

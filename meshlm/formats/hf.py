@@ -24,9 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, local_folder, read_json
-from meshlm.formats.slices import Index, SliceSource, normalise
-from meshlm.sharding import to_host
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of
+from meshlm.formats import native
+from meshlm.formats.slices import Index, Placed, SliceSource, normalise
+from meshlm.paths import local_folder, read_json
 
 # ---------------------------------------------------------------------------------------------------
 # Tensor layouts
@@ -853,46 +854,32 @@ def iter_hf_tensors(
             yield t.name, fused.join({layout.part: parts[key] for key, layout in t.parts})
 
 
-def _write(
-    folder: str | Path,
-    cfg: ModelConfig,
-    dtype: str,
-    read: Callable[[str, int | None], np.ndarray],
-    max_shard_bytes: int,
-    is_writer: bool = True,
-) -> None:
-    from tqdm import tqdm
-
-    folder = local_folder(folder, "Hugging Face folder")
-    config_json = to_hf_config(cfg, dtype)  # refuses a config no architecture represents before writing anything
-    total = len(hf_tensors(export_arch(cfg), cfg))
-    tensors = tqdm(iter_hf_tensors(cfg, read, dtype), total=total, desc="writing", unit="tensor", leave=False)
-    write_folder(folder, tensors, config_json, max_shard_bytes, is_writer)
+SHARD_BYTES = 512 << 20  # a safetensors file: what the host holds at once while writing
 
 
-def save(
-    folder: str | Path, params: model.Params, cfg: ModelConfig, dtype: str = "float32", max_shard_bytes: int = 2 << 30
-) -> None:
-    """Write a folder that transformers' `from_pretrained` loads as is (GPT-J, GPT-NeoX or GPT-Neo, as
-    `cfg` is).
-
-    Tensors are written in shards of at most `max_shard_bytes` as they are produced, so peak host
-    memory is one shard, whatever the model size.
-    """
-    flat = {model.param_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    read = lambda key, layer: to_host(flat[key] if layer is None else flat[key][layer])
-    _write(folder, cfg, dtype, read, max_shard_bytes, jax.process_index() == 0)
-
-
-def write_from(
+def write(
     folder: str | Path,
     cfg: ModelConfig,
     dtype: str,
     source: SliceSource,
-    max_shard_bytes: int = 512 << 20,
+    files: dict[str, Path] | None = None,
+    max_shard_bytes: int = SHARD_BYTES,
 ) -> None:
-    """Write a Hugging Face folder in `dtype` from a checkpoint's `source`, one tensor at a time (peak
-    memory: one output file plus a few copies of the largest tensor, whatever the model size)."""
+    """Write a folder that transformers' `from_pretrained` loads as is (GPT-J, GPT-NeoX, GPT-Neo or CodeGen,
+    as `cfg` is), in `dtype`, from `source` one tensor at a time: peak host memory is one shard of at most
+    `max_shard_bytes` plus a few copies of the largest tensor, whatever the model size.
+
+    `files` (the model's tokenizer) go in first and config.json last, so an unfinished folder is never
+    taken for a model; a config no architecture represents is refused before anything is written. A
+    `Placed` source (a loaded model's parameters) is written by every process of a job together, process 0
+    writing the files; any other by the one process that calls.
+    """
+    from tqdm import tqdm
+
+    folder = local_folder(folder, "Hugging Face folder")
+    dtype_of(dtype)
+    config_json = to_hf_config(cfg, dtype)
+    native.start_folder(folder, files or {}, every_process=isinstance(source, Placed))
     shapes = model.param_shapes(cfg)
 
     def read(key: str, layer: int | None) -> np.ndarray:
@@ -901,14 +888,16 @@ def write_from(
             return source(key, shapes[key])(whole)
         return source(key, shapes[key])((slice(layer, layer + 1), *whole[1:]))[0]
 
-    _write(folder, cfg, dtype, read, max_shard_bytes)
+    total = len(hf_tensors(export_arch(cfg), cfg))
+    tensors = tqdm(iter_hf_tensors(cfg, read, dtype), total=total, desc="writing", unit="tensor", leave=False)
+    write_folder(folder, tensors, config_json, max_shard_bytes, jax.process_index() == 0)
 
 
 def write_folder(
     folder: str | Path,
     tensors: Iterable[tuple[str, np.ndarray]],
     config_json: dict[str, Any],
-    max_shard_bytes: int = 2 << 30,
+    max_shard_bytes: int = SHARD_BYTES,
     is_writer: bool = True,
 ) -> None:
     """Write (HF name, array) pairs, in HF order, as safetensors shards of at most `max_shard_bytes`

@@ -35,21 +35,11 @@ import ml_dtypes
 import numpy as np
 
 from meshlm import model
-from meshlm.config import (
-    GPT2_VOCAB,
-    SEED_NORMS,
-    SEED_POSITIONS,
-    CheckpointError,
-    ConfigError,
-    ModelConfig,
-    dtype_of,
-    is_url,
-    read_json,
-    seed_model_fields,
-    seed_variant,
-)
+from meshlm.config import GPT2_VOCAB, CheckpointError, ConfigError, ModelConfig, dtype_of, is_url
 from meshlm.formats import hf
-from meshlm.formats.slices import Index, SliceReader, SliceSource, normalise, place
+from meshlm.formats.mtj_config import SEED_NORMS, SEED_POSITIONS, seed_model_fields, seed_variant
+from meshlm.formats.slices import Index, OptimizerState, SliceReader, SliceSource, normalise, place
+from meshlm.paths import read_json
 
 CHUNKS = 16  # the seed splits every shard's leaf list into this many files
 ROOT = "causal_transformer_shard/~/"
@@ -696,38 +686,12 @@ def _leaf_reader(
     return read
 
 
-@dataclass
-class SeedOptimizerState:
-    """Adam's state from a full seed checkpoint, in meshlm's parameter layout."""
-
-    mu: model.Params
-    nu: model.Params
-    count: int  # Adam's update count (the seed's scale_by_schedule count equals it)
-    step: int  # the checkpoint's training step
-
-    def into(self, opt_state: Any) -> Any:
-        """`opt_state` (from `tx.init(params)` of any optax chain with Adam) continuing this seed run:
-        every `mu`, `nu` and `count` in it replaced (so schedules resume at the seed's count too)."""
-        import jax.numpy as jnp
-        import optax
-
-        try:
-            state = optax.tree_utils.tree_set(
-                opt_state, mu=self.mu, nu=self.nu, count=jnp.asarray(self.count, jnp.int32)
-            )
-        except KeyError as e:
-            raise ConfigError(f"the optimizer state has no Adam moments to resume into ({e})") from None
-        # Each count its own buffer: tree_set put one array in every place, and a jitted step that
-        # donates the state must not be given the same buffer twice.
-        return jax.tree.map(lambda x: jnp.array(x) if x.ndim == 0 else x, state)
-
-
 def load_optimizer_moments(
     step_dir: str | Path,
     mesh: jax.sharding.Mesh,
     dtype: str = "float32",
     seed_config: str | Path | None = None,
-) -> SeedOptimizerState:
+) -> OptimizerState:
     """Adam's mu and nu from a full seed checkpoint, placed on `mesh` like the parameters.
 
     The seed keeps a separate bias per shard for the embedding and fc_out; meshlm has one fc_out bias
@@ -742,7 +706,7 @@ def load_optimizer_moments(
             f"{ckpt}: layernorm-desync in {ckpt.shards} shards loads with each shard's norm folded into its "
             "columns, where Adam's moments of those norms have no place; continue without resuming the optimizer"
         )
-    return SeedOptimizerState(
+    return OptimizerState(
         mu=place(ckpt.config, ckpt.source("mu", dtype), mesh, dtype),
         nu=place(ckpt.config, ckpt.source("nu", dtype), mesh, dtype),
         count=ckpt.scalar(0),

@@ -4,9 +4,10 @@ A params-only checkpoint folder holds `meshlm.json` (format version, model confi
 `params/` (an orbax PyTree checkpoint). `meshlm.json` is written last, so a folder without it is never
 taken for a complete checkpoint.
 
-`write_params` writes the same `params/` folder without orbax holding whole arrays: each parameter
-becomes a zarr array (orbax's non-OCDBT layout, which orbax restores like its own) written slice by
-slice, so converting a model never needs it all in memory.
+`write` saves a loaded model's parameters with orbax, from the devices. Given any other slice source
+it writes the same `params/` folder without orbax holding whole arrays: each parameter becomes a zarr
+array (orbax's non-OCDBT layout, which orbax restores like its own) written slice by slice, so
+converting a model never needs it all in memory.
 
 A training run keeps its checkpoints in `<out_dir>/checkpoints/<step>/`, written by an orbax
 CheckpointManager: `params/` (same layout as above), `opt_state/`, and `meshlm/metadata` (the same
@@ -45,14 +46,11 @@ from meshlm.config import (
     CheckpointError,
     ModelConfig,
     TrainingStopped,
-    as_path,
     dtype_of,
-    has_path,
     is_url,
-    local_folder,
-    read_json,
 )
-from meshlm.formats.slices import Index, SliceReader, SliceSource
+from meshlm.formats.slices import Index, Placed, SliceReader, SliceSource
+from meshlm.paths import as_path, has_path, local_folder, read_json
 from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import TOKENIZER_FILES, copy_files
 
@@ -236,44 +234,44 @@ def _write_marker(path: Path, desc: dict[str, Any]) -> None:
     tmp.replace(path / MARKER)
 
 
-def save_params(
+def write(
     path: str | Path,
-    params: model.Params,
     cfg: ModelConfig,
+    dtype: str,
+    source: SliceSource,
     files: dict[str, Path] | None = None,
 ) -> None:
-    """Save parameters (any sharding, any number of processes) as a meshlm checkpoint, with `files`."""
-    path = _absolute(path)
-    start_folder(path, files or {})
+    """Write a meshlm checkpoint of `cfg` in `dtype` from `source`, `files` (the model's tokenizer) first and
+    meshlm.json last. A `Placed` source (a loaded model's parameters, any sharding, any number of
+    processes: every process calls) is saved by orbax from the devices, to a folder or a URL. Any other
+    source is read on this one process a slice of at most `SLICE_BYTES` at a time (its slices come in
+    `dtype`), so peak memory stays a few slices whatever the model size; it restores on any mesh all the same.
+    """
+    dtype_of(dtype)  # an unknown dtype is refused before anything is written
+    if isinstance(source, Placed):
+        _save_placed(_absolute(path), cfg, dtype, source.params, files or {})
+    else:  # tensorstore's file driver writes the arrays
+        _write_slices(_absolute(local_folder(path, "checkpoint folder")), cfg, dtype, source, files or {})
+
+
+def _save_placed(path: Path, cfg: ModelConfig, dtype: str, params: model.Params, files: dict[str, Path]) -> None:
+    start_folder(path, files)
+    target = dtype_of(dtype)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / "params", params)
+    checkpointer.save(path / "params", jax.tree.map(lambda x: x.astype(target), params))
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
-        _write_marker(path, description(cfg, params))
+        _write_marker(path, _description(cfg, dtype))
 
 
 ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}
 SLICE_BYTES = 128 << 20  # a zarr chunk, and what is read and written at once: one 6B layer's fc_in in bf16
 
 
-def write_params(
-    path: str | Path,
-    cfg: ModelConfig,
-    dtype: str,
-    source: SliceSource,
-    progress: bool = True,
-    files: dict[str, Path] | None = None,
-) -> None:
-    """Write a meshlm checkpoint in `dtype` from `source` (whose slices come in `dtype`), one slice of
-    at most `SLICE_BYTES` at a time: peak memory stays a few slices, whatever the model size. `files`
-    (the model's tokenizer) are copied in first.
-
-    Runs on one process; the result restores on any mesh like any other meshlm checkpoint.
-    """
+def _write_slices(path: Path, cfg: ModelConfig, dtype: str, source: SliceSource, files: dict[str, Path]) -> None:
     from tqdm import tqdm
 
-    path = _absolute(local_folder(path, "checkpoint folder"))  # tensorstore's file driver writes the arrays
-    start_folder(path, files or {}, every_process=False)
+    start_folder(path, files, every_process=False)
     (path / "params").mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(dtype_of(dtype)).itemsize
     plans = []  # (name, shape, chunk, slices): a chunk is what is read and written at once
@@ -287,7 +285,7 @@ def write_params(
         plans.append((name, shape, (rows, *shape[1:]), slices))
     total = sum(len(slices) for *_, slices in plans)
     tree_metadata = {}
-    with tqdm(total=total, desc="writing", unit="slice", leave=False, disable=not progress) as bar:
+    with tqdm(total=total, desc="writing", unit="slice", leave=False) as bar:
         for name, shape, chunk, slices in plans:
             array = ts.open(
                 {
@@ -340,7 +338,7 @@ def open(path: str | Path, dtype: str) -> tuple[ModelConfig, SliceSource]:
             kvstore = {"driver": "ocdbt", "base": {"driver": "file", "path": f"{folder}/"}, "path": name}
         else:
             kvstore = {"driver": "file", "path": str(folder / name)}
-        # a missing chunk is an error, not zeros (orbax, and write_params, store every chunk)
+        # a missing chunk is an error, not zeros (orbax, and _write_slices, store every chunk)
         spec = {"driver": driver, "kvstore": kvstore, "fill_missing_data_reads": False}
         try:
             array = ts.open(spec, open=True, read=True).result()

@@ -9,7 +9,7 @@ import meshlm
 from meshlm import runner
 from meshlm.pages import PagePool, pages_for
 from meshlm.scheduler import lookup
-from tests.test_generate import greedy, hf_greedy
+from tests.helpers.generation import greedy, hf_greedy
 
 PAGE = 4  # small pages, so short prompts span several and share some
 

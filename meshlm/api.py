@@ -26,6 +26,7 @@ from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_t
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 GENERATE_BATCH = 32  # rows `generate` decodes at once; more prompts wait for free rows
+COMPILED_FUNCTIONS = 16  # jitted forward and scoring closures kept: two per (config, policy) a process uses
 
 
 def _target_logprobs(
@@ -46,10 +47,12 @@ def _target_logprobs(
     return target_logprobs, jnp.argmax(logits[..., : cfg.n_vocab_used], axis=-1).astype(jnp.int32)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=COMPILED_FUNCTIONS)
 def _compiled(cfg: ModelConfig, policy: model.Policy, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn(params, tokens, cfg, policy, *args)` jitted, one per (config, policy, fn) and shared by every
-    model loaded with them: jit then compiles once per input shape and sharding, not once per model."""
+    model loaded with them: jit then compiles once per input shape and sharding, not once per model. The
+    module owns these for the life of the process, the most recently used COMPILED_FUNCTIONS of them: a
+    process that loads model after model drops the oldest closures, and their executables with them."""
     return jax.jit(lambda params, tokens, *args: fn(params, tokens, cfg, policy, *args))
 
 

@@ -22,10 +22,11 @@ from meshlm.formats.slices import Placed, place, projection_quantizers
 from meshlm.generate import Completion, SamplingParams
 from meshlm.grammar import Constraint
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
-from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, tokenizer_files
+from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 GENERATE_BATCH = 32  # rows `generate` decodes at once; more prompts wait for free rows
+COMPILED_FUNCTIONS = 16  # jitted forward and scoring closures kept: two per (config, policy) a process uses
 
 
 def _target_logprobs(
@@ -46,10 +47,12 @@ def _target_logprobs(
     return target_logprobs, jnp.argmax(logits[..., : cfg.n_vocab_used], axis=-1).astype(jnp.int32)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=COMPILED_FUNCTIONS)
 def _compiled(cfg: ModelConfig, policy: model.Policy, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn(params, tokens, cfg, policy, *args)` jitted, one per (config, policy, fn) and shared by every
-    model loaded with them: jit then compiles once per input shape and sharding, not once per model."""
+    model loaded with them: jit then compiles once per input shape and sharding, not once per model. The
+    module owns these for the life of the process, the most recently used COMPILED_FUNCTIONS of them: a
+    process that loads model after model drops the oldest closures, and their executables with them."""
     return jax.jit(lambda params, tokens, *args: fn(params, tokens, cfg, policy, *args))
 
 
@@ -176,9 +179,11 @@ class LanguageModel:
         include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
         constraint: Constraint | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
-        with `ignore_eos` (pass [] to run to max_new_tokens)."""
+        with `ignore_eos` (pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a user's
+        settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all use it."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if stop_token_ids is None:
             stop_token_ids = () if ignore_eos else (self.tokenizer.eot_id,)
@@ -187,8 +192,16 @@ class LanguageModel:
             max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
             min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
-            constraint=constraint,
+            constraint=constraint, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a chat reply or a served row: <|endoftext|>, and the tokenizer's EOS token when
+        that is another (a chat model's end of turn, say)."""
+        tok = self.tokenizer
+        eos = special_token_id(tok, "eos_token")
+        return (tok.eot_id,) if eos in (None, tok.eot_id) else (tok.eot_id, eos)
 
     def generate(
         self,

@@ -252,15 +252,13 @@ def _sample_chat(lm, args: argparse.Namespace) -> None:
     """`meshlm sample --chat`: the chat rendered with the model's template (or --chat-template), as the server's
     /v1/chat/completions renders it; a reply ends at <|endoftext|> or the tokenizer's EOS token."""
     from meshlm.chat import load_chat_template
-    from meshlm.tokenizer import special_token_id
 
     tok = lm.tokenizer
     template = load_chat_template(tok, args.chat_template)
     if template is None:
         raise ConfigError("this model has no chat template; give one with --chat-template FILE")
-    eos = special_token_id(tok, "eos_token")
     settings = _sample_settings(args)
-    settings["stop_token_ids"] = list(dict.fromkeys([tok.eot_id] + ([] if eos is None else [eos])))
+    settings["stop_token_ids"] = lm.eos_ids
     lm.sampling(**settings)  # bad settings fail here, before any turn is read
     chat = [{"role": "system", "content": args.system}] if args.system else []
     if sys.stdin.isatty():

@@ -230,7 +230,7 @@ class MeshLM(TemplateLM):
     def _sampling(self, kwargs: dict[str, Any], max_new: int, until: Sequence[str]) -> SamplingParams:
         """The harness's generation kwargs as meshlm sampling settings (greedy unless do_sample)."""
         sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
-        return SamplingParams(
+        return self.lm.sampling(
             max_new_tokens=max_new,
             temperature=float(kwargs.get("temperature", 1.0)) if sample else 0.0,
             top_k=int(kwargs.get("top_k") or 0) if sample else 0,

@@ -84,42 +84,17 @@ def prepare(
     complete, so a failed or killed run never leaves a half-written dataset at `out`. `out` must be absent or
     empty unless `overwrite`, which replaces the dataset's own entries there (index.json, train/, val/).
     """
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if val_fraction and val_inputs:
-        raise ConfigError("give either a validation fraction or validation files, not both")
     workers = (os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
-    choices = {"format": (record_format, tuple(corpus.FORMATS)), "train_on": (train_on, TRAIN_ON),
-               "truncate": (truncate, TRUNCATE), "objective": (objective, OBJECTIVES)}  # fmt: skip
-    for name, (value, allowed) in choices.items():
-        if value not in allowed and not (value is None and name in ("format", "objective")):
-            raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    _check_settings(seq_len, val_fraction, val_inputs, workers,
+                    format=record_format, train_on=train_on, truncate=truncate, objective=objective)  # fmt: skip
     out = Path(out_dir)
     target = out.resolve()  # a symlinked --out: the folder it names is the one replaced
     partial = target.with_name(target.name + ".prepare-unfinished")
     _check_out(out, target, partial, overwrite)
-    if isinstance(inputs, str | Path):
-        inputs = [inputs]
-    sources = {"train": corpus.expand(inputs)}
-    if val_inputs:
-        sources["val"] = corpus.expand(val_inputs)
-    if not sources["train"]:
-        raise DataError("no input files given")
+    sources = _sources(inputs, val_inputs)
     formats = _file_formats([f for files in sources.values() for f in files], record_format, text_field)
-    kind = "preference" if any(fmt == "preference" for fmt, _ in formats.values()) else "lm"
-    if kind == "preference" and train_on == "all":
-        raise ConfigError("train_on 'all' is for prompt/completion and chat data; DPO and ORPO weigh the completions")
-    if objective and kind != "preference":
-        raise ConfigError(f"objective {objective!r} chooses how preference pairs are tokenized; the input has none")
-    needs_text = any(file_kind != "tfrecord" for files in sources.values() for _, file_kind in files)
-    tok = load_tokenizer(tokenizer) if needs_text else None
-    eos = tok.eot_id if tok else EOT_ID
-    pad = pad_id(tok) if tok else EOT_ID
-    dtype = "uint16" if (tok.vocab_size if tok else GPT2_VOCAB) <= 1 << 16 else "uint32"
+    kind = _dataset_kind(formats, train_on, objective)
+    tok, eos, pad, dtype = _vocabulary(sources, tokenizer)
     if shard_rows is None:
         shard_rows = max(1, SHARD_BYTES // ((seq_len + 1) * DTYPES[dtype].itemsize))
     recipe = Recipe(formats, record_format is not None, text_field, chat_template, train_on, objective or "dpo")
@@ -128,31 +103,17 @@ def prepare(
     if partial.exists():  # left by a killed run: only reached with overwrite
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    writers = {name: ShardWriter(partial, name, seq_len, dtype, shard_rows) for name in split_names}
-    texts = {name: _Packer(writer) for name, writer in writers.items()}
-    examples = {name: _ExamplePacker(writer, pack, truncate, pad) for name, writer in writers.items()}
+    outputs = {
+        name: _SplitOutput.open(ShardWriter(partial, name, seq_len, dtype, shard_rows), pack, truncate, pad)
+        for name in split_names
+    }
     total_bytes = sum(path.stat().st_size for files in sources.values() for path, _ in files)
     start = time.perf_counter()
     try:
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", smoothing=0.1) as bar:
             stream = _TokenStream(tok, tokenizer, dtype, eos, recipe, workers, bar.update)
-            rng = np.random.default_rng(seed)
-            for name in sources if val_inputs else ["train"]:
-                split = None  # where the document or example being read goes
-                for item in stream(sources[name]):
-                    if split is None:
-                        held_out = not val_inputs and val_fraction and rng.random() < val_fraction
-                        split = "val" if held_out else name
-                    if isinstance(item, Sample):
-                        examples[split].add(item)
-                        split = None
-                    else:
-                        texts[split].add(*item)
-                        split = None if item[1] else split
-        splits = {}
-        for name, writer in writers.items():
-            text, example = texts[name].close(), examples[name].close()
-            splits[name] = writer.close() | text | example | {"tokens": text["tokens"] + example["example_tokens"]}
+            _route(stream, sources, outputs, val_fraction, seed)
+        splits = {name: output.close() for name, output in outputs.items()}
         _check_splits(splits, len(sources["train"]), seq_len)
         write_index(
             partial, seq_len, splits, dtype=dtype, eos_id=eos, kind=kind, pad_id=pad,
@@ -166,7 +127,78 @@ def prepare(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     _publish(partial, target)
-    seconds = time.perf_counter() - start
+    return _summary(out, seq_len, kind, splits, time.perf_counter() - start)
+
+
+def _check_settings(
+    seq_len: int, val_fraction: float, val_inputs: list | None, workers: int, **choices: str | None
+) -> None:
+    """Refuse bad settings before anything is read; `choices` are the named ones with a fixed set of values."""
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if val_fraction and val_inputs:
+        raise ConfigError("give either a validation fraction or validation files, not both")
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    allowed = {"format": tuple(corpus.FORMATS), "train_on": TRAIN_ON, "truncate": TRUNCATE, "objective": OBJECTIVES}
+    for name, value in choices.items():
+        if value not in allowed[name] and not (value is None and name in ("format", "objective")):
+            raise ConfigError(f"{name} must be one of {list(allowed[name])}, got {value!r}")
+
+
+def _sources(inputs: str | Path | list[str | Path], val_inputs: list[str | Path] | None) -> dict[str, list]:
+    """The (path, kind) of each split's input files: "train", and "val" when validation files are given."""
+    if isinstance(inputs, str | Path):
+        inputs = [inputs]
+    sources = {"train": corpus.expand(inputs)}
+    if val_inputs:
+        sources["val"] = corpus.expand(val_inputs)
+    if not sources["train"]:
+        raise DataError("no input files given")
+    return sources
+
+
+def _dataset_kind(formats: dict[Path, tuple[str, str]], train_on: str, objective: str | None) -> str:
+    """ "preference" when the inputs are preference pairs, else "lm"; settings that do not fit the kind are refused."""
+    kind = "preference" if any(fmt == "preference" for fmt, _ in formats.values()) else "lm"
+    if kind == "preference" and train_on == "all":
+        raise ConfigError("train_on 'all' is for prompt/completion and chat data; DPO and ORPO weigh the completions")
+    if objective and kind != "preference":
+        raise ConfigError(f"objective {objective!r} chooses how preference pairs are tokenized; the input has none")
+    return kind
+
+
+def _vocabulary(sources: dict[str, list], tokenizer: str | Path | None) -> tuple[Tokenizer | None, int, int, str]:
+    """The tokenizer (None when every input is TFRecord ids, tokenized already), the end-of-text and padding ids,
+    and the row dtype that holds every id."""
+    needs_text = any(file_kind != "tfrecord" for files in sources.values() for _, file_kind in files)
+    tok = load_tokenizer(tokenizer) if needs_text else None
+    eos = tok.eot_id if tok else EOT_ID
+    pad = pad_id(tok) if tok else EOT_ID
+    dtype = "uint16" if (tok.vocab_size if tok else GPT2_VOCAB) <= 1 << 16 else "uint32"
+    return tok, eos, pad, dtype
+
+
+def _route(
+    stream: _TokenStream, sources: dict[str, list], outputs: dict[str, _SplitOutput], val_fraction: float, seed: int
+) -> None:
+    """Send each document or example of each split's files to that split's output, or to validation with
+    probability `val_fraction` (drawn from `seed` in input order)."""
+    rng = np.random.default_rng(seed)
+    for name, files in sources.items():
+        split = None  # where the document or example being read goes
+        for item in stream(files):
+            if split is None:
+                held_out = val_fraction and rng.random() < val_fraction
+                split = "val" if held_out else name
+            outputs[split].add(item)
+            if isinstance(item, Sample) or item[1]:  # an example, or a document's last piece
+                split = None
+
+
+def _summary(out: Path, seq_len: int, kind: str, splits: dict[str, dict], seconds: float) -> dict[str, Any]:
     n_tokens = sum(s["tokens"] for s in splits.values())
     return {
         "out": str(out),
@@ -568,6 +600,29 @@ class _Packer:
         return {"tokens": self.tokens, "documents": self.documents, "dropped_tokens": self._held}
 
 
+class _SplitOutput(NamedTuple):
+    """One split's output: its shard writer, fed by a packer of text documents and one of examples."""
+
+    writer: ShardWriter
+    texts: _Packer
+    examples: _ExamplePacker
+
+    @classmethod
+    def open(cls, writer: ShardWriter, pack: bool, truncate: str, pad: int) -> _SplitOutput:
+        return cls(writer, _Packer(writer), _ExamplePacker(writer, pack, truncate, pad))
+
+    def add(self, item: tuple[np.ndarray, bool] | Sample) -> None:
+        if isinstance(item, Sample):
+            self.examples.add(item)
+        else:
+            self.texts.add(*item)
+
+    def close(self) -> dict:
+        """The split's entry of the index: its shards, text and example counts, and its tokens in all."""
+        text, example = self.texts.close(), self.examples.close()
+        return self.writer.close() | text | example | {"tokens": text["tokens"] + example["example_tokens"]}
+
+
 class _TokenStream:
     """Text pieces (ids, ends_document) and records' Samples for a list of files, in input order: the work
     is done in worker processes, a bounded number of items ahead of the consumer, so memory does not grow
@@ -590,24 +645,24 @@ class _TokenStream:
 
     def __call__(self, files: list[tuple[Path, str]]) -> Iterator[tuple[np.ndarray, bool] | Sample]:
         if self.workers == 1 or self.tok is None:  # in this process (no text to tokenize: no workers needed)
-            _WORKER.clear()
-            _WORKER.update(tokenizer=self.tok, dtype=self.dtype, eos=self.init_args[2], recipe=self.recipe)
+            encoder = _Encoder(self.tok, self.dtype, self.init_args[2], self.recipe)
             for item in self._work(files):
-                yield from item if isinstance(item, list) else _unpack(item[0](*item[1:]))
+                yield from item if isinstance(item, list) else _unpack(getattr(encoder, item[0])(*item[1:]))
             return
         ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(self.workers, initializer=_init_worker, initargs=self.init_args) as pool:
             pending: deque = deque()
             for item in self._work(files):
-                pending.append(item if isinstance(item, list) else pool.apply_async(item[0], item[1:]))
+                pending.append(item if isinstance(item, list) else pool.apply_async(_in_worker, item))
                 while len(pending) > 2 * self.workers:
                     yield from _result(pending.popleft())
             while pending:
                 yield from _result(pending.popleft())
 
     def _work(self, files: list[tuple[Path, str]]) -> Iterator[list | tuple]:
-        """Work items: (_encode, text pieces of about READ_CHARS characters, their ends), (_encode_records,
-        format, a batch of records), or a list of what is ready (TFRecord ids)."""
+        """Work items, each an `_Encoder` method and its arguments: ("text", text pieces of about READ_CHARS
+        characters, their ends), ("records", format, a batch of records); or a list of what is ready (TFRecord
+        ids)."""
         texts: list[str] = []
         ends: list[bool] = []
         size = 0
@@ -615,7 +670,7 @@ class _TokenStream:
             fmt, _ = self.recipe.formats[path]
             if kind in corpus.RECORD_FILES and fmt != "text":
                 if texts:
-                    yield _encode, texts, ends
+                    yield "text", texts, ends
                     texts, ends, size = [], [], 0
                 yield from self._record_batches(path, kind, fmt)
                 continue
@@ -625,18 +680,18 @@ class _TokenStream:
                     ends.append(end)
                     size += len(content)
                     if size >= corpus.READ_CHARS:
-                        yield _encode, texts, ends
+                        yield "text", texts, ends
                         texts, ends, size = [], [], 0
                     continue
                 if texts:
-                    yield _encode, texts, ends
+                    yield "text", texts, ends
                     texts, ends, size = [], [], 0
                 if content.min() < 0 or content.max() >= self.vocab:
                     bad = content[(content < 0) | (content >= self.vocab)][0]
                     raise DataError(f"{path}: holds token id {bad}, outside the tokenizer's 0..{self.vocab - 1}")
                 yield [(content.astype(self.dtype), end)]
         if texts:
-            yield _encode, texts, ends
+            yield "text", texts, ends
 
     def _documents(self, path: Path, kind: str) -> Iterator[tuple[str | np.ndarray, bool]]:
         """The pieces of the text documents of a file: its text, its TFRecords, or its {"text"} records."""
@@ -654,10 +709,10 @@ class _TokenStream:
             corpus.check_record(where, record, fmt, self.recipe.forced, self.recipe.text_field)
             batch.append((where, record))
             if len(batch) == RECORD_BATCH:
-                yield _encode_records, fmt, batch
+                yield "records", fmt, batch
                 batch = []
         if batch:
-            yield _encode_records, fmt, batch
+            yield "records", fmt, batch
 
 
 def _result(item: Any) -> list:
@@ -673,40 +728,50 @@ def _segments(ids: np.ndarray, lengths: np.ndarray, ends: list[bool]) -> list[tu
     return list(zip(np.split(ids, np.cumsum(lengths)[:-1]), ends, strict=True))
 
 
-_WORKER: dict[str, Any] = {}
+class _Encoder:
+    """Tokenizes the stream's work: text pieces, and records (through a RecordEncoder made for the first)."""
+
+    def __init__(self, tok: Tokenizer | None, dtype: np.dtype, eos: int, recipe: Recipe):
+        self.tok, self.dtype, self.eos, self.recipe = tok, dtype, eos, recipe
+        self._records: RecordEncoder | None = None
+
+    def text(self, texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+        """Tokenize text pieces; a document's last piece gets the end-of-text id after it. Returns the ids of
+        all pieces in one array (one array pickles far faster than thousands) with each piece's length."""
+        ids: list[int] = []
+        lengths = np.empty(len(texts), np.int64)
+        for i, (text, end) in enumerate(zip(texts, ends, strict=True)):
+            piece = self.tok.encode(text)
+            lengths[i] = len(piece) + end
+            ids += piece
+            if end:
+                ids.append(self.eos)
+        return np.array(ids, self.dtype), lengths, ends
+
+    def records(self, fmt: str, batch: list[tuple[str, Any]]) -> list[Sample]:
+        """Tokenize records of one format; an error names the record's file and line (or row)."""
+        if self._records is None:
+            recipe = self.recipe
+            self._records = RecordEncoder(self.tok, recipe.chat_template, recipe.train_on, recipe.objective)
+        samples = []
+        for where, record in batch:
+            try:
+                samples.append(self._records(fmt, record))
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+        return samples
+
+
+# A worker process's encoder: the pool's initializer makes it, and it lives as long as that process. The main
+# process never sets it (with one worker it uses an _Encoder of its own).
+_WORKER: _Encoder | None = None
 
 
 def _init_worker(tokenizer: str | Path | None, dtype: str, eos: int, recipe: Recipe) -> None:
-    _WORKER.update(tokenizer=load_tokenizer(tokenizer), dtype=DTYPES[dtype], eos=eos, recipe=recipe)
+    global _WORKER
+    _WORKER = _Encoder(load_tokenizer(tokenizer), DTYPES[dtype], eos, recipe)
 
 
-def _encode(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-    """Tokenize text pieces; a document's last piece gets the end-of-text id after it. Returns the ids of all
-    pieces in one array (one array pickles far faster than thousands) with each piece's length."""
-    tok, eos = _WORKER["tokenizer"], _WORKER["eos"]
-    ids: list[int] = []
-    lengths = np.empty(len(texts), np.int64)
-    for i, (text, end) in enumerate(zip(texts, ends, strict=True)):
-        piece = tok.encode(text)
-        lengths[i] = len(piece) + end
-        ids += piece
-        if end:
-            ids.append(eos)
-    return np.array(ids, _WORKER["dtype"]), lengths, ends
-
-
-def _encode_records(fmt: str, batch: list[tuple[str, Any]]) -> list[Sample]:
-    """Tokenize records of one format; an error names the record's file and line (or row)."""
-    if "records" not in _WORKER:
-        recipe = _WORKER["recipe"]
-        _WORKER["records"] = RecordEncoder(
-            _WORKER["tokenizer"], recipe.chat_template, recipe.train_on, recipe.objective
-        )
-    encoder = _WORKER["records"]
-    samples = []
-    for where, record in batch:
-        try:
-            samples.append(encoder(fmt, record))
-        except DataError as e:
-            raise DataError(f"{where}: {e}") from None
-    return samples
+def _in_worker(method: str, *args: Any) -> Any:
+    """A work item, run by this worker process's encoder."""
+    return getattr(_WORKER, method)(*args)

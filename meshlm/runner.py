@@ -11,6 +11,7 @@ it knows nothing of requests, queues or pages' owners. `lower` gives the planner
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -725,7 +726,7 @@ class Runner:
             self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
         seconds = time.perf_counter() - began
         self.compiled_shapes, self.compile_seconds = len(programs), seconds
-        _count_compiles(weakref.ref(self))
+        _COMPILES.count_into(self)
         return len(programs), seconds
 
     def _check_working_memory(self, step: Footprint, free: int | None) -> None:
@@ -776,14 +777,32 @@ def _on_host(out: tuple[jax.Array | None, ...]) -> Step:
     return Step(*(None if x is None else to_host(x) for x in out))
 
 
-def _count_compiles(runner: weakref.ref) -> None:
-    """Count every XLA compilation in this process from now on into `runner` (while it lives)."""
+class _CompileCounter:
+    """Counts every XLA compilation in this process into each runner warmed up, from its latest `warm_up` on
+    and while it lives. JAX keeps a monitoring listener for the life of the process, so there is one listener,
+    registered on the first warm-up; a runner is held weakly and leaves when it is collected."""
 
-    def listen(event: str, seconds: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration" and (r := runner()) is not None:
-            r.compiles_since_warm_up += 1
+    def __init__(self) -> None:
+        self._runners: weakref.WeakSet[Runner] = weakref.WeakSet()
+        self._lock = threading.Lock()  # compilations report from the threads that compile
+        self._listening = False
 
-    jax.monitoring.register_event_duration_secs_listener(listen)
+    def count_into(self, runner: Runner) -> None:
+        with self._lock:
+            runner.compiles_since_warm_up = 0
+            self._runners.add(runner)
+            if not self._listening:
+                jax.monitoring.register_event_duration_secs_listener(self._listen)
+                self._listening = True
+
+    def _listen(self, event: str, seconds: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with self._lock:
+                for runner in self._runners:
+                    runner.compiles_since_warm_up += 1
+
+
+_COMPILES = _CompileCounter()
 
 
 def lower(

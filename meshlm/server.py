@@ -259,15 +259,6 @@ class ServerState:
         """The model names requests may ask for: the served name, then the LoRA adapters' names."""
         return [self.model_name, *self.engine.adapter_sources()]
 
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        """The tokens that end a row unless it asks `ignore_eos`: <|endoftext|>, and the tokenizer's EOS token
-        when that is another (a chat model's end of turn, say)."""
-        tok = self.tokenizer
-        eos = tok.special_tokens.get("eos_token")
-        eos_id = tok.token_id(eos) if eos else None
-        return (tok.eot_id,) if eos_id in (None, tok.eot_id) else (tok.eot_id, eos_id)
-
     def card(self, name: str) -> dict[str, Any]:
         """/v1/models' entry: an adapter's root is its folder and its parent the base, as vLLM lists them."""
         root, parent = self.model_name, None
@@ -391,12 +382,13 @@ def output_constraint(body: Sampling, tools: Constraint | None = None) -> Constr
 def sampling_params(
     state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None, constraint: Constraint | None
 ) -> SamplingParams:
-    """The request's fields as the engine's settings (400 for what cannot be); the seed is the request's, or random."""
+    """The request's fields as the engine's settings, built by `LanguageModel.sampling` (400 for what cannot be);
+    as in vLLM, `stop_token_ids` add to the EOS ids, and the seed is the request's, or random."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     extra = list(body.stop_token_ids or ())
-    eos = () if body.ignore_eos else state.eos_ids
+    eos = () if body.ignore_eos else state.lm.eos_ids
     stop_ids = tuple(dict.fromkeys([*eos, *extra]))
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
@@ -407,7 +399,7 @@ def sampling_params(
         raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most the tokens to generate ({max_new})",
                        param="min_tokens")  # fmt: skip
     try:
-        return SamplingParams(
+        return state.lm.sampling(
             max_new_tokens=max_new,
             temperature=body.temperature,
             top_k=max(body.top_k, 0),

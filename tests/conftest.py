@@ -27,6 +27,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import httpx  # noqa: E402 (after the environment above)
 import pytest  # noqa: E402
 
+# The shared helpers assert too: their failures read like the tests' own.
+pytest.register_assert_rewrite("tests.helpers")
+
 from tests import oracle  # noqa: E402
 
 
@@ -134,3 +137,32 @@ def bucket():
             os.environ[k] = v
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
+    """A random GPT-J with GPT-J's padded vocabulary, saved with a tokenizer.json for the same BPE (the
+    evaluation tests' model, in-process and served)."""
+    import torch
+
+    import meshlm
+    from meshlm import tokenizer
+    from tests.helpers.harness import CONTEXT
+
+    folder = tmp_path_factory.mktemp("hf_gptj_eval")
+    config = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=50400, n_positions=CONTEXT)
+    model = oracle.random_gptj(seed=3, bos_token_id=50256, eos_token_id=50256, **config)
+    with torch.no_grad():
+        # As in GPT-J, the padded rows above the tokenizer's 50257 ids are never predicted.
+        model.lm_head.bias[meshlm.config.GPT2_VOCAB :] = -1e4
+    model.save_pretrained(folder)
+    tokenizer.save_hf_tokenizer(folder, gpt2_bpe_file)
+    return oracle.HFModel(folder, model)
+
+
+@pytest.fixture(scope="module")
+def preferences(tmp_path_factory) -> Path:
+    """A tiny preference dataset (tests/helpers/preferences.py) written once per module."""
+    from tests.helpers.preferences import write_preferences
+
+    return write_preferences(tmp_path_factory.mktemp("preferences"))

@@ -15,8 +15,8 @@ import meshlm
 from meshlm import ConfigError, InputError
 from meshlm.engine import SlotsBusy
 from tests import oracle
-from tests.test_generate import greedy, hf_greedy
-from tests.test_lora import ARCHS, peft_model
+from tests.helpers.generation import greedy, hf_greedy
+from tests.helpers.lora import ARCHS, peft_model
 
 PROMPTS = [[5, 17, 99, 3, 8], [42, 7, 7, 130, 2, 9], [1, 2, 3], [200, 100, 50, 25, 12, 6, 7]]
 NEW = 8

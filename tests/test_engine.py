@@ -2,6 +2,10 @@
 generate (rows joining mid-flight, with and without prefix caching), the page pool's bookkeeping, and
 pages coming back after cancellation and failures."""
 
+import gc
+import weakref
+
+import jax
 import numpy as np
 import pytest
 
@@ -9,7 +13,7 @@ import meshlm
 from meshlm import runner
 from meshlm.pages import PagePool, pages_for
 from meshlm.scheduler import lookup
-from tests.test_generate import greedy, hf_greedy
+from tests.helpers.generation import greedy, hf_greedy
 
 PAGE = 4  # small pages, so short prompts span several and share some
 
@@ -139,6 +143,35 @@ def test_every_shape_is_compiled_by_warm_up(lm):
     engine.generate(prompts, params, chunk=5)
     engine.generate(prompts[1:3], [greedy(0).replace(prompt_logprobs=2), greedy(3)])  # scored and plain rows mix
     assert engine.runner.compiles_since_warm_up == 0
+
+
+def test_one_compile_listener_per_process_counts_into_each_warmed_runner_while_it_lives(monkeypatch):
+    """JAX keeps a monitoring listener for the life of the process: however many warm-ups, one is registered; a
+    runner counts the compilations since its latest warm-up, and one that is collected is no longer counted into."""
+    registered = []
+    register = jax.monitoring.register_event_duration_secs_listener
+
+    def counting(listener):
+        registered.append(listener)
+        return register(listener)
+
+    monkeypatch.setattr(jax.monitoring, "register_event_duration_secs_listener", counting)
+
+    class Warmed:  # what the counter needs of a runner
+        compiles_since_warm_up = 0
+
+    counter, a, b = runner._CompileCounter(), Warmed(), Warmed()
+    counter.count_into(a)
+    counter.count_into(a)
+    counter.count_into(b)
+    c = float(np.random.default_rng().random())  # a program no cache holds
+    jax.jit(lambda x: x * c)(np.arange(3.0))
+    assert len(registered) == 1
+    assert a.compiles_since_warm_up == b.compiles_since_warm_up >= 1
+    b = weakref.ref(b)
+    gc.collect()
+    jax.jit(lambda x: x * (c + 1))(np.arange(3.0))
+    assert b() is None and a.compiles_since_warm_up >= 2
 
 
 def reference_scores(lm, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

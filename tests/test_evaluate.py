@@ -2,13 +2,9 @@
 GPT-J with the GPT-2 BPE, a GPT-NeoX with a NeoX-style BPE, each the folder's own tokenizer), and `meshlm
 eval --perplexity` against exp(mean NLL) from transformers' logits."""
 
-import contextlib
 import json
 import math
-import os
 import shutil
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,29 +13,9 @@ import torch
 import meshlm
 from meshlm import evaluate, tokenizer
 from tests import oracle
+from tests.helpers.harness import CONTEXT, TASK_DIR, harness, in_repo_root, responses, unwrap
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-ROOT = Path(__file__).resolve().parents[1]
-TASK_DIR = ROOT / "tests" / "lm_eval_tasks"
-TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext", "meshlm_test_gen"]
 MESH = "data=2,fsdp=2,model=2"
-CONTEXT = 128  # shorter than the longest task documents, so truncation and rolling windows are exercised
-
-
-@pytest.fixture(scope="module")
-def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
-    """A random GPT-J with GPT-J's padded vocabulary, saved with a tokenizer.json for the same BPE."""
-    folder = tmp_path_factory.mktemp("hf_gptj_eval")
-    config = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=50400, n_positions=CONTEXT)
-    model = oracle.random_gptj(seed=3, bos_token_id=50256, eos_token_id=50256, **config)
-    with torch.no_grad():
-        # As in GPT-J, the padded rows above the tokenizer's 50257 ids are never predicted.
-        model.lm_head.bias[meshlm.config.GPT2_VOCAB :] = -1e4
-    model.save_pretrained(folder)
-    tokenizer.save_hf_tokenizer(folder, gpt2_bpe_file)
-    return oracle.HFModel(folder, model)
 
 
 @pytest.fixture(scope="module")
@@ -63,34 +39,6 @@ def hf_model(request) -> oracle.HFModel:
     return request.getfixturevalue(f"hf_{request.param}")
 
 
-@contextlib.contextmanager
-def in_repo_root():
-    """The task YAMLs name their data files relative to the repository root, as lm-eval reads them."""
-    before = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-def harness(model: str, model_args: str, batch_size: int, tasks: list[str] = TASKS) -> dict:
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    with in_repo_root():
-        return lm_eval.simple_evaluate(
-            model=model,
-            model_args=model_args,
-            tasks=tasks,
-            batch_size=batch_size,
-            device="cpu",
-            task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
-            log_samples=True,
-            bootstrap_iters=0,
-        )
-
-
 @pytest.fixture(scope="module")
 def hf_results(hf_model):
     return harness("hf", f"pretrained={hf_model.path},dtype=float32", batch_size=1)
@@ -100,15 +48,6 @@ def hf_results(hf_model):
 def meshlm_results(hf_model):
     # The mesh spec travels inside lm-eval's comma-separated model_args; the tokenizer is the folder's own.
     return harness("meshlm", f"pretrained={hf_model.path},mesh=data=2,fsdp=2,model=2", batch_size=4)
-
-
-def responses(results: dict, task: str) -> list:
-    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
-
-
-def unwrap(response: Any) -> Any:
-    """One request's response: lm-eval wraps some in a one-element list."""
-    return response[0] if isinstance(response, list | tuple) and len(response) == 1 else response
 
 
 def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):

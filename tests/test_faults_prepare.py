@@ -13,7 +13,7 @@ import zstandard
 
 from meshlm import cli
 from meshlm.tokenizer import load_tokenizer
-from tests.test_prepare import SEQ, example, read_rows, rows_of, stream_of, write_jsonl, write_tfrecord
+from tests.helpers.corpus_files import SEQ, example, read_rows, rows_of, stream_of, write_jsonl, write_tfrecord
 
 DOCS = [f"document {i}: " + "some words of text " * (i % 7 + 1) for i in range(60)]
 UNFINISHED = ".prepare-unfinished"

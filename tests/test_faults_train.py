@@ -14,8 +14,8 @@ import pytest
 from meshlm import cli, data, train
 from meshlm.config import TrainConfig, TrainingStopped
 from meshlm.formats import native
+from tests.helpers.training import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 from tests.small_disk import tmpfs
-from tests.test_train import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import meshlm
 from meshlm import cli, model
 from meshlm import generate as gen
 from meshlm.generate import SamplingParams
+from tests.helpers.generation import NEW, greedy, hf_greedy
 
-NEW = 40  # tokens generated in the oracle comparisons
 PROMPT_LENGTHS = (9, 3, 14)  # a padded batch: rows of different lengths, left-padded to one bucket
 
 
@@ -29,28 +29,6 @@ def lm(hf_tiny):
 def prompts():
     rng = np.random.default_rng(3)
     return [rng.integers(1, 512, n).tolist() for n in PROMPT_LENGTHS]
-
-
-def hf_greedy(hf_model, prompt: list[int], new: int, **kwargs) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy generate of one unpadded prompt: the new tokens and the raw logits of each step."""
-    with torch.no_grad():
-        out = hf_model.torch_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-    logits = torch.stack(out.logits, 1)[0].float().numpy()
-    return out.sequences[0, len(prompt) :].tolist(), logits
-
-
-def greedy(max_new: int = NEW, **changes) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new, temperature=0.0, **changes)
 
 
 def test_greedy_matches_transformers_for_one_prompt_and_a_padded_batch(lm, hf_tiny, prompts):

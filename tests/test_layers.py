@@ -60,3 +60,29 @@ def test_imports_point_down(module):
     here = FLOOR[table_name(module)]
     above = {m for m in imports(path) if FLOOR.get(table_name(m), here) > here}
     assert not above, f"{module} (floor {here}) imports {sorted(above)} from above"
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The test modules (test_*.py) a file of the suite imports, absolutely or relatively, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            dotted = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            dotted = [module, *(f"{module}.{a.name}".lstrip(".") for a in node.names)]
+        else:
+            continue
+        for name in dotted:
+            parts = name.split(".")[1:] if name.startswith("tests.") else name.split(".")
+            if len(parts) == 1 and parts[0].startswith("test_"):
+                found.add(name)
+    return found
+
+
+def test_test_modules_share_helpers_and_fixtures_never_each_other():
+    """Shared helpers live in tests/helpers/ and shared fixtures in tests/conftest.py: a test module that imports
+    another collects the other's fixtures and ties the two files' tests together."""
+    suite = PACKAGE.parent / "tests"
+    reaching = {str(path.relative_to(suite)): imported_test_modules(path) for path in sorted(suite.rglob("*.py"))}
+    assert {name: sorted(found) for name, found in reaching.items() if found} == {}

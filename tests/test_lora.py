@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.numpy import load_file, save_file
 
 import meshlm
@@ -23,24 +22,10 @@ from meshlm.config import LoraConfig
 from meshlm.formats import adapters, hf
 from meshlm.lora import adapter_table, delta, init_adapter
 from tests import oracle
-from tests.test_family_hf import ARCHS as FAMILY
-from tests.test_generate import greedy, hf_greedy
+from tests.helpers.generation import greedy, hf_greedy
+from tests.helpers.lora import ARCHS, TARGETS, VOCAB, peft_model
 
 MESH = "data=2,fsdp=2,model=2"
-VOCAB = 256
-ARCHS = {
-    "gptj": dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, vocab_size=VOCAB),
-    "neox": FAMILY["neox-parallel"],
-    "neo": FAMILY["gpt-neo"],
-    "codegen": FAMILY["codegen"],
-}
-# Every projection of each architecture, by its transformers module name.
-TARGETS = {
-    "gptj": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],
-    "neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
-    "neo": ["q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj"],
-    "codegen": ["qkv_proj", "out_proj", "fc_in", "fc_out"],
-}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 
 
@@ -51,13 +36,6 @@ def bases(tmp_path_factory) -> dict[str, Path]:
         name: oracle.make_hf_model(tmp_path_factory.mktemp(name), seed=i, **config).path
         for i, (name, config) in enumerate(ARCHS.items())
     }
-
-
-def peft_model(base: Path, arch: str, seed: int = 0, **settings) -> PeftModel:
-    """`peft` on a fresh copy of the base, with A and B both random (so the adapter changes the output)."""
-    torch.manual_seed(seed)
-    settings = {"r": 4, "lora_alpha": 12, "target_modules": TARGETS[arch], "init_lora_weights": False, **settings}
-    return get_peft_model(oracle.load_hf(base), PeftLoraConfig(**settings)).eval()
 
 
 def peft_logits(m: PeftModel, tokens: np.ndarray = TOKENS) -> np.ndarray:
@@ -344,7 +322,7 @@ def test_merge_and_export_on_the_command_line(bases, saved_adapters, tmp_path):
 def test_a_trained_adapter_exported_for_peft_gives_meshlm_logits(bases, tmp_path):
     """`meshlm train` with a lora section on a transformers base, `meshlm export-adapter`, then peft."""
     from meshlm import train
-    from tests.test_train import tiny_config, write_dataset
+    from tests.helpers.training import tiny_config, write_dataset
 
     rows = np.random.default_rng(3).integers(0, VOCAB, (8, 17))
     data = write_dataset(tmp_path / "data", rows, rows)

@@ -18,7 +18,7 @@ from meshlm.config import CheckpointError, ConfigError, LoraConfig, ModelConfig,
 from meshlm.formats import native
 from meshlm.lora import adapter_size
 from meshlm.sharding import make_mesh
-from tests.test_train import SEQ, metrics_losses, start_run, tiny_config, write_dataset
+from tests.helpers.training import SEQ, metrics_losses, start_run, tiny_config, write_dataset
 
 # d_model and d_ff 128: every projection has two NF4 blocks of 64 inputs per output, which fsdp=2 splits.
 CFG = ModelConfig(

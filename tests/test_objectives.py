@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import json
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -16,15 +15,10 @@ import pytest
 import torch
 
 from meshlm import data, model, objectives, run_start, train, train_step
-from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm.config import ConfigError, TrainConfig
 from meshlm.objectives import Inputs
 from meshlm.sharding import make_mesh
-
-SEQ = 16
-CFG = ModelConfig(
-    n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=256, n_vocab_used=256, max_seq_len=32
-)
-
+from tests.helpers.preferences import CFG, SEQ, TRL_DPO_METRICS, logged, preference_rows, run_config, write_preferences
 
 # ---------------------------------------------------------------------------------------------------
 # The formulas, against trl's own loss code called on the same numbers
@@ -90,10 +84,6 @@ def trl_dpo(numbers: dict[str, np.ndarray], loss_type: str, beta: float) -> tupl
     }
     loss = DPOTrainer._compute_loss(trainer, lambda **_: outputs, inputs, return_outputs=False)
     return float(loss), {k: v[-1] for k, v in metrics.items()}
-
-
-TRL_DPO_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                   "logps/rejected"]  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
@@ -228,47 +218,6 @@ def test_lm_loss_is_normalised_by_the_loss_tokens_of_the_whole_batch_whatever_mi
 
 # ---------------------------------------------------------------------------------------------------
 # Training runs on a tiny hand-written preference dataset
-
-
-def preference_rows(pairs: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pairs of rows [prompt | completion | padding]: a chosen completion counts up from the prompt's last
-    token, a rejected one repeats it; the two have different lengths."""
-    rng = np.random.default_rng(seed)
-    shape = (2 * pairs, SEQ + 1)
-    tokens, weights, segments = np.zeros(shape, np.int32), np.zeros(shape, np.uint8), np.zeros(shape, np.int32)
-    for j in range(pairs):
-        prompt = list(rng.integers(10, 200, 4))
-        for row, completion in ((2 * j, [prompt[-1] + i + 1 for i in range(6)]), (2 * j + 1, [prompt[-1]] * 4)):
-            sequence = prompt + completion
-            tokens[row, : len(sequence)] = sequence
-            weights[row, len(prompt) : len(sequence)] = 1
-            segments[row, : len(sequence)] = 1
-    return tokens, weights, segments
-
-
-def write_preferences(folder: Path, pairs: int = 16, seed: int = 0) -> Path:
-    splits = {"train": data.write_split(folder, "train", [preference_rows(pairs, seed)], SEQ),
-              "val": data.write_split(folder, "val", [preference_rows(4, seed + 100)], SEQ)}  # fmt: skip
-    data.write_index(folder, SEQ, splits, eos_id=0, kind="preference")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def preferences(tmp_path_factory) -> Path:
-    return write_preferences(tmp_path_factory.mktemp("preferences"))
-
-
-def run_config(folder: Path, out_dir: Path, **changes) -> TrainConfig:
-    base = dict(
-        model=CFG, data=folder and str(folder), out_dir=str(out_dir), batch_size=4, micro_batches=2, total_steps=6,
-        lr=3e-3, end_lr=3e-3, warmup_steps=0, anneal_steps=10, weight_decay=0.0, val_every=0, ckpt_every=0,
-        log_every=1000, sample_tokens=0, objective="dpo", dpo={"beta": 0.5},
-    )  # fmt: skip
-    return TrainConfig(**{**base, **changes})
-
-
-def logged(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from meshlm import cli, footprint, model, planner, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig, preset
 from meshlm.lora import adapter_size
-from tests.test_train import SEQ, write_dataset
+from tests.helpers.training import SEQ, write_dataset
 
 TINY = preset("test-tiny")
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -8,11 +8,11 @@ import time
 import numpy as np
 
 from meshlm import train
-from tests.test_objectives import TRL_DPO_METRICS, logged, preferences, run_config  # noqa: F401 (a fixture)
-from tests.test_train import metrics_losses, start_run, wait_for_steps
+from tests.helpers.preferences import TRL_DPO_METRICS, logged, run_config
+from tests.helpers.training import metrics_losses, start_run, wait_for_steps
 
 
-def test_a_dpo_run_stopped_by_sigterm_and_sigkill_resumes_to_the_uninterrupted_numbers(preferences, tmp_path):  # noqa: F811
+def test_a_dpo_run_stopped_by_sigterm_and_sigkill_resumes_to_the_uninterrupted_numbers(preferences, tmp_path):
     """A full DPO fine-tune with precomputed reference log-probs, run as `meshlm train` in a subprocess,
     stopped by SIGTERM, resumed, killed (kill -9) at an arbitrary moment and resumed to the end: every step's
     loss and rewards equal those of one uninterrupted run, and the reference pass ran once."""

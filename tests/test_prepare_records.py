@@ -19,7 +19,7 @@ from meshlm import prepare as preparing
 from meshlm.config import ConfigError
 from meshlm.loader import TrainLoader, eval_batches
 from meshlm.tokenizer import load_tokenizer
-from tests.test_chat import CHATML, CHATML_GENERATION, LLAMA2, tokenizer_folder
+from tests.helpers.chat_templates import CHATML, CHATML_GENERATION, LLAMA2, tokenizer_folder
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPOTrainer lives in trl.experimental
 

@@ -241,8 +241,8 @@ def test_folded_desync_moments_are_refused_in_one_line(seed):
 
 
 def test_a_full_variant_run_continues_with_its_adam_state(seed, tmp_path):
-    from tests.test_resume_seed import ANNEAL, END_LR, EPS, LR, WD, adamw_step, saved_opt_state
-    from tests.test_train import SEQ, tiny_config, write_dataset
+    from tests.helpers.seed_adam import ANNEAL, END_LR, EPS, LR, WD, adamw_step, saved_opt_state
+    from tests.helpers.training import SEQ, tiny_config, write_dataset
 
     ck = seed("t5", "scalenorm-bias", 2, full=True)
     rows = np.random.default_rng(0).integers(0, RUN["n_vocab"], (16, SEQ + 1))

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from meshlm import evaluate
-from tests.test_evaluate import harness, hf_gptj, responses, unwrap  # noqa: F401 (hf_gptj is a fixture)
-from tests.test_server import serving
+from tests.helpers.harness import harness, responses, unwrap
+from tests.helpers.serving import serving
 
 TASKS = ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext"]
 CONTEXT = 128  # the served model's context
@@ -22,14 +22,14 @@ MAX_LENGTH = f"max_length={CONTEXT - 2}"
 
 
 @pytest.fixture(scope="module")
-def served(hf_gptj):  # noqa: F811
+def served(hf_gptj):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with serving([str(hf_gptj.path), "--max-batch", "4", "--model-name", "tiny"], env, start_within=240) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def results(served, hf_gptj):  # noqa: F811
+def results(served, hf_gptj):
     client = f"model=tiny,base_url={served}/v1/completions,tokenizer_backend=auto,max_length={CONTEXT}"
     return {
         "server": harness("local-completions", client, batch_size=4, tasks=TASKS),

@@ -25,9 +25,9 @@ import pytest
 import meshlm
 from meshlm.chat import ChatTemplate
 from tests import oracle
-from tests.test_constrained import SCHEMAS
-from tests.test_lora import peft_model
-from tests.test_server import serving
+from tests.helpers.lora import peft_model
+from tests.helpers.schemas import SCHEMAS
+from tests.helpers.serving import serving
 
 MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 128
 PROMPT = "Hello world, this is"

@@ -2,11 +2,8 @@
 
 import copy
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,28 +14,25 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import cli, data, fused_ce, metrics, model, optim, train, train_step
-from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm import cli, data, fused_ce, metrics, model, optim, train
+from meshlm.config import ConfigError, TrainConfig
 from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader
 from meshlm.run_start import load_train_config
-from meshlm.sharding import make_mesh
 from tests import oracle
-
-REPO = Path(__file__).resolve().parents[1]
-SEQ = 16
-# n_head 8 and d_ff / vocab multiples of 8, so that model=8 and fsdp=8 both divide every sharded axis.
-CFG8 = ModelConfig(
-    n_layer=2, d_model=64, n_head=8, d_ff=128, rotary_dim=4, vocab_size=256, n_vocab_used=256, max_seq_len=32
+from tests.helpers.training import (
+    CFG8,
+    REPO,
+    SEQ,
+    metrics_losses,
+    run_cli_error,
+    run_steps,
+    smooth,
+    start_run,
+    tiny_config,
+    wait_for_steps,
+    write_dataset,
 )
-
-
-def write_dataset(folder: Path, rows: np.ndarray, val_rows: np.ndarray | None = None) -> Path:
-    splits = {"train": data.write_split(folder, "train", [rows], SEQ)}
-    if val_rows is not None:
-        splits["val"] = data.write_split(folder, "val", [val_rows], SEQ)
-    data.write_index(folder, SEQ, splits, eos_id=0)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +41,6 @@ def dataset(tmp_path_factory) -> Path:
     return write_dataset(
         tmp_path_factory.mktemp("train_data"), rng.integers(0, 250, (64, SEQ + 1)), rng.integers(0, 250, (8, SEQ + 1))
     )
-
-
-def tiny_config(dataset: Path, out_dir: Path, **changes) -> TrainConfig:
-    base = dict(
-        model=CFG8, data=str(dataset), out_dir=str(out_dir), batch_size=8, total_steps=4, lr=1e-2, end_lr=1e-3,
-        warmup_steps=0, anneal_steps=10, val_every=0, ckpt_every=0, log_every=1000, sample_tokens=0,
-    )  # fmt: skip
-    return TrainConfig(**{**base, **changes})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,32 +117,6 @@ def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
 @pytest.fixture(scope="module")
 def init_params():
     return jax.tree.map(np.asarray, jax.jit(lambda k: model.init(CFG8, k))(jax.random.key(1)))
-
-
-def run_steps(cfg: TrainConfig, mesh_spec: str | None, n_steps: int, dataset: Path, init_params):
-    """n optimizer steps straight through `make_train_step`; returns (losses, params, state)."""
-    mesh = make_mesh(mesh_spec)
-    opt = optim.make_optimizer(cfg, cfg.model)
-    shardings = train_step.state_shardings(cfg.model, opt, mesh)
-    step_fn = train_step.make_train_step(cfg, cfg.model, opt, shardings)
-    loader = TrainLoader(data.TokenDataset(dataset), cfg.batch_size, cfg.micro_batches, seed=cfg.seed)
-    batch_shardings = train_step.batch_shardings(mesh, train_step.batch_keys(cfg), leading=1)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(init_params, shardings.params)
-        opt_state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
-        state = train_step.TrainState(jax.device_put(jnp.int32(0), shardings.step), params, opt_state)
-        losses = []
-        for _ in range(n_steps):
-            batch = next(loader)._asdict()
-            state, metrics = step_fn(state, {k: jax.device_put(batch[k], s) for k, s in batch_shardings.items()})
-            losses.append(float(metrics["loss"]))
-    return losses, jax.tree.map(np.asarray, state.params), state
-
-
-def smooth(cfg: TrainConfig) -> TrainConfig:
-    """eps=1 makes each Adam update ~ lr * gradient, so parameters compare gradients at fp32 tolerance (with
-    eps=1e-8 an early update is ~ lr * sign(g), and rounding can flip the sign of a 1e-9 gradient)."""
-    return cfg.replace(eps=1.0, lr=1.0, end_lr=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -324,26 +284,6 @@ def test_built_in_chats_and_pairs_carry_loss_on_the_answers_only(name, gpt2_bpe_
 # Interrupted runs
 
 
-def metrics_losses(run_dir: Path) -> list[tuple[int, float]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
-
-
-def start_run(config: Path, cache: Path) -> subprocess.Popen:
-    # A persistent compilation cache: the resumed processes reuse the first one's executables.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache)}
-    cmd = [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
-    deadline = time.time() + 120
-    while len(metrics_losses(run_dir)) < n:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.02)
-
-
 def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(dataset, tmp_path):
     values = dict(
         model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=60, lr=1e-2, end_lr=1e-3,
@@ -428,14 +368,6 @@ def test_training_state_per_device_follows_the_sharding_rules():
     # fsdp splits every weight matrix along its embed axis; only the small biases and norms stay whole
     per_device = metrics.state_bytes_per_device(meshlm.preset("gptj-6b"), {"fsdp": 8})
     assert 16 * n / 8 < per_device < 16 * n / 8 * 1.01
-
-
-def run_cli_error(capsys, *argv) -> str:
-    assert cli.main(["train", *argv]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("meshlm train: error: ")
-    return err
 
 
 def test_typed_flags_are_not_reparsed_as_yaml(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from meshlm import cli, train
 from meshlm.config import ConfigError, TrainConfig
 from meshlm.metrics import MetricsLog
-from tests.test_train import CFG8, SEQ, write_dataset
+from tests.helpers.training import CFG8, SEQ, write_dataset
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from meshlm import lora, model
+from meshlm import kv_cache, lora, model
 from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.generate import (
@@ -131,13 +131,13 @@ def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
 # returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
 STATIC = ("cfg", "policy", "draft")
 DONATED = ("cache", "rows", "draft_cache")
-Out = tuple[model.KVCache, model.KVCache | None, Rows, tuple[jax.Array, ...]]
+Out = tuple[kv_cache.KVCache, kv_cache.KVCache | None, Rows, tuple[jax.Array, ...]]
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _prefill(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     tokens: jax.Array,
@@ -151,7 +151,7 @@ def _prefill(
     adapter: jax.Array,
     allowed: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -230,14 +230,14 @@ def _write_slot(slots: model.Params, slot: jax.Array, weights: model.Params) -> 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _decode(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     table: jax.Array,
     n_steps: jax.Array,
     allowed: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -278,13 +278,13 @@ def _decode(
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _speculate(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     table: jax.Array,
     proposals: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -325,13 +325,13 @@ def _speculate(
 
 def _propose(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     active: Rows,
     table: jax.Array,
     k: int,
     draft: tuple[ModelConfig, model.Policy],
     vocab_size: int,
-) -> tuple[jax.Array, jax.Array, model.KVCache]:
+) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """k tokens per row from the draft model, one step at a time after each row's last token: proposals
     [B, k], the draft's filtered distributions q [B, k, vocab_size] they were drawn from (a greedy row
     proposes the draft's argmax), and the draft's pool holding every proposal's keys and values, so the
@@ -339,11 +339,11 @@ def _propose(
     cfg, policy = draft
     s = active.settings
 
-    def step(token: jax.Array, i: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+    def step(token: jax.Array, i: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
         logits, cache = model.decode(params, token[:, None], cache, table, active.length + i, cfg, policy)
         return logits[:, 0], cache
 
-    def propose(carry: tuple[jax.Array, model.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+    def propose(carry: tuple[jax.Array, kv_cache.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
         token, cache = carry
         logits, cache = step(token, i, cache)
         logits = used_vocabulary(logits, cfg.n_vocab_used)  # then padded or cut to the target's vocabulary
@@ -373,12 +373,12 @@ def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtyp
 
 def abstract_state(
     cfg: ModelConfig, policy: model.Policy, mesh: Mesh, pages: int, page_size: int, max_batch: int
-) -> tuple[model.KVCache, Rows]:
+) -> tuple[kv_cache.KVCache, Rows]:
     """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
     with jax.set_mesh(mesh):
-        cache = jax.eval_shape(partial(model.init_cache, cfg, pages, page_size, policy.compute_dtype))
+        cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.compute_dtype))
     cache = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, model.CACHE_AXES)), cache
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, kv_cache.CACHE_AXES)), cache
     )
     B, spec = max_batch, partial(_batch_spec, mesh)
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
@@ -607,7 +607,7 @@ class Runner:
     # sizes ----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes on each device (the draft model's included)."""
-        sharding = named_sharding(self.mesh, model.CACHE_AXES)
+        sharding = named_sharding(self.mesh, kv_cache.CACHE_AXES)
 
         def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
             shape = (cfg.n_head, cfg.n_layer, 1, 1, cfg.d_head)
@@ -657,9 +657,9 @@ class Runner:
         """A fresh pool and empty slots (at start, and after a failed device call, which may have
         consumed the donated buffers)."""
 
-        def pool(cfg: ModelConfig, policy: model.Policy) -> model.KVCache:
+        def pool(cfg: ModelConfig, policy: model.Policy) -> kv_cache.KVCache:
             with jax.set_mesh(self.mesh):
-                return jax.jit(partial(model.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
+                return jax.jit(partial(kv_cache.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
 
         self.cache = pool(self.cfg, self.policy)
         self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)

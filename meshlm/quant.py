@@ -91,6 +91,11 @@ def dense(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
     return w.astype(dtype) if isinstance(w, jax.Array | np.ndarray) else w.dense(dtype)
 
 
+def kind_of(w: jax.Array | QuantizedWeight) -> str | None:
+    """ "int8" or "nf4" for a quantized weight, None for a float one."""
+    return {Int8Weight: "int8", NF4Weight: "nf4"}.get(type(w))
+
+
 def quantize(w: jax.Array, kind: str, n_in: int) -> QuantizedWeight:
     """Quantize stacked weights w [layers, in..., out...] (`n_in` input dimensions) to `kind`."""
     w = w.astype(jnp.float32)

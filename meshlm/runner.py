@@ -408,7 +408,7 @@ def abstract_adapter_slots(
     return with_shardings(abstract, plan(abstract, axes_of(table), mesh, rules))
 
 
-def serving_axes(params: model.Params, cfg: ModelConfig) -> model.Params:
+def weight_axes(params: model.Params, cfg: ModelConfig) -> model.Params:
     """The logical axis names of the weights an engine is given: the base's (its projections quantized as
     they are stored) and an unmerged adapter's."""
     axes = model.logical_axes(cfg, quantize=quant.kind_of(model.projection(params, "q")))
@@ -420,7 +420,7 @@ def serving_axes(params: model.Params, cfg: ModelConfig) -> model.Params:
 def place(params: model.Params, cfg: ModelConfig, mesh: Mesh, rules: Rules = SERVING) -> model.Params:
     """`params` laid out by `rules`, by default the serving set: whole over the batch axes, so that a
     decode step gathers no weights. Arrays that lie so already are not copied."""
-    return jax.device_put(params, plan(params, serving_axes(params, cfg), mesh, rules))
+    return jax.device_put(params, plan(params, weight_axes(params, cfg), mesh, rules))
 
 
 def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
@@ -602,7 +602,7 @@ class Runner:
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.speculate = speculate
         self.rules = rules
-        self.draft = draft and draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
+        self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)
         self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
         self.shapes = Shapes.of(max_batch, max_len, page_size, batch_ways(mesh))

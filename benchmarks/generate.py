@@ -26,7 +26,7 @@ from timing import best_time  # benchmarks/timing.py, beside this script
 from transformers import GPTJConfig, GPTJForCausalLM
 
 import meshlm
-from meshlm import generate, model
+from meshlm import generate, kv_cache, model
 from meshlm.generate import SamplingParams
 
 
@@ -88,7 +88,7 @@ def profile(lm: meshlm.LanguageModel, batch: int, cached: int, engine_step: floa
     """Device milliseconds of one decode step of `batch` rows with `cached` tokens each, in parts."""
     cfg, policy, page = lm.config, lm.policy, 16
     pages = -(-(cached + 1) // page)
-    cache = model.init_cache(cfg, batch * pages + 1, page, policy.compute_dtype)
+    cache = kv_cache.init_cache(cfg, batch * pages + 1, page, policy.compute_dtype)
     table = jnp.arange(1, batch * pages + 1, dtype=jnp.int32).reshape(batch, pages)
     tokens, length = jnp.zeros((batch, 1), jnp.int32), jnp.full(batch, cached, jnp.int32)
     settings = jax.tree.map(jnp.asarray, generate.settings_for([SamplingParams(temperature=0.0)] * batch, batch))

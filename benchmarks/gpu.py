@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshlm import config, metrics, model, optim, train_step
+from meshlm import config, kv_cache, metrics, model, optim, train_step
 from meshlm.engine import PAGE_SIZE as PAGE
 from meshlm.footprint import Footprint, device_capacity, host_memory, is_out_of_memory
 from meshlm.sharding import make_mesh
@@ -220,14 +220,14 @@ def bench_generate(
     params = jax.jit(lambda k: model.init(cfg, k, "bfloat16"))(jax.random.key(0))
     weight_bytes = tree_bytes(params)
 
-    def pages(rows: int, tokens: int) -> tuple[model.KVCache, jax.Array]:
+    def pages(rows: int, tokens: int) -> tuple[kv_cache.KVCache, jax.Array]:
         """A pool with `tokens` slots for each row, and tables giving each row its own consecutive pages."""
         per_row = -(-tokens // PAGE)
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
-        return model.init_cache(cfg, rows * per_row + 1, PAGE, "bfloat16"), table
+        return kv_cache.init_cache(cfg, rows * per_row + 1, PAGE, "bfloat16"), table
 
     @jax.jit
-    def prefill(params: model.Params, tokens: jax.Array, cache: model.KVCache, table: jax.Array) -> tuple:
+    def prefill(params: model.Params, tokens: jax.Array, cache: kv_cache.KVCache, table: jax.Array) -> tuple:
         at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1)
         start = jnp.zeros((tokens.shape[0],), jnp.int32)
         return model.decode(params, tokens, cache, table, start, cfg, policy, at=at)
@@ -251,8 +251,8 @@ def bench_generate(
     }
 
     def loop(
-        params: model.Params, cache: model.KVCache, table: jax.Array, token: jax.Array, length: jax.Array
-    ) -> tuple[jax.Array, model.KVCache, jax.Array]:
+        params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array
+    ) -> tuple[jax.Array, kv_cache.KVCache, jax.Array]:
         """`decode_steps` greedy tokens on the device: no host round-trip between steps."""
 
         def body(_: int, carry: tuple) -> tuple:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import meshlm
-from meshlm import model
+from meshlm import kv_cache, model
 from meshlm.demo_corpus import documents, gpt2_tokenizer
 from meshlm.generate import SamplingParams
 
@@ -112,7 +112,7 @@ def decode_speed(lm, rows: list[list[int]], new_tokens: int, temperature: float,
 def forward_ms(lm, tokens: int, repeats: int = 50) -> float:
     """Milliseconds of one paged forward pass over `tokens` new tokens of one row, 128 cached."""
     cfg = lm.config
-    cache = model.init_cache(cfg, 16, 16, lm.policy.compute_dtype)
+    cache = kv_cache.init_cache(cfg, 16, 16, lm.policy.compute_dtype)
     step = jax.jit(lambda p, c, t, table, n: model.decode(p, t, c, table, n, cfg, lm.policy)[0])
     args = (jnp.zeros((1, tokens), jnp.int32), jnp.arange(1, 16, dtype=jnp.int32)[None], jnp.full(1, 128, jnp.int32))
     jax.block_until_ready(step(lm.params, cache, *args))

@@ -28,6 +28,7 @@ from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, 
 from meshlm.grammar import Grammars
 from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
 from meshlm.scheduler import Request, Scheduler
+from meshlm.sharding import SERVING, Rules
 from meshlm.tokenizer import Tokenizer
 
 __all__ = ["PAGE_SIZE", "Draft", "Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"]
@@ -99,7 +100,8 @@ class Engine:
     `adapters` (name -> a PEFT folder or a meshlm LoRA run) are LoRA adapters that requests may name; they
     run in `max_adapters` device slots (default: one per adapter given) of rank `max_lora_rank` (default:
     the largest given, else DEFAULT_LORA_RANK), rows of any mix of adapters and the base in one batch.
-    An engine without them has no slots; `load_adapter` then needs `max_adapters` > 0."""
+    An engine without them has no slots; `load_adapter` then needs `max_adapters` > 0. `rules` lays the weights
+    out on the mesh (`sharding.SERVING`: split over `model` only, so a decode step gathers none)."""
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class Engine:
         adapters: Mapping[str, str | Path] | None = None,
         max_adapters: int | None = None,
         max_lora_rank: int | None = None,
+        rules: Rules = SERVING,
     ):
         for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
                                    ("speculate", speculate, 1)):  # fmt: skip
@@ -140,7 +143,7 @@ class Engine:
             params, cfg, policy, mesh, max_batch=max_batch, max_len=max_len or cfg.max_seq_len,
             kv_tokens=kv_tokens, page_size=page_size, speculate=speculate, draft=draft,
             adapter_slots=0 if self.adapters is None else self.adapters.n + 1,
-            adapter_rank=0 if self.adapters is None else self.adapters.rank,
+            adapter_rank=0 if self.adapters is None else self.adapters.rank, rules=rules,
         )  # fmt: skip
         self._device = threading.Lock()  # a step, or a write into the adapter slots, at a time
         self._adapter_requests: weakref.WeakSet[Request] = weakref.WeakSet()  # guarded by _device

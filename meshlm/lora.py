@@ -56,6 +56,12 @@ def adapter_params(projection: Projection, rank: int, scale: float) -> dict[str,
     }
 
 
+def placed_axes(projections: dict[str, Projection], adapter: Any) -> Any:
+    """The logical axis names of an adapter's arrays (role -> {"a", "b", "scale"}), whatever its rank."""
+    return {role: axes_of(adapter_params(projections[role], parts["a"].shape[-1], 0.0))
+            for role, parts in adapter.items()}  # fmt: skip
+
+
 def slot_table(projections: dict[str, Projection], slots: int, rank: int) -> dict[str, dict[str, Param]]:
     """An engine's adapter slots: an adapter of `rank` on every projection, with a slot axis (replicated)
     after layers, all zeros. Slot 0 stays zero: the base's rows run it."""

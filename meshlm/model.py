@@ -13,7 +13,6 @@ depth.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 
 from meshlm import fused_ce, lora, quant
 from meshlm.config import PROJECTIONS, ModelConfig, Policy, dtype_of
-from meshlm.paged_attention import paged_attention
+from meshlm.kv_cache import CacheView, KVCache, paged_kernel
 from meshlm.param import Param, axes_of, init_table
 from meshlm.sharding import constrain, embedding_lookup
 
@@ -39,14 +38,14 @@ DEFAULT_POLICY = Policy()
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
 
 
-# Where each projection's weight sits in a layer's parameters, and how many input dimensions it has.
-PROJECTION_PATHS: dict[str, tuple[tuple[str, ...], int]] = {
-    "q": (("attn", "q"), 1),
-    "k": (("attn", "k"), 1),
-    "v": (("attn", "v"), 1),
-    "out": (("attn", "out"), 2),
-    "fc_in": (("mlp", "fc_in", "w"), 1),
-    "fc_out": (("mlp", "fc_out", "w"), 1),
+# Where each projection's stacked weight sits in the parameters, and how many input dimensions it has.
+PROJECTION_PATHS: quant.Projections = {
+    "q": (("layers", "attn", "q"), 1),
+    "k": (("layers", "attn", "k"), 1),
+    "v": (("layers", "attn", "v"), 1),
+    "out": (("layers", "attn", "out"), 2),
+    "fc_in": (("layers", "mlp", "fc_in", "w"), 1),
+    "fc_out": (("layers", "mlp", "fc_out", "w"), 1),
 }
 assert tuple(PROJECTION_PATHS) == PROJECTIONS
 
@@ -111,37 +110,20 @@ def param_table(cfg: ModelConfig) -> Params:
     return table
 
 
-def _parent(tree: Params, path: tuple[str, ...]) -> Params:
-    for key in path[:-1]:
-        tree = tree[key]
-    return tree
-
-
-def projection(layers: Params, role: str) -> Any:
-    """The weight of projection `role` ("q", ..., "fc_out") in a layer's (or the stacked layers') parameters."""
-    path, _ = PROJECTION_PATHS[role]
-    return _parent(layers, path)[path[-1]]
-
-
-def _map_projections(layers: Params, fn: Callable[[str, Any], Any]) -> Params:
-    """A copy of a (stacked) layers tree with each projection's weight replaced by fn(role, weight)."""
-    copy = lambda tree: {k: copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-    layers = copy(layers)
-    for role, (path, _) in PROJECTION_PATHS.items():
-        parent = _parent(layers, path)
-        parent[path[-1]] = fn(role, parent[path[-1]])
-    return layers
+def projection(params: Params, role: str) -> Any:
+    """The stacked weight of projection `role` ("q", ..., "fc_out") in the parameters (or a tree like them)."""
+    return quant.weight(params, PROJECTION_PATHS[role][0])
 
 
 def projection_name(role: str) -> str:
     """The stacked weight's parameter name ("layers.attn.q", "layers.mlp.fc_in.w")."""
-    return ".".join(("layers", *PROJECTION_PATHS[role][0]))
+    return ".".join(PROJECTION_PATHS[role][0])
 
 
 def projections(cfg: ModelConfig) -> dict[str, lora.Projection]:
     """Each projection as a LoRA adapter sees it: its stacked weight's declaration and input dimensions."""
-    layers = param_table(cfg)["layers"]
-    return {role: lora.Projection(projection(layers, role), n_in) for role, (_, n_in) in PROJECTION_PATHS.items()}
+    table = param_table(cfg)
+    return {role: lora.Projection(projection(table, role), n_in) for role, (_, n_in) in PROJECTION_PATHS.items()}
 
 
 def logical_axes(cfg: ModelConfig, quantize: str | None = None) -> Params:
@@ -149,12 +131,7 @@ def logical_axes(cfg: ModelConfig, quantize: str | None = None) -> Params:
     quantized arrays, when given)."""
     table = param_table(cfg)
     axes = axes_of(table)
-    if quantize:
-        shape = lambda role: projection(table["layers"], role).shape
-        axes["layers"] = _map_projections(
-            axes["layers"], lambda role, a: quant.quantized_axes(a, shape(role), quantize, PROJECTION_PATHS[role][1])
-        )
-    return axes
+    return axes if quantize is None else quant.projection_axes(axes, table, PROJECTION_PATHS, quantize)
 
 
 def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
@@ -166,30 +143,9 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32", quantize: str | No
     """ShapeDtypeStructs of the parameters as stored (with `quantize`, the projections quantized),
     computed without allocating anything."""
     abstract = jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
-    return abstract if quantize is None else jax.eval_shape(lambda p: _quantize(p, quantize), abstract)
-
-
-def quantize(params: Params, kind: str) -> Params:
-    """`params` with the six projections' weights quantized to `kind` ("int8" or "nf4"; see `meshlm.quant`).
-    Under `jax.jit` with `out_shardings` from `logical_axes(cfg, quantize=kind)`, each device quantizes its shard."""
-    layers = _map_projections(params["layers"], lambda role, w: quant.quantize(w, kind, PROJECTION_PATHS[role][1]))
-    return {**params, "layers": layers}
-
-
-_quantize = quantize  # for functions whose keyword `quantize` names the kind
-
-
-def dequantize(params: Params, dtype: str = "float32") -> Params:
-    """`params` with quantized projections rebuilt whole as float arrays (for checks and merging, not for running)."""
-    dense = lambda w: jax.vmap(lambda one: quant.dense(one, dtype_of(dtype)))(w)
-    return {**params, "layers": _map_projections(params["layers"], lambda _, w: dense(w))}
-
-
-def check_quantize(cfg: ModelConfig, kind: str) -> None:
-    """A ConfigError if `cfg`'s projections cannot be quantized to `kind`."""
-    layers = param_table(cfg)["layers"]
-    for role, (_, n_in) in PROJECTION_PATHS.items():
-        quant.check(kind, role, projection(layers, role).shape, n_in)
+    if quantize is None:
+        return abstract
+    return jax.eval_shape(lambda p: quant.quantize_projections(p, PROJECTION_PATHS, quantize), abstract)
 
 
 def param_name(path: tuple[Any, ...]) -> str:
@@ -282,21 +238,6 @@ def _use_cudnn(q: jax.Array, impl: str) -> bool:
     return impl == "auto" and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def _paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context) -> str | None:
-    """The Pallas kernel ("gpu" or "tpu", see `meshlm.paged_attention`) that reads the pool for a decode
-    step (one token per row) of a model with plain causal attention: on a GPU, and on a TPU for a
-    bfloat16 pool, with "auto"; wherever "pallas" asks (the GPU kernel, interpreted on a CPU). None:
-    the gather path."""
-    if q.shape[1] != 1 or ctx.bias is not None or "local" in cfg.attention_layers:
-        return None
-    backend = jax.default_backend()
-    if backend == "tpu" and policy.attention in ("auto", "pallas"):
-        return "tpu" if policy.compute_dtype == "bfloat16" else None
-    if (backend == "gpu" and policy.attention == "auto") or policy.attention == "pallas":
-        return "gpu"
-    return None
-
-
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, bias: jax.Array | None, scale: float, impl: str
 ) -> jax.Array:
@@ -313,74 +254,6 @@ def attend(
             if impl == "cudnn":
                 raise
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every layer, in fixed-size pages of one pool that every row draws from.
-
-    A row holds pages only for the tokens it has; its page table lists them in order, so its token at
-    position p lives in slot p % page_size of page table[p // page_size]. Rows that share a prompt
-    prefix can share its (full) pages. Page 0 is never handed to a row: padding tokens are written
-    there, and a table's unused entries point at it (what they read is masked out).
-    """
-
-    # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
-    # that the paged-attention kernels read in place (`CacheView.attend`).
-    k: jax.Array  # [H, L, pages, page_size, K]
-    v: jax.Array  # [H, L, pages, page_size, K]
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
-
-CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
-
-
-def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
-    """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each."""
-    shape = (cfg.n_head, cfg.n_layer, pages, page_size, cfg.d_head)
-    return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
-
-
-class CacheView(NamedTuple):
-    """The pool as one call of `decode` sees it: rows' page tables [B, n], where each new token of [B, T]
-    is written (a flat slot, page * page_size + offset; padding goes to page 0) and how many tokens each
-    row holds once the last of them is written."""
-
-    cache: KVCache
-    table: jax.Array  # [B, n] int32
-    slots: jax.Array  # [B, T] int32
-    lengths: jax.Array  # [B] int32
-
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
-        """Store this layer's new keys and values [B, T, H, K] at the rows' slots."""
-        pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
-
-        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            return pool.at[:, layer, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype))
-
-        return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
-
-    def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
-
-        def gather(pool: jax.Array) -> jax.Array:
-            pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
-            H, B, n, size, K = pages.shape
-            pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
-            return constrain(pages, ("batch", "cache_seq", "act_heads", None))
-
-        return gather(self.cache.k), gather(self.cache.v)
-
-    def attend(self, layer: jax.Array, q: jax.Array, scale: float, kernel: str) -> jax.Array:
-        """One query per row, q [B, 1, H, K], over the row's cached tokens by a paged-attention kernel,
-        reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
-        H, L, P, size, K = self.cache.k.shape
-        k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
-        query = (q[:, 0] * scale).astype(k.dtype)
-        out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel)
-        return out[:, None].astype(q.dtype)
 
 
 class Context(NamedTuple):
@@ -444,7 +317,7 @@ def attention(
     scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
     if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
-    kernel = None if cache is None else _paged_kernel(q, cfg, policy, ctx)
+    kernel = None if cache is None else paged_kernel(q, cfg, policy, ctx.bias is not None)
     if kernel is not None:
         out = cache.attend(layer.index, q, scale, kernel)
     else:

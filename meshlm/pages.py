@@ -1,6 +1,6 @@
 """Host bookkeeping of the paged KV cache: which pages are free, who holds which, and the prefix cache.
 
-A page holds `page_size` consecutive tokens of one row (see `model.KVCache`). Pages are
+A page holds `page_size` consecutive tokens of one row (see `kv_cache.KVCache`). Pages are
 reference-counted: a full page of prompt tokens is published under the hash of the whole prefix
 that ends with it, so a later row whose prompt starts the same way takes the same page instead of
 recomputing it. A published page that no row holds stays cached (idle) until a new page is needed

@@ -32,6 +32,7 @@ from meshlm.lora import adapter_size
 from meshlm.pages import pages_for
 from meshlm.sharding import (
     MESH_AXES,
+    SERVING,
     batch_ways,
     make_mesh,
     parse_mesh_spec,
@@ -439,7 +440,7 @@ def fit_serve(
     top, a prefill of one whole context (its output and temporaries)."""
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
     params = model.abstract_params(cfg, dtype, quantize)
-    params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh))
+    params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh, SERVING))
     slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
     params = {**params, "adapters": slots} if slots else params
     ways = batch_ways(mesh)

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from statistics import NormalDist
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.config import QUANTIZED, ConfigError
+from meshlm.config import QUANTIZED, ConfigError, dtype_of
 
 NF4_BLOCK = 64  # bitsandbytes' and QLoRA's block size
 NF4_OFFSET = 0.9677083  # bitsandbytes' `create_normal_map` offset: the outermost quantile used
@@ -89,6 +91,11 @@ def dense(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
     return w.astype(dtype) if isinstance(w, jax.Array | np.ndarray) else w.dense(dtype)
 
 
+def kind_of(w: jax.Array | QuantizedWeight) -> str | None:
+    """ "int8" or "nf4" for a quantized weight, None for a float one."""
+    return {Int8Weight: "int8", NF4Weight: "nf4"}.get(type(w))
+
+
 def quantize(w: jax.Array, kind: str, n_in: int) -> QuantizedWeight:
     """Quantize stacked weights w [layers, in..., out...] (`n_in` input dimensions) to `kind`."""
     w = w.astype(jnp.float32)
@@ -133,3 +140,52 @@ def quantized_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], kind: s
     if kind == "int8":
         return Int8Weight(axes, (*layers, *outputs))
     return NF4Weight((*layers, inputs[0], None, *outputs), (*layers, inputs[0], *outputs), tuple(shape[1 : 1 + n_in]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The projections of a parameter tree
+
+# role -> (where the projection's stacked weight sits in a parameter tree, how many input dimensions it has)
+Projections = Mapping[str, tuple[tuple[str, ...], int]]
+
+
+def weight(tree: Any, path: tuple[str, ...]) -> Any:
+    """The leaf at `path` of a nested dict."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _replace(tree: Any, projections: Projections, fn: Callable[[str, Any, int], Any]) -> Any:
+    """A copy of `tree` with each projection's leaf replaced by fn(role, leaf, n_in); the rest shared."""
+    copy = lambda t: {k: copy(v) for k, v in t.items()} if isinstance(t, dict) else t
+    tree = copy(tree)
+    for role, (path, n_in) in projections.items():
+        parent = weight(tree, path[:-1])
+        parent[path[-1]] = fn(role, parent[path[-1]], n_in)
+    return tree
+
+
+def quantize_projections(params: Any, projections: Projections, kind: str) -> Any:
+    """`params` with the projections' weights quantized to `kind`. Under `jax.jit` with `out_shardings` from
+    `projection_axes`, each device quantizes its shard."""
+    return _replace(params, projections, lambda _, w, n_in: quantize(w, kind, n_in))
+
+
+def dequantize_projections(params: Any, projections: Projections, dtype: str = "float32") -> Any:
+    """`params` with quantized projections rebuilt whole as float arrays (for checks and merging, not for running)."""
+    dt = dtype_of(dtype)
+    return _replace(params, projections, lambda _, w, n_in: jax.vmap(lambda one: dense(one, dt))(w))
+
+
+def projection_axes(axes: Any, table: Any, projections: Projections, kind: str) -> Any:
+    """The logical axis names `axes` of a parameter tree with its projections' replaced by their quantized
+    arrays' (`quantized_axes`); `table` gives each projection's float shape."""
+    shape = lambda role: weight(table, projections[role][0]).shape
+    return _replace(axes, projections, lambda role, a, n_in: quantized_axes(a, shape(role), kind, n_in))
+
+
+def check_projections(table: Any, projections: Projections, kind: str) -> None:
+    """A ConfigError if a projection of `table` (a tree of anything with a `shape`) cannot be quantized to `kind`."""
+    for role, (path, n_in) in projections.items():
+        check(kind, role, weight(table, path).shape, n_in)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from meshlm import lora, model
+from meshlm import kv_cache, lora, model, quant
 from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.generate import (
@@ -45,7 +45,17 @@ from meshlm.generate import (
 )
 from meshlm.pages import pages_for
 from meshlm.param import axes_of, is_param
-from meshlm.sharding import batch_ways, from_host, named_sharding, plan, shard_bytes, to_host, with_shardings
+from meshlm.sharding import (
+    SERVING,
+    Rules,
+    batch_ways,
+    from_host,
+    named_sharding,
+    plan,
+    shard_bytes,
+    to_host,
+    with_shardings,
+)
 
 PAGE_SIZE = 16  # tokens per KV page
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
@@ -131,13 +141,13 @@ def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
 # returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
 STATIC = ("cfg", "policy", "draft")
 DONATED = ("cache", "rows", "draft_cache")
-Out = tuple[model.KVCache, model.KVCache | None, Rows, tuple[jax.Array, ...]]
+Out = tuple[kv_cache.KVCache, kv_cache.KVCache | None, Rows, tuple[jax.Array, ...]]
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _prefill(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     tokens: jax.Array,
@@ -151,7 +161,7 @@ def _prefill(
     adapter: jax.Array,
     allowed: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -230,14 +240,14 @@ def _write_slot(slots: model.Params, slot: jax.Array, weights: model.Params) -> 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _decode(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     table: jax.Array,
     n_steps: jax.Array,
     allowed: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -278,13 +288,13 @@ def _decode(
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
 def _speculate(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     rows: Rows,
     slots: jax.Array,
     table: jax.Array,
     proposals: jax.Array,
     draft_params: model.Params | None = None,
-    draft_cache: model.KVCache | None = None,
+    draft_cache: kv_cache.KVCache | None = None,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -325,13 +335,13 @@ def _speculate(
 
 def _propose(
     params: model.Params,
-    cache: model.KVCache,
+    cache: kv_cache.KVCache,
     active: Rows,
     table: jax.Array,
     k: int,
     draft: tuple[ModelConfig, model.Policy],
     vocab_size: int,
-) -> tuple[jax.Array, jax.Array, model.KVCache]:
+) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """k tokens per row from the draft model, one step at a time after each row's last token: proposals
     [B, k], the draft's filtered distributions q [B, k, vocab_size] they were drawn from (a greedy row
     proposes the draft's argmax), and the draft's pool holding every proposal's keys and values, so the
@@ -339,11 +349,11 @@ def _propose(
     cfg, policy = draft
     s = active.settings
 
-    def step(token: jax.Array, i: jax.Array, cache: model.KVCache) -> tuple[jax.Array, model.KVCache]:
+    def step(token: jax.Array, i: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
         logits, cache = model.decode(params, token[:, None], cache, table, active.length + i, cfg, policy)
         return logits[:, 0], cache
 
-    def propose(carry: tuple[jax.Array, model.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+    def propose(carry: tuple[jax.Array, kv_cache.KVCache], i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
         token, cache = carry
         logits, cache = step(token, i, cache)
         logits = used_vocabulary(logits, cfg.n_vocab_used)  # then padded or cut to the target's vocabulary
@@ -364,7 +374,7 @@ def _propose(
 
 def _batch_sharding(mesh: Mesh, ndim: int) -> jax.sharding.NamedSharding:
     """Rows split over the mesh's batch axes, the other dimensions whole."""
-    return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
+    return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1), SERVING)
 
 
 def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -373,13 +383,12 @@ def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtyp
 
 def abstract_state(
     cfg: ModelConfig, policy: model.Policy, mesh: Mesh, pages: int, page_size: int, max_batch: int
-) -> tuple[model.KVCache, Rows]:
+) -> tuple[kv_cache.KVCache, Rows]:
     """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
     with jax.set_mesh(mesh):
-        cache = jax.eval_shape(partial(model.init_cache, cfg, pages, page_size, policy.compute_dtype))
-    cache = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named_sharding(mesh, model.CACHE_AXES)), cache
-    )
+        cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.compute_dtype))
+    pool = named_sharding(mesh, kv_cache.CACHE_AXES, SERVING)
+    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache)
     B, spec = max_batch, partial(_batch_spec, mesh)
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)
@@ -387,14 +396,31 @@ def abstract_state(
     return cache, Rows(int32, vocab(bool), int32, spec((B,), bool), int32, settings, vocab(np.int32), int32)
 
 
-def abstract_adapter_slots(cfg: ModelConfig, policy: model.Policy, mesh: Mesh, n: int, rank: int) -> model.Params:
-    """Shapes and shardings of `n` adapter slots of `rank` (`lora.slot_table`), sharded like their projections:
-    As and Bs in the compute dtype, the scales [layers, slots] in float32."""
+def abstract_adapter_slots(
+    cfg: ModelConfig, policy: model.Policy, mesh: Mesh, n: int, rank: int, rules: Rules = SERVING
+) -> model.Params:
+    """Shapes and shardings of `n` adapter slots of `rank` (`lora.slot_table`), laid out by `rules` like their
+    projections: As and Bs in the compute dtype, the scales [layers, slots] in float32."""
     table = lora.slot_table(model.projections(cfg), n, rank)
     dt = dtype_of(policy.compute_dtype)
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dt if len(p.shape) > 2 else np.float32), table,
                             is_leaf=is_param)  # fmt: skip
-    return with_shardings(abstract, plan(abstract, axes_of(table), mesh))
+    return with_shardings(abstract, plan(abstract, axes_of(table), mesh, rules))
+
+
+def weight_axes(params: model.Params, cfg: ModelConfig) -> model.Params:
+    """The logical axis names of the weights an engine is given: the base's (its projections quantized as
+    they are stored) and an unmerged adapter's."""
+    axes = model.logical_axes(cfg, quantize=quant.kind_of(model.projection(params, "q")))
+    if "lora" in params:
+        axes["lora"] = lora.placed_axes(model.projections(cfg), params["lora"])
+    return axes
+
+
+def place(params: model.Params, cfg: ModelConfig, mesh: Mesh, rules: Rules = SERVING) -> model.Params:
+    """`params` laid out by `rules`, by default the serving set: whole over the batch axes, so that a
+    decode step gathers no weights. Arrays that lie so already are not copied."""
+    return jax.device_put(params, plan(params, weight_axes(params, cfg), mesh, rules))
 
 
 def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
@@ -553,7 +579,8 @@ class Runner:
 
     `kv_tokens` defaults to what fits in `KV_MEMORY_FRACTION` of the device memory free beside the weights
     (loaded already) and the slots, at most `max_batch` full rows. A pool and slots larger than the free
-    memory are refused before they are allocated."""
+    memory are refused before they are allocated. The weights (the draft's too) and the adapter slots are
+    laid out by `rules` (`sharding.SERVING` unless a comparison asks for another set)."""
 
     def __init__(
         self,
@@ -570,9 +597,13 @@ class Runner:
         draft: Draft | None,
         adapter_slots: int = 0,
         adapter_rank: int = 0,
+        rules: Rules = SERVING,
     ):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
-        self.speculate, self.draft = speculate, draft
+        self.speculate = speculate
+        self.rules = rules
+        self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
+        params = place(params, cfg, mesh, rules)
         self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
         self.shapes = Shapes.of(max_batch, max_len, page_size, batch_ways(mesh))
         self.max_batch, self.page_size = self.shapes.max_batch, page_size
@@ -592,7 +623,7 @@ class Runner:
 
     def _slots(self, n: int, rank: int) -> model.Params:
         """`n` adapter slots of `rank`, zeros (see `abstract_adapter_slots`)."""
-        abstract = abstract_adapter_slots(self.cfg, self.policy, self.mesh, n, rank)
+        abstract = abstract_adapter_slots(self.cfg, self.policy, self.mesh, n, rank, self.rules)
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), abstract)
 
     def write_adapter(self, slot: int, weights: Any) -> None:
@@ -607,7 +638,7 @@ class Runner:
     # sizes ----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes on each device (the draft model's included)."""
-        sharding = named_sharding(self.mesh, model.CACHE_AXES)
+        sharding = named_sharding(self.mesh, kv_cache.CACHE_AXES, SERVING)
 
         def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
             shape = (cfg.n_head, cfg.n_layer, 1, 1, cfg.d_head)
@@ -625,7 +656,8 @@ class Runner:
         is several times that)."""
         _, rows = abstract_state(self.cfg, self.policy, self.mesh, 1, self.page_size, self.max_batch)
         shape = (self.max_batch, self.speculate + 1, self.cfg.vocab_size)
-        logits = jax.ShapeDtypeStruct(shape, np.float32, sharding=named_sharding(self.mesh, ("batch", None, "vocab")))
+        vocab = named_sharding(self.mesh, ("batch", None, "vocab"), SERVING)
+        logits = jax.ShapeDtypeStruct(shape, np.float32, sharding=vocab)
         return shard_bytes(rows), shard_bytes(logits)
 
     def _default_kv_tokens(self, spare: int | None) -> int:
@@ -657,9 +689,9 @@ class Runner:
         """A fresh pool and empty slots (at start, and after a failed device call, which may have
         consumed the donated buffers)."""
 
-        def pool(cfg: ModelConfig, policy: model.Policy) -> model.KVCache:
+        def pool(cfg: ModelConfig, policy: model.Policy) -> kv_cache.KVCache:
             with jax.set_mesh(self.mesh):
-                return jax.jit(partial(model.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
+                return jax.jit(partial(kv_cache.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
 
         self.cache = pool(self.cfg, self.policy)
         self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)

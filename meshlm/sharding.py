@@ -1,18 +1,21 @@
-"""The device mesh and the one table that maps logical axis names to mesh axes.
+"""The device mesh and the rule sets that map logical axis names to mesh axes.
 
 Mesh axes:
   data   pure data parallelism: the batch is split, parameters are replicated
   fsdp   ZeRO-3: the batch is split AND parameters / optimizer state are sharded
   model  Megatron tensor parallelism: heads, d_ff and vocabulary are split
 
-Changing the parallelism means editing `RULES`, never the model.
+A rule set is a value, as MaxText keeps `logical_axis_rules` in its config: training lays parameters
+out by `TRAINING`, serving by `SERVING`, and the functions that place parameters take the set to use.
+Changing the parallelism means editing a rule set, never the model.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -25,24 +28,38 @@ from meshlm.config import ConfigError
 MESH_AXES = ("data", "fsdp", "model")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
-RULES: dict[str, str | tuple[str, ...] | None] = {
-    # parameters
-    "vocab": "model",
-    "heads": "model",
-    "mlp": "model",
-    "embed": "fsdp",
-    "layers": None,
-    "head_dim": None,
-    "norm": None,
-    # activations
-    "batch": ("data", "fsdp"),
-    "seq": None,
-    "act_embed": None,
-    "act_heads": "model",
-    "act_mlp": "model",
-    "act_vocab": "model",
-    "cache_seq": None,
-}
+Rules = Mapping[str, str | tuple[str, ...] | None]
+
+# Activations lie alike under either set: the model's own constraints (`constrain`) name no set.
+ACTIVATIONS: Rules = MappingProxyType(
+    {
+        "batch": ("data", "fsdp"),
+        "seq": None,
+        "act_embed": None,
+        "act_heads": "model",
+        "act_mlp": "model",
+        "act_vocab": "model",
+        "cache_seq": None,
+    }
+)
+
+# Training: parameters and optimizer state split over `fsdp` too (ZeRO-3), each gathered as a layer needs it.
+TRAINING: Rules = MappingProxyType(
+    {
+        "vocab": "model",
+        "heads": "model",
+        "mlp": "model",
+        "embed": "fsdp",
+        "layers": None,
+        "head_dim": None,
+        "norm": None,
+        **ACTIVATIONS,
+    }
+)
+
+# Serving: a decode step reads every weight for one token per row, so weights split over the batch axes
+# would be all-gathered at every step; they lie whole over data and fsdp, split over `model` only.
+SERVING: Rules = MappingProxyType({**TRAINING, "embed": None})
 
 
 def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
@@ -96,13 +113,13 @@ def make_mesh(spec: str | Mesh | None = None, devices: list[Any] | None = None) 
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def spec_for(axes: Iterable[str | None]) -> PartitionSpec:
-    """PartitionSpec for a tuple of logical axis names, through RULES."""
+def spec_for(axes: Iterable[str | None], rules: Rules = TRAINING) -> PartitionSpec:
+    """PartitionSpec for a tuple of logical axis names, through `rules`."""
     out = []
     for name in axes:
-        if name is not None and name not in RULES:
-            raise ConfigError(f"logical axis {name!r} has no sharding rule; known: {sorted(RULES)}")
-        out.append(None if name is None else RULES[name])
+        if name is not None and name not in rules:
+            raise ConfigError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+        out.append(None if name is None else rules[name])
     return PartitionSpec(*out)
 
 
@@ -112,20 +129,20 @@ def _mesh_axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (rule,) if isinstance(rule, str) else rule
 
 
-def named_sharding(mesh: Mesh, axes: Iterable[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, spec_for(axes))
+def named_sharding(mesh: Mesh, axes: Iterable[str | None], rules: Rules = TRAINING) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(axes, rules))
 
 
-def param_shardings(logical: Any, mesh: Mesh) -> Any:
+def param_shardings(logical: Any, mesh: Mesh, rules: Rules = TRAINING) -> Any:
     """NamedShardings for a pytree of logical-axis tuples (e.g. `model.logical_axes(cfg)`)."""
-    return jax.tree.map(lambda axes: named_sharding(mesh, axes), logical, is_leaf=_is_axes)
+    return jax.tree.map(lambda axes: named_sharding(mesh, axes, rules), logical, is_leaf=_is_axes)
 
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def check_divisible(shapes: Any, logical: Any, mesh: Mesh) -> None:
+def check_divisible(shapes: Any, logical: Any, mesh: Mesh, rules: Rules = TRAINING) -> None:
     """Raise a ConfigError naming the first parameter whose dimension a mesh axis does not divide.
 
     `shapes` is a pytree of arrays or ShapeDtypeStructs with the structure of `logical`.
@@ -133,7 +150,7 @@ def check_divisible(shapes: Any, logical: Any, mesh: Mesh) -> None:
     flat_axes = jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_axes)[0]
     for (path, axes), leaf in zip(flat_axes, jax.tree.leaves(shapes), strict=True):
         for dim, (size, name) in enumerate(zip(leaf.shape, axes, strict=True)):
-            mesh_axes = _mesh_axes(RULES.get(name)) if name else ()
+            mesh_axes = _mesh_axes(rules.get(name)) if name else ()
             ways = math.prod(mesh.shape[a] for a in mesh_axes)
             if size % ways:
                 raise ConfigError(
@@ -143,10 +160,11 @@ def check_divisible(shapes: Any, logical: Any, mesh: Mesh) -> None:
                 )
 
 
-def plan(abstract: Any, logical: Any, mesh: Mesh) -> Any:
-    """Checked NamedShardings for parameters: `abstract` gives the shapes, `logical` the axis names."""
-    check_divisible(abstract, logical, mesh)
-    return param_shardings(logical, mesh)
+def plan(abstract: Any, logical: Any, mesh: Mesh, rules: Rules = TRAINING) -> Any:
+    """Checked NamedShardings for parameters laid out by `rules`: `abstract` gives the shapes, `logical`
+    the axis names."""
+    check_divisible(abstract, logical, mesh, rules)
+    return param_shardings(logical, mesh, rules)
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -165,11 +183,12 @@ def shard_bytes(tree: Any, itemsize: int | None = None) -> int:
 
 def batch_ways(mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
-    return math.prod(mesh.shape[a] for a in _mesh_axes(RULES["batch"]))
+    return math.prod(mesh.shape[a] for a in _mesh_axes(ACTIVATIONS["batch"]))
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """Pin an activation's sharding by logical names; a no-op outside a mesh context (`jax.set_mesh`)."""
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context (`jax.set_mesh`). The
+    training set names it: both sets place activations alike."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -183,10 +202,10 @@ def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     one all-reduce over `model` sums the pieces, instead of XLA gathering the whole table first.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    vocab_axes = _mesh_axes(RULES["vocab"])
+    vocab_axes = _mesh_axes(TRAINING["vocab"])  # both sets split the vocabulary alike
     if mesh.empty or math.prod(mesh.shape[a] for a in vocab_axes) == 1:
         return jnp.take(table, ids, axis=0)
-    batch_split = math.prod(mesh.shape[a] for a in _mesh_axes(RULES["batch"]))
+    batch_split = batch_ways(mesh)
     batch = spec_for(("batch", "seq")) if ids.shape[0] % batch_split == 0 else PartitionSpec(None, None)
 
     def local_lookup(shard: jax.Array, local_ids: jax.Array) -> jax.Array:
@@ -199,7 +218,7 @@ def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
     return jax.shard_map(
         local_lookup,
-        in_specs=(PartitionSpec(RULES["vocab"], None), batch),
+        in_specs=(PartitionSpec(TRAINING["vocab"], None), batch),
         out_specs=PartitionSpec(*batch, None),
     )(table, ids)
 

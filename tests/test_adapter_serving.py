@@ -143,8 +143,9 @@ def test_mixed_adapters_on_a_mesh_with_an_nf4_base(tmp_path):
     folders = save_adapters(base, tmp_path)
     lm = meshlm.load(base, mesh="data=2,fsdp=2,model=2", quantize="nf4")
     engine = lm.engine(adapters=folders, max_batch=4, max_len=64)
-    a = engine.runner.params["adapters"]["q"]["a"]
-    assert a.sharding.spec[2] == "fsdp"  # the slots' A is split like its base's input
+    a, q = engine.runner.params["adapters"]["q"]["a"], engine.runner.params["layers"]["attn"]["q"]
+    assert a.sharding.spec[2] == q.codes.sharding.spec[1]  # the slots' A is split like its base's input:
+    assert a.sharding.spec[2] is None  # whole over fsdp, as the serving rules lay the weights out
     names = [None, "qv", "mlp", "all"]
     mixed = engine.generate(PROMPTS, [greedy(NEW)] * 4, adapters=names)
     for prompt, name, got in zip(PROMPTS, names, mixed, strict=True):

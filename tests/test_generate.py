@@ -12,7 +12,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import meshlm
-from meshlm import cli, model
+from meshlm import cli, kv_cache, model
 from meshlm import generate as gen
 from meshlm.generate import SamplingParams
 from tests.helpers.generation import NEW, greedy, hf_greedy
@@ -68,7 +68,7 @@ def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm, attentio
     seqs = [np.concatenate([opening, rng.integers(0, cfg.vocab_size, total - size)]) for _ in range(2)]
     expected = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg))(params, np.stack(seqs)))
 
-    cache = model.init_cache(cfg, 16, size)
+    cache = kv_cache.init_cache(cfg, 16, size)
     table = np.array([[5, 2, 11, 7, 3, 13], [5, 9, 14, 1, 12, 4]], np.int32)  # page 5 shared
     start = np.array([0, size], np.int32)  # row 1's opening page is already written (by row 0)
     prompt = np.zeros((2, prompt_len), np.int32)

@@ -268,7 +268,8 @@ def test_int8_is_per_output_channel_absmax():
 def test_quantized_forward_equals_the_dequantized_model(kind, bases):
     lm = meshlm.load(bases["neox"], quantize=kind)
     assert isinstance(lm.params["layers"]["attn"]["q"], quant.QuantizedWeight)
-    reference = np.asarray(model.forward(model.dequantize(lm.params), jnp.asarray(TOKENS), lm.config))
+    dense = quant.dequantize_projections(lm.params, model.PROJECTION_PATHS)
+    reference = np.asarray(model.forward(dense, jnp.asarray(TOKENS), lm.config))
     np.testing.assert_allclose(lm.logits(TOKENS), reference, atol=1e-4, rtol=0)
     exact = meshlm.load(bases["neox"]).logits(TOKENS)
     assert 0 < np.abs(reference - exact).max()  # the only error is the quantization's own

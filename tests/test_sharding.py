@@ -6,6 +6,7 @@ import pytest
 
 import meshlm
 from meshlm import ConfigError, model, sharding
+from meshlm.generate import SamplingParams
 
 MESHES = [
     "data=8",
@@ -68,6 +69,34 @@ def test_parameters_are_sharded_as_the_rules_say():
     q = p["layers"]["attn"]["q"]  # [L, D, H, K] = [2, 64, 4, 16]: D split 2 ways (fsdp), H split 2 ways (model)
     assert {s.data.shape for s in q.addressable_shards} == {(2, 32, 2, 16)}
     assert len({str(s.index) for s in q.addressable_shards}) == 4  # 4 distinct pieces, each held by the 2 data replicas
+
+
+def test_the_rule_sets_differ_only_where_parameters_lie():
+    """Activations lie alike under both sets (the model's own constraints name no set); serving keeps
+    every parameter axis off the batch axes, so a decode step gathers no weights."""
+    batch = set(sharding.ACTIVATIONS["batch"])
+    assert {k: v for k, v in sharding.SERVING.items() if k in sharding.ACTIVATIONS} == sharding.ACTIVATIONS
+    assert {k: v for k, v in sharding.TRAINING.items() if k in sharding.ACTIVATIONS} == sharding.ACTIVATIONS
+    params = tuple(set(sharding.SERVING) - set(sharding.ACTIVATIONS))
+    assert set(params) == set(sharding.TRAINING) - set(sharding.ACTIVATIONS)
+    assert not batch & set(jax.tree.leaves(tuple(sharding.spec_for(params, sharding.SERVING))))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_engine_on_an_fsdp_mesh_holds_its_weights_whole_over_the_batch_axes(quantize):
+    """The model is laid out for training (ZeRO-3 over fsdp); its engine lays the weights out by the
+    serving rules, split over `model` only, and generates the one-device model's greedy tokens."""
+    lm = meshlm.from_config(CFG, mesh="data=2,fsdp=2,model=2", seed=3, quantize=quantize)
+    engine = lm.engine(max_batch=2, max_len=32, kv_tokens=64)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]:
+        used = {a for part in leaf.sharding.spec if part for a in ((part,) if isinstance(part, str) else part)}
+        assert not used & {"data", "fsdp"}, jax.tree_util.keystr(path)
+    heads = jax.tree.leaves(engine.runner.params["layers"]["attn"]["q"])[0].sharding.spec[2]
+    assert heads == "model"  # still split over the model axis
+    prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :9].tolist()]
+    greedy = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 2
+    one = meshlm.from_config(CFG, seed=3, quantize=quantize).engine(max_batch=2, max_len=32, kv_tokens=64)
+    assert [c.tokens for c in engine.generate(prompts, greedy)] == [c.tokens for c in one.generate(prompts, greedy)]
 
 
 def test_shape_a_mesh_does_not_divide_is_named_at_configuration_time():

@@ -29,7 +29,6 @@ from meshlm import lora, model
 from meshlm.config import PROJECTIONS, CheckpointError, ConfigError, ModelConfig, dtype_of
 from meshlm.formats import hf, native
 from meshlm.formats.slices import SliceSource, normalise
-from meshlm.param import axes_of
 from meshlm.paths import read_json
 from meshlm.sharding import from_host, plan, to_host
 
@@ -210,9 +209,8 @@ def read(path: str | Path, cfg: ModelConfig) -> Adapter:
 
 def load(path: str | Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str = "float32") -> model.Params:
     """An adapter placed on `mesh`, sharded like its base (see `lora.adapter_params`)."""
-    adapter, projections = read(path, cfg), model.projections(cfg)
-    axes = {role: axes_of(lora.adapter_params(projections[role], parts["a"].shape[-1], 0.0))
-            for role, parts in adapter.items()}  # fmt: skip
+    adapter = read(path, cfg)
+    axes = lora.placed_axes(model.projections(cfg), adapter)
     arrays = jax.tree.map(lambda x: x.astype(dtype_of(dtype)) if x.ndim > 1 else x, adapter)
     shardings = plan(arrays, axes, mesh)
     return jax.tree.map(from_host, arrays, shardings)

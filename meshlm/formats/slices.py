@@ -78,13 +78,13 @@ def projection_quantizers(
 ) -> dict[str, Callable[[jax.Array], Any]]:
     """Parameter name -> a jitted function that quantizes that placed projection weight to `kind` on the
     devices, its output laid out by `model.logical_axes(cfg, quantize=kind)`: one projection at a time."""
-    model.check_quantize(cfg, kind)
+    quant.check_projections(model.param_table(cfg), model.PROJECTION_PATHS, kind)
     quantized = model.abstract_params(cfg, dtype, kind)
     targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
     return {
         model.projection_name(role): jax.jit(
             functools.partial(quant.quantize, kind=kind, n_in=n_in),
-            out_shardings=model.projection(targets["layers"], role),
+            out_shardings=model.projection(targets, role),
         )
         for role, (_, n_in) in model.PROJECTION_PATHS.items()
     }

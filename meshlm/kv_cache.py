@@ -1,0 +1,102 @@
+"""The paged KV cache: keys and values of every layer in fixed-size pages of one pool, and a decode
+call's view of it (where its new tokens are written, what each row reads back).
+
+`meshlm.pages` decides which pages a row holds; this module only stores into and reads from them, for
+the attention in `meshlm.model`. A decode step reads the pool either gathered into a contiguous copy
+(`CacheView.read`) or in place by a Pallas kernel (`CacheView.attend`, chosen by `paged_kernel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig, Policy, dtype_of
+from meshlm.paged_attention import paged_attention
+from meshlm.sharding import constrain
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, in fixed-size pages of one pool that every row draws from.
+
+    A row holds pages only for the tokens it has; its page table lists them in order, so its token at
+    position p lives in slot p % page_size of page table[p // page_size]. Rows that share a prompt
+    prefix can share its (full) pages. Page 0 is never handed to a row: padding tokens are written
+    there, and a table's unused entries point at it (what they read is masked out).
+    """
+
+    # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
+    # that the paged-attention kernels read in place (`CacheView.attend`).
+    k: jax.Array  # [H, L, pages, page_size, K]
+    v: jax.Array  # [H, L, pages, page_size, K]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
+
+
+def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
+    """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each."""
+    shape = (cfg.n_head, cfg.n_layer, pages, page_size, cfg.d_head)
+    return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
+
+
+class CacheView(NamedTuple):
+    """The pool as one call of `decode` sees it: rows' page tables [B, n], where each new token of [B, T]
+    is written (a flat slot, page * page_size + offset; padding goes to page 0) and how many tokens each
+    row holds once the last of them is written."""
+
+    cache: KVCache
+    table: jax.Array  # [B, n] int32
+    slots: jax.Array  # [B, T] int32
+    lengths: jax.Array  # [B] int32
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
+        """Store this layer's new keys and values [B, T, H, K] at the rows' slots."""
+        pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            return pool.at[:, layer, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype))
+
+        return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
+
+    def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
+
+        def gather(pool: jax.Array) -> jax.Array:
+            pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
+            H, B, n, size, K = pages.shape
+            pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
+            return constrain(pages, ("batch", "cache_seq", "act_heads", None))
+
+        return gather(self.cache.k), gather(self.cache.v)
+
+    def attend(self, layer: jax.Array, q: jax.Array, scale: float, kernel: str) -> jax.Array:
+        """One query per row, q [B, 1, H, K], over the row's cached tokens by a paged-attention kernel,
+        reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
+        H, L, P, size, K = self.cache.k.shape
+        k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
+        query = (q[:, 0] * scale).astype(k.dtype)
+        out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel)
+        return out[:, None].astype(q.dtype)
+
+
+def paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, biased: bool) -> str | None:
+    """The Pallas kernel ("gpu" or "tpu", see `meshlm.paged_attention`) that reads the pool for a decode
+    step (one token per row) of a model with plain causal attention (no `biased` scores, no local
+    layers): on a GPU, and on a TPU for a
+    bfloat16 pool, with "auto"; wherever "pallas" asks (the GPU kernel, interpreted on a CPU). None:
+    the gather path."""
+    if q.shape[1] != 1 or biased or "local" in cfg.attention_layers:
+        return None
+    backend = jax.default_backend()
+    if backend == "tpu" and policy.attention in ("auto", "pallas"):
+        return "tpu" if policy.compute_dtype == "bfloat16" else None
+    if (backend == "gpu" and policy.attention == "auto") or policy.attention == "pallas":
+        return "gpu"
+    return None

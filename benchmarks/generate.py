@@ -91,12 +91,13 @@ def profile(lm: meshlm.LanguageModel, batch: int, cached: int, engine_step: floa
     cache = kv_cache.init_cache(cfg, batch * pages + 1, page, policy.compute_dtype)
     table = jnp.arange(1, batch * pages + 1, dtype=jnp.int32).reshape(batch, pages)
     tokens, length = jnp.zeros((batch, 1), jnp.int32), jnp.full(batch, cached, jnp.int32)
-    settings = jax.tree.map(jnp.asarray, generate.settings_for([SamplingParams(temperature=0.0)] * batch, batch))
+    greedy = SamplingParams(temperature=0.0, logprobs=0)  # as run_meshlm's rows
+    settings = jax.tree.map(jnp.asarray, generate.settings_for([greedy] * batch, batch))
     seen, count = jnp.zeros((batch, cfg.vocab_size), bool), jnp.zeros(batch, jnp.int32)
 
     def step(p, c, hidden: bool, sample: bool):
         out = model.decode(p, tokens, c, table, length, cfg, policy, hidden=hidden)[0][:, 0]
-        return generate.choose(out, seen, count, settings, cfg.n_vocab_used)[0] if sample else out
+        return generate.choose(out, seen, count, settings, cfg.n_vocab_used) if sample else out  # all outputs
 
     parts = {}
     for name, hidden, sample in (("layers", True, False), ("+ head", False, False), ("+ choose", False, True)):
@@ -110,7 +111,8 @@ def profile(lm: meshlm.LanguageModel, batch: int, cached: int, engine_step: floa
 
 
 def run_meshlm(lm: meshlm.LanguageModel, prompts: np.ndarray, new: int) -> None:
-    lm.generate_tokens(prompts, SamplingParams(max_new_tokens=new, temperature=0.0))
+    # the chosen tokens' logprobs but no top alternatives: transformers' generate computes neither
+    lm.generate_tokens(prompts, SamplingParams(max_new_tokens=new, temperature=0.0, logprobs=0))
 
 
 def run_torch(torch_model: GPTJForCausalLM, prompts: np.ndarray, new: int) -> None:

@@ -4,7 +4,8 @@ The peer is the same gradient computed the way transformers' GPT-J loss (and mes
 does it: logits for every position at once, [B, T, 50400] in float32, kept for the backward pass.
 meshlm's loss runs the head in chunks of `fused_ce.CHUNK_TOKENS` tokens and computes its gradient in the
 forward pass (`meshlm.fused_ce`). XLA's compiled memory analysis gives each version's temporary memory;
-both run on this machine's CPU.
+both run on this machine's CPU. A third row is the floor the head's chunking cannot go below: the same
+gradient with no head at all (a loss on the final hidden states), what the layers alone keep.
 
     python benchmarks/loss_memory.py [--batch 2] [--seq 2048] [--d-model 256] [--layers 2] [--repeats 2]
 """
@@ -57,13 +58,16 @@ def main() -> None:
          *measure(cfg, tokens, whole_logits_loss, args.repeats)),
         (f"meshlm, LM head fused with the loss, {fused_ce.CHUNK_TOKENS} tokens at a time",
          *measure(cfg, tokens, fused, args.repeats)),
+        ("the floor: no LM head at all (a loss on the final hidden states)",
+         *measure(cfg, tokens, lambda p, t, cfg: model.hidden_states(p, t[:, :-1], cfg).mean(), args.repeats)),
     ]  # fmt: skip
     print(f"d_model {cfg.d_model}, {cfg.n_layer} layers, vocab {cfg.vocab_size}, batch {args.batch} x {args.seq}")
     print(f"{'loss':<78} {'temp GiB':>9} {'step s':>7}")
     for name, temp, seconds in rows:
         print(f"{name:<78} {temp:>9.2f} {seconds:>7.2f}")
-    (_, peer_temp, peer_s), (_, temp, s) = rows
-    print(f"fused / whole: memory {temp / peer_temp:.2f}x, time {s / peer_s:.2f}x")
+    (_, peer_temp, peer_s), (_, temp, s), (_, floor, _) = rows
+    print(f"fused / whole: memory {temp / peer_temp:.2f}x, time {s / peer_s:.2f}x; "
+          f"without any head: {floor / peer_temp:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import native, registry
 from meshlm.formats.slices import Placed, place, projection_quantizers
-from meshlm.generate import Completion, SamplingParams
+from meshlm.generate import TOP_LOGPROBS, Completion, SamplingParams
 from meshlm.grammar import Constraint
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
@@ -180,6 +180,7 @@ class LanguageModel:
         ignore_eos: bool = False,
         constraint: Constraint | None = None,
         prompt_logprobs: int | None = None,
+        logprobs: int = TOP_LOGPROBS,
     ) -> SamplingParams:
         """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
         with `ignore_eos` (pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a user's
@@ -192,7 +193,7 @@ class LanguageModel:
             max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
             min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
-            constraint=constraint, prompt_logprobs=prompt_logprobs,
+            constraint=constraint, prompt_logprobs=prompt_logprobs, logprobs=logprobs,
         )  # fmt: skip
 
     @property

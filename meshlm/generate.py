@@ -59,7 +59,8 @@ class SamplingParams:
     top-k and top-p); until `min_tokens` tokens are produced the stop token ids cannot be and stop
     strings do not apply; `include_stop_str_in_output` keeps a stop string in the text. `constraint` (a
     `meshlm.grammar.Constraint`: a JSON schema, regex, choice or grammar) allows only the tokens that keep
-    the output inside it, until it is complete."""
+    the output inside it, until it is complete. `logprobs`: how many top alternatives each output token
+    reports (0 to TOP_LOGPROBS; its own logprob always); a step whose rows want none skips their top-k."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -77,6 +78,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
+    logprobs: int = TOP_LOGPROBS
 
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
@@ -104,6 +106,7 @@ class SamplingParams:
         check(self.min_tokens <= self.max_new_tokens, "min_tokens must be at most max_new_tokens")
         check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output must be true or false")
         check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint must be a Constraint")
+        check(_is_int(self.logprobs) and 0 <= self.logprobs <= TOP_LOGPROBS, f"logprobs must be in [0, {TOP_LOGPROBS}]")
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -302,6 +305,7 @@ class Settings(NamedTuple):
     min_tokens: jax.Array  # [B] int32
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, -1 = unused
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
+    logprobs: jax.Array  # [B] int32: top alternatives wanted
 
 
 class Step(NamedTuple):
@@ -325,7 +329,7 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
     stop_ids = np.full((n_rows, MAX_STOP_IDS), -1, np.int32)
     bias_ids = np.full((n_rows, MAX_LOGIT_BIAS), -1, np.int32)
     bias = np.zeros((n_rows, MAX_LOGIT_BIAS), np.float32)
-    values = np.zeros((9, n_rows), np.float64)
+    values = np.zeros((10, n_rows), np.float64)
     values[2] = 1.0  # top_p
     values[3] = 1.0  # penalty
     seeds = np.zeros(n_rows, np.uint32)
@@ -333,7 +337,7 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
         if sp is None:
             continue
         values[:, i] = (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, sp.max_new_tokens,
-                        sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.min_tokens)  # fmt: skip
+                        sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.min_tokens, sp.logprobs)  # fmt: skip
         stop_ids[i, : len(sp.stop_token_ids)] = sp.stop_token_ids
         seeds[i] = (secrets.randbits(32) if sp.seed is None else sp.seed) & 0xFFFFFFFF
         if sp.logit_bias:
@@ -353,6 +357,7 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
         min_tokens=values[8].astype(np.int32),
         bias_ids=bias_ids,
         bias=bias,
+        logprobs=values[9].astype(np.int32),
     )
 
 
@@ -403,10 +408,11 @@ def choose(
     allowed: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The next token of every row from logits [B, V], its log-probability under the model, and the
-    top alternatives. `seen` [B, V] feeds the repetition penalty, `counts` [B, V] (each token's count in
-    the output; None: none) the frequency and presence penalties; `count` [B] (tokens produced so far)
-    holds back the stop tokens until min_tokens and picks each row's random key, so a seeded row draws
-    the same tokens in any batch. The draw runs only when some row samples (temperature above 0).
+    top alternatives (zeros when no row wants them: `SamplingParams.logprobs`). `seen` [B, V] feeds the
+    repetition penalty, `counts` [B, V] (each token's count in the output; None: none) the frequency and
+    presence penalties; `count` [B] (tokens produced so far) holds back the stop tokens until min_tokens
+    and picks each row's random key, so a seeded row draws the same tokens in any batch. The draw runs
+    only when some row samples (temperature above 0).
 
     With `proposal` [B] (a speculated token per row, -1 for none) a row keeps its proposal when the
     target agrees: a greedy row when the proposal is its argmax; a sampling row with probability
@@ -420,8 +426,17 @@ def choose(
     reported, which stay the model's (as vLLM's raw logprobs)."""
     V = logits.shape[-1]
     logits = used_vocabulary(logits, n_vocab_used)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+    def alternatives(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        top, ids = jax.lax.top_k(x, TOP_LOGPROBS)
+        return top - log_z, ids.astype(jnp.int32)
+
+    none = lambda x: (
+        jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.float32),
+        jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.int32),
+    )
+    top_logprobs, top_ids = jax.lax.cond(jnp.any(s.logprobs > 0), alternatives, none, logits)
     x = penalize(logits, seen, counts, count, s)
     if allowed is not None:
         x = jnp.where(allowed, x, -jnp.inf)
@@ -444,8 +459,8 @@ def choose(
 
     token = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda x: greedy, x)
     token = jnp.where(s.temperature > 0, token, greedy)
-    logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    return token, logprob, top_ids.astype(jnp.int32), top_logprobs
+    logprob = (jnp.take_along_axis(logits, token[:, None], axis=-1) - log_z)[:, 0]
+    return token, logprob, top_ids, top_logprobs
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -512,7 +527,10 @@ class RowOutput:
                 break
             self.tokens.append(token)
             self.logprobs.append(float(step.logprob[row, j]))
-            ids, lps = step.top_ids[row, j], step.top_logprobs[row, j]
+            ids, lps = (
+                step.top_ids[row, j, : self.sampling.logprobs],
+                step.top_logprobs[row, j, : self.sampling.logprobs],
+            )
             self.top_logprobs.append([(int(i), float(lp)) for i, lp in zip(ids, lps, strict=True)])
         if self.tokenizer is not None:
             self._update_text()

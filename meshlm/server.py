@@ -379,6 +379,14 @@ def output_constraint(body: Sampling, tools: Constraint | None = None) -> Constr
     return found or tools
 
 
+def alternatives(body: Sampling) -> int:
+    """The top alternatives a request reports per output token: a chat request's top_logprobs (with logprobs
+    on), a completion's logprobs."""
+    if isinstance(body, ChatRequest):
+        return (body.top_logprobs or 0) if body.logprobs else 0
+    return getattr(body, "logprobs", None) or 0
+
+
 def sampling_params(
     state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None, constraint: Constraint | None
 ) -> SamplingParams:
@@ -416,6 +424,7 @@ def sampling_params(
             seed=secrets.randbits(31) if body.seed is None else body.seed,
             prompt_logprobs=prompt_logprobs,
             constraint=constraint,
+            logprobs=alternatives(body),
         )
     except ValueError as e:  # InputError among them
         raise APIError(400, str(e)) from None

@@ -397,6 +397,34 @@ def test_logit_bias_forces_or_bans_a_token(lm, rows):
     assert first[1] not in banned.tokens
 
 
+def test_top_alternatives_are_computed_for_the_rows_that_want_them(lm, hf_tiny, rows):
+    """Rows asking for 0, 2 and 5 alternatives in one batch: the same tokens and logprobs as the same rows
+    asking for all 5; each reports as many alternatives as it asked for, the likeliest first, as transformers'
+    log-softmax has them. A batch where no row wants alternatives skips their top-k: the same tokens and
+    logprobs again."""
+    prompts = rows[0][:3]
+    full = lm.generate_tokens(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    mixed = lm.generate_tokens(
+        prompts, [SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=n) for n in (0, 2, 5)]
+    )
+    none = lm.generate_tokens(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=0))
+    for n, want, got, bare in zip((0, 2, 5), full, mixed, none, strict=True):
+        assert got.tokens == want.tokens == bare.tokens
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(bare.logprobs, want.logprobs, rtol=0, atol=1e-6)
+        assert [len(t) for t in got.top_logprobs] == [n] * len(got.tokens)
+        assert got.top_logprobs == [t[:n] for t in want.top_logprobs]
+        assert bare.top_logprobs == [[]] * len(bare.tokens)
+    with torch.no_grad():
+        logits = hf_tiny.torch_model(torch.tensor([prompts[2]])).logits[0, -1].double()
+    logp = torch.log_softmax(logits, -1).numpy()
+    top = np.argsort(-logp)[:5]
+    assert [i for i, _ in mixed[2].top_logprobs[0]] == top.tolist()
+    np.testing.assert_allclose([v for _, v in mixed[2].top_logprobs[0]], logp[top], rtol=0, atol=1e-4)
+    with pytest.raises(InputError, match="logprobs must be in"):
+        SamplingParams(logprobs=6)
+
+
 @pytest.mark.parametrize("speculation", ["ngram", "draft"])
 def test_speculative_decoding_applies_the_settings_to_the_target(lm, rows, speculation):
     """Prompt lookup and a draft model (the model itself) verify their proposals against the penalised

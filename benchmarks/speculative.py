@@ -88,9 +88,9 @@ def corpus_tokens(lm) -> list[list[int]]:
     return [tokenizer.encode(d) for d in documents()]
 
 
-def prompts(lm, rows: int, length: int = 32) -> list[list[int]]:
-    """`rows` passages of `length` tokens from the demo corpus's documents, one per document."""
-    long = [ids for ids in corpus_tokens(lm) if len(ids) >= 4 * length]
+def prompts(docs: list[list[int]], rows: int, length: int = 32) -> list[list[int]]:
+    """`rows` passages of `length` tokens from tokenized documents `docs`, one per document."""
+    long = [ids for ids in docs if len(ids) >= 4 * length]
     return [long[i * len(long) // rows][length : 2 * length] for i in range(rows)]
 
 
@@ -144,8 +144,9 @@ def main() -> None:
     draft = meshlm.load(draft_path, mesh=lm.mesh) if draft_path else lm
     print(f"target: {lm}; draft: {'the target itself' if draft is lm else draft}")
     print(f"{args.new_tokens} new tokens per row, k = {args.speculate}, best of {args.repeats}:")
+    docs = corpus_tokens(lm)
     for batch in map(int, args.batches.split(",")):
-        rows = prompts(lm, batch)
+        rows = prompts(docs, batch)
         for temperature in map(float, args.temperatures.split(",")):
             run = lambda **o: decode_speed(lm, rows, args.new_tokens, temperature, args.repeats, **o)  # noqa: B023
             plain, _ = run()

@@ -871,7 +871,7 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
     group = add_rows(state, [prompt], [params], body.n, adapter)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     now = int(time.time())
-    n_top = body.top_logprobs or 0
+    n_top = alternatives(body)
     if body.stream:
         events = stream_chat(state, group, prompt, body, include_usage, cid, now)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -918,7 +918,7 @@ async def stream_chat(
     `tool_choice` a choice's calls come whole, in its last delta."""
     tok, model = state.tokenizer, body.model or state.model_name
     extra = {"usage": None} if include_usage else {}
-    n_top = body.top_logprobs or 0
+    n_top = alternatives(body)
     calling = tool_constraint(body.tools, body.tool_choice) is not None
     texts = [""] * len(group.rows)  # the calls' text so far, per choice
 

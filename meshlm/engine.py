@@ -331,11 +331,12 @@ class Engine:
     # stepping -------------------------------------------------------------------------------------
 
     def step(self, chunk: int = 4) -> None:
-        """Drop cancelled rows, admit what fits (one prefill), then decode up to `chunk` tokens of every running row."""
+        """Drop cancelled rows, admit what fits (prefill calls grouped by length), then decode up to `chunk`
+        tokens of every running row."""
         check_chunk(chunk)
         with self._device:
             self.scheduler.drop_finished()
-            if (work := self.scheduler.schedule_prefill()) is not None:
+            for work in self.scheduler.schedule_prefill():
                 self.scheduler.update(work, self.runner.run(work.batch))
             if (work := self.scheduler.schedule_decode(chunk)) is not None:
                 self.scheduler.update(work, self.runner.run(work.batch))

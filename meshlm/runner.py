@@ -63,6 +63,12 @@ MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves
 MIN_PROMPT_BUCKET = 16
 MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
 PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
+# A prefill call's cost in padded tokens' worth, to group rows into calls (`Shapes.prefill_cost`): a token
+# costs 1, each key it attends over 1 / ATTENDED_KEYS_PER_TOKEN more, and a call CALL_TOKENS. Measured on a
+# CPU (GPT-J d_model 256): a call of 1 x 64 tokens over 128 keys 25 ms, of 16 x 64 over 128 keys 166 ms,
+# over 1280 keys 522 ms.
+ATTENDED_KEYS_PER_TOKEN = 1024
+CALL_TOKENS = 128
 SCORE_CHUNK = 64  # positions whose logits exist at once when a prompt is scored
 KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
 
@@ -522,16 +528,34 @@ class Shapes:
             rows *= 4
         return min(self.batch_bucket(rows), self.max_batch)
 
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """(rows, prompt bucket) pairs a prefill can take."""
+    def prefill_widths(self, t: int) -> list[int]:
+        """Page-table widths of a prefill of prompt bucket `t`: the narrowest decode width that holds t tokens
+        (a prefill's attention reads every page of its table: rows without a long cached prefix need no
+        more), and a whole row's."""
+        return sorted({self.page_bucket(pages_for(t, self.page_size)), self.max_pages})
+
+    def prefill_width(self, t: int, pages: int) -> int:
+        """The table width of a prefill of prompt bucket `t` whose rows hold at most `pages` pages."""
+        return next(w for w in self.prefill_widths(t) if w >= pages)
+
+    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """(rows, prompt bucket, table width) triples a prefill can take."""
         rows = sorted({self.prefill_rows(n) for n in range(1, self.max_batch + 1)})
-        return [(b, t) for t in self.prompt_buckets() for b in rows if b == rows[0] or b * t <= PREFILL_TOKENS]
+        return [(b, t, w) for t in self.prompt_buckets() for b in rows if b == rows[0] or b * t <= PREFILL_TOKENS
+                for w in self.prefill_widths(t)]  # fmt: skip
+
+    def prefill_cost(self, n: int, t: int, width: int) -> float:
+        """What a prefill call of `n` rows (padded to `prefill_rows`) of prompt bucket `t` over `width` pages
+        costs, in padded tokens' worth (see ATTENDED_KEYS_PER_TOKEN)."""
+        keys = width * self.page_size
+        return self.prefill_rows(n) * t * (1 + keys / ATTENDED_KEYS_PER_TOKEN) + CALL_TOKENS
 
 
 class Prefill(NamedTuple):
     """New rows' prompts (the part not in the prefix cache) into `slots`: tokens and mask [rows, bucket],
-    page tables [rows, max_pages], the cached length each starts from, the tokens each has seen [rows, vocab]
-    (for the repetition penalty) and their sampling settings. Padding rows have slots out of range.
+    page tables [rows, width] (`Shapes.prefill_width`), the cached length each starts from, the tokens
+    each has seen [rows, vocab] (for the repetition penalty) and their sampling settings. Padding rows have
+    slots out of range.
 
     A scored row's first `scored` [rows] positions are scored (0: not scored); `refed` [rows] is 1 where a
     scored row's first token is its cached prefix's last, run again for the logits that score the token
@@ -728,8 +752,7 @@ class Runner:
         cores: XLA compiles outside Python's lock), then run each once on padding rows, which write only
         to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
-        width = self.shapes.max_pages
-        programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, width)) for b, t in self.shapes.prefill_shapes()]
+        programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, w)) for b, t, w in self.shapes.prefill_shapes()]
         for b in self.shapes.decode_batches():
             for n in self.shapes.page_buckets():
                 if self.speculate:

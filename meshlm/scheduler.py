@@ -79,6 +79,11 @@ class Request:
         return int(self.scored and self.length > 0)
 
     @property
+    def to_prefill(self) -> int:
+        """Tokens its prefill runs: the prompt past its cached prefix (with that prefix's last again when refed)."""
+        return len(self.prompt) - self.length + self.refed
+
+    @property
     def to_score(self) -> int:
         """Positions of its prefill that score a prompt token (each scores the token after it): the fed
         tokens but the prompt's last, or none when the prompt is not scored."""
@@ -211,34 +216,59 @@ class Scheduler:
 
     # batches --------------------------------------------------------------------------------------
 
-    def schedule_prefill(self) -> Scheduled | None:
-        """The queued rows (in order) that free slots and the pool's pages can take, with their cached prefix,
-        as one prefill; None when none can start."""
-        admitted = self._admit()
-        if not admitted:
-            return None
-        n = self.shapes.prefill_rows(len(admitted))
-        new = [r.prompt[r.length - r.refed :] for r in admitted]
-        t = self.shapes.prompt_bucket(max(map(len, new)))
+    def schedule_prefill(self) -> list[Scheduled]:
+        """The queued rows (in order) that free slots, the pool's pages and one step's PREFILL_TOKENS take, with
+        their cached prefix, as prefill calls grouped by length (`_groups`); none when no row can start."""
+        return [self._prefill(rows) for rows in self._groups(self._admit())]
+
+    def _prefill(self, rows: list[Request]) -> Scheduled:
+        """One prefill call of admitted rows."""
+        n = self.shapes.prefill_rows(len(rows))
+        new = [r.prompt[r.length - r.refed :] for r in rows]
+        t = self.shapes.prompt_bucket(max(r.to_prefill for r in rows))
+        width = self.shapes.prefill_width(t, max(pages_for(len(r.prompt), self.page_size) for r in rows))
         tokens = np.zeros((n, t), np.int32)
         mask = np.zeros((n, t), bool)
-        table = np.full((n, self.shapes.max_pages), PAD_PAGE, np.int32)
+        table = np.full((n, width), PAD_PAGE, np.int32)
         start = np.zeros(n, np.int32)
         seen = np.zeros((n, self.vocab_size), bool)
         slots = np.full(n, self.shapes.max_batch, np.int32)  # padding rows: out of range, dropped
-        for i, (r, prompt) in enumerate(zip(admitted, new, strict=True)):
+        for i, (r, prompt) in enumerate(zip(rows, new, strict=True)):
             self._grow(r, len(r.prompt))
             tokens[i, : len(prompt)], mask[i, : len(prompt)] = prompt, True
             table[i, : len(r.pages)] = r.pages
             start[i], slots[i] = r.length, r.slot
             seen[i, r.prompt] = True
-        settings = settings_for([r.output.sampling for r in admitted], n)
+        settings = settings_for([r.output.sampling for r in rows], n)
         refed, scored, adapter = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
-        refed[: len(admitted)], scored[: len(admitted)] = [r.refed for r in admitted], [r.to_score for r in admitted]
-        adapter[: len(admitted)] = [r.adapter for r in admitted]
-        allowed = self._allowed(admitted, n)
+        refed[: len(rows)], scored[: len(rows)] = [r.refed for r in rows], [r.to_score for r in rows]
+        adapter[: len(rows)] = [r.adapter for r in rows]
+        allowed = self._allowed(rows, n)
         batch = Prefill(slots, tokens, mask, table, start, seen, settings, refed, scored, adapter, allowed)
-        return Scheduled(admitted, batch)
+        return Scheduled(rows, batch)
+
+    def _groups(self, rows: list[Request]) -> list[list[Request]]:
+        """Admitted rows split into the prefill calls of least total cost (`Shapes.prefill_cost`): sorted by
+        their new tokens and cut into runs, so a short prompt is neither padded to a long one's bucket nor
+        attends over its pages. Shortest first."""
+        rows = sorted(rows, key=lambda r: r.to_prefill)
+        shapes = self.shapes
+        best, cut = [0.0] + [float("inf")] * len(rows), [0] * (len(rows) + 1)
+        for j in range(1, len(rows) + 1):
+            t = shapes.prompt_bucket(rows[j - 1].to_prefill)
+            pages = 0
+            for i in range(j - 1, -1, -1):  # the call of rows[i:j]
+                pages = max(pages, pages_for(len(rows[i].prompt), self.page_size))
+                if i < j - 1 and shapes.prefill_rows(j - i) * t > PREFILL_TOKENS:
+                    break
+                cost = best[i] + shapes.prefill_cost(j - i, t, shapes.prefill_width(t, pages))
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        groups, j = [], len(rows)
+        while j:
+            groups.append(rows[cut[j] : j])
+            j = cut[j]
+        return groups[::-1]
 
     def schedule_decode(self, chunk: int) -> Scheduled | None:
         """The running rows' next step: a speculative one when there are proposals, else a decode of up to
@@ -341,7 +371,7 @@ class Scheduler:
         admitted: list[Request] = []
         deferred: list[Request] = []
         writing: dict[tuple, bool] = {}  # the pages this prefill writes (their prefix keys): with scores?
-        longest = 0
+        prefilled = 0  # new tokens admitted
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
@@ -354,11 +384,9 @@ class Scheduler:
                 continue
             need = pages_for(r.budget, self.page_size) - len(shared)
             new_tokens = len(r.prompt) - len(shared) * self.page_size + (r.scored and bool(shared))
-            t = self.shapes.prompt_bucket(max(longest, new_tokens))
-            rows = self.shapes.prefill_rows(len(admitted) + 1)
             fits_pool = self.pool.available - reserved >= need
-            fits_call = not admitted or rows * t <= PREFILL_TOKENS
-            if not (fits_pool and fits_call):
+            fits_step = not admitted or prefilled + new_tokens <= PREFILL_TOKENS
+            if not (fits_pool and fits_step):
                 self.pool.release(shared)
                 break
             self.queue.popleft()
@@ -366,7 +394,7 @@ class Scheduler:
             r.slot, r.pages, r.length = free_slots[len(admitted)], shared, len(shared) * self.page_size
             self.slots[r.slot] = r
             reserved += need
-            longest = max(longest, new_tokens)
+            prefilled += new_tokens
             admitted.append(r)
             for key in keys[len(shared) :]:
                 writing[key] = writing.get(key, False) or r.scored

@@ -60,6 +60,28 @@ def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, sha
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 3)[0]
 
 
+def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf_tiny, monkeypatch):
+    """Four short prompts and a long one admitted together run as two prefill calls: the short ones padded
+    to their own bucket and attending over a narrow table, the long one alone; each row equals transformers."""
+    monkeypatch.setattr(runner, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow tables exist at this small context
+    engine = lm.engine(max_batch=8, page_size=PAGE, kv_tokens=512, max_len=128)
+    prefills = []
+    run = engine.runner.run
+
+    def recording(batch):
+        if isinstance(batch, runner.Prefill):
+            prefills.append((int((batch.slots < engine.runner.max_batch).sum()), *batch.table.shape))
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", recording)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 512, n).tolist() for n in (9, 100, 3, 7, 5)]
+    got = engine.generate(prompts, [greedy(6)] * 5)
+    assert prefills == [(4, 4, 4), (1, 1, 128 // PAGE)]  # (rows, padded rows, table width)
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
+
+
 def test_a_row_holds_pages_only_for_its_tokens(lm):
     engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
     prompts = [[7 + i] * n for i, n in enumerate((3, 10, 17))]  # nothing shared: all three in one prefill
@@ -130,7 +152,8 @@ def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
     assert 0 not in fresh + pool.free  # page 0 belongs to padding
 
 
-def test_every_shape_is_compiled_by_warm_up(lm):
+def test_every_shape_is_compiled_by_warm_up(lm, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow and whole tables at this small context
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
     shapes, _ = engine.warm_up()
     programs = engine.runner.shapes

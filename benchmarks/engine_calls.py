@@ -1,0 +1,105 @@
+"""Where a serving engine's device time goes: requests arriving in-process, each device call timed.
+
+    python benchmarks/engine_calls.py [CHECKPOINT] [--requests 64 --rate 32 --chunk 4 --max-batch 32 --max-len 1280]
+
+`serve.py`'s mixed workload (log-normal prompt and output lengths) arrives with Poisson gaps into the
+loop thread `Engine.start` runs, as a server's requests do, but without HTTP: a run after a warm-up run
+(other prompts, so the prefix cache does not flatter it) times every prefill, decode and speculation call
+and prints the calls by kind and shape (rows, prompt bucket or chunk, page-table width), with the
+generated tokens per second. Without CHECKPOINT, serve.py's random GPT-J (d_model 256, 4 layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+import time
+
+import numpy as np
+from serve import workload, write_random_model  # benchmarks/serve.py, beside this script
+
+import meshlm
+from meshlm.engine import Engine
+from meshlm.generate import SamplingParams, Step
+from meshlm.runner import Decode, Prefill, Speculate
+
+
+def arrivals(engine: Engine, requests: list[tuple[list[int], int]], rate: float) -> float:
+    """Send the requests with exponential gaps of mean 1/rate; generated tokens per second until all finish."""
+    rng = np.random.default_rng(1)
+    began = time.perf_counter()
+    rows = []
+    for prompt, new in requests:
+        sampling = SamplingParams(max_new_tokens=new, temperature=0, stop_token_ids=(), logprobs=0)
+        rows.append(engine.add_request(prompt, sampling))
+        time.sleep(rng.exponential(1 / rate))
+    while not all(r.finished for r in rows):
+        time.sleep(0.005)
+    return sum(len(r.output.tokens) for r in rows) / (time.perf_counter() - began)
+
+
+def size_of(batch: Prefill | Decode | Speculate) -> int:
+    """A prefill's prompt bucket, a decode's chunk, a speculation's proposals per row."""
+    if isinstance(batch, Prefill):
+        return batch.tokens.shape[1]
+    return batch.chunk if isinstance(batch, Decode) else batch.proposals.shape[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", nargs="?", default=None)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=32.0, help="Poisson arrivals, requests/s")
+    ap.add_argument("--chunk", type=int, default=4, help="decode steps per call (the server's default)")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=1280)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        if args.checkpoint is None:
+            write_random_model(folder, 256, 4)
+        lm = meshlm.load(args.checkpoint or folder)
+    engine = lm.engine(max_batch=args.max_batch, max_len=args.max_len)
+    shapes, seconds = engine.warm_up()
+    print(f"warm-up: {shapes} shapes in {seconds:.0f} s")
+
+    calls: list[tuple[str, tuple[int, ...], int, float]] = []
+    run = engine.runner.run
+
+    def timed(batch: Prefill | Decode | Speculate) -> Step:
+        began = time.perf_counter()
+        out = run(batch)
+        live = int((batch.slots < engine.runner.max_batch).sum())
+        calls.append((type(batch).__name__, (len(batch.slots), size_of(batch), batch.table.shape[1]), live,
+                      time.perf_counter() - began))  # fmt: skip
+        return out
+
+    engine.runner.run = timed
+    engine.start(chunk=args.chunk)
+    try:
+        arrivals(engine, workload(args.requests, args.max_len, seed=7), args.rate)
+        calls.clear()
+        tokens_per_second = arrivals(engine, workload(args.requests, args.max_len, seed=5), args.rate)
+    finally:
+        engine.stop()
+    by_shape: dict[tuple, list[float]] = collections.defaultdict(list)
+    live: dict[tuple, int] = collections.Counter()
+    for kind, shape, rows, seconds in calls:
+        by_shape[kind, shape].append(seconds)
+        live[kind, shape] += rows
+    total = sum(sum(t) for t in by_shape.values())
+    print(f"{args.requests} requests at {args.rate:g}/s: {tokens_per_second:.1f} tokens/s; "
+          f"{len(calls)} device calls, {total:.2f} s")  # fmt: skip
+    for kind in ("Prefill", "Decode", "Speculate"):
+        spent = sum(sum(t) for (k, _), t in by_shape.items() if k == kind)
+        if spent:
+            print(f"  {kind.lower()}: {spent:.2f} s ({spent / total:.0%})")
+    print("\n(size: a prefill's prompt bucket, a decode's chunk, a speculation's proposals; live: rows not padding)")
+    print(f"{'call':>9} {'rows':>5} {'size':>5} {'pages':>6} {'calls':>6} {'total s':>8} {'mean ms':>8} {'live':>5}")
+    for (kind, (rows, size, width)), times in sorted(by_shape.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind:>9} {rows:>5} {size:>5} {width:>6} {len(times):>6} {sum(times):>8.2f} "
+              f"{1e3 * np.mean(times):>8.1f} {live[kind, (rows, size, width)] / len(times):>5.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

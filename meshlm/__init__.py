@@ -1,6 +1,16 @@
-"""meshlm: model-parallel GPT-J-class Transformers in JAX."""
+"""meshlm: model-parallel GPT-J-class Transformers in JAX.
 
-from meshlm.config import CheckpointError, ConfigError, DataError, InputError, MeshlmError, ModelConfig, preset
+Importing the package imports nothing else: `python -m meshlm` and the `meshlm` program put their Ctrl-C
+handling in place before NumPy and JAX load (seconds on a slow machine), and `meshlm prepare` and its
+worker processes start without JAX. The names below load on first use."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshlm.api import LanguageModel, convert, export_adapter, from_config, load, merge
+    from meshlm.config import CheckpointError, ConfigError, DataError, InputError, MeshlmError, ModelConfig, preset
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,11 +29,15 @@ __all__ = [
     "merge",
     "preset",
 ]
+_CONFIG = ("CheckpointError", "ConfigError", "DataError", "InputError", "MeshlmError", "ModelConfig", "preset")
 _API = ("LanguageModel", "convert", "export_adapter", "from_config", "load", "merge")
 
 
 def __getattr__(name: str):
-    """Import JAX only when the model API is first used, so `meshlm prepare` and its worker processes start fast."""
+    if name in _CONFIG:
+        from meshlm import config
+
+        return getattr(config, name)
     if name in _API:
         from meshlm import api
 

@@ -145,8 +145,8 @@ def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
     evaluation tests' model, in-process and served)."""
     import torch
 
-    import meshlm
     from meshlm import tokenizer
+    from meshlm.config import GPT2_VOCAB
     from tests.helpers.harness import CONTEXT
 
     folder = tmp_path_factory.mktemp("hf_gptj_eval")
@@ -154,7 +154,7 @@ def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
     model = oracle.random_gptj(seed=3, bos_token_id=50256, eos_token_id=50256, **config)
     with torch.no_grad():
         # As in GPT-J, the padded rows above the tokenizer's 50257 ids are never predicted.
-        model.lm_head.bias[meshlm.config.GPT2_VOCAB :] = -1e4
+        model.lm_head.bias[GPT2_VOCAB:] = -1e4
     model.save_pretrained(folder)
     tokenizer.save_hf_tokenizer(folder, gpt2_bpe_file)
     return oracle.HFModel(folder, model)

@@ -93,10 +93,20 @@ def run(hf_folder: Path, data: Path, out_dir: Path, batch_size: int, **changes) 
 
 
 def assert_steps_equal(got: list[dict], want: list[dict], keys: tuple[str, ...], logps: tuple[str, ...] = ()) -> None:
+    """Each step's `keys` within TOL, `logps` within TOL relative. A DPO run's first step starts at its reference,
+    where every pair's rewards tie at exactly 0 in trl (one model, the same torch kernels, run twice) and at
+    float rounding in meshlm (the step's program and the reference's are compiled apart): "chosen > rejected"
+    of a tie is decided by the rounding, so the first step's accuracy is compared only when its margins are
+    clear of rounding."""
     assert len(got) == len(want) == STEPS
     problems = []
     for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+        tied = step == 1 and w.get("rewards/margins") == 0.0
+        if tied:
+            assert abs(g["rewards/margins"]) < 1e-5, g  # a tie in meshlm too, up to rounding
         for key in keys:
+            if tied and key == "rewards/accuracies":
+                continue
             if g[key] != pytest.approx(w[key], abs=TOL, rel=TOL):
                 problems.append(f"step {step} {key}: meshlm {g[key]!r}, trl {w[key]!r}, diff {g[key] - w[key]:.3g}")
         for key in logps:

@@ -81,7 +81,12 @@ class Request:
     @property
     def to_prefill(self) -> int:
         """Tokens its prefill runs: the prompt past its cached prefix (with that prefix's last again when refed)."""
-        return len(self.prompt) - self.length + self.refed
+        return self.prefill_from(self.length)
+
+    def prefill_from(self, cached: int) -> int:
+        """Tokens its prefill would run past a cached prefix of `cached` tokens (admission asks before it
+        sets `length`)."""
+        return len(self.prompt) - cached + int(self.scored and cached > 0)
 
     @property
     def to_score(self) -> int:
@@ -383,7 +388,7 @@ class Scheduler:
                 deferred.append(self.queue.popleft())
                 continue
             need = pages_for(r.budget, self.page_size) - len(shared)
-            new_tokens = len(r.prompt) - len(shared) * self.page_size + (r.scored and bool(shared))
+            new_tokens = r.prefill_from(len(shared) * self.page_size)
             fits_pool = self.pool.available - reserved >= need
             fits_step = not admitted or prefilled + new_tokens <= PREFILL_TOKENS
             if not (fits_pool and fits_step):

@@ -33,6 +33,23 @@ pytest.register_assert_rewrite("tests.helpers")
 from tests import oracle  # noqa: E402
 
 
+def _has_tpu() -> bool:
+    if "tpu" not in os.environ.get("JAX_PLATFORMS", ""):
+        return False  # the suite runs on the CPU unless JAX_PLATFORMS names the TPU (docs/testing.md)
+    import jax
+
+    return any(d.platform == "tpu" for d in jax.devices())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `tpu` run only where JAX sees a TPU chip."""
+    tpu_items = [item for item in items if "tpu" in item.keywords]
+    if tpu_items and not _has_tpu():
+        skip = pytest.mark.skip(reason="needs a TPU chip (JAX_PLATFORMS=tpu,cpu on a TPU host; see docs/testing.md)")
+        for item in tpu_items:
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     if not IS_WORKER:
         for var in SESSION_FOLDERS:

@@ -43,7 +43,7 @@ def _has_tpu() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `tpu` run only where JAX sees a TPU chip."""
-    tpu_items = [item for item in items if "tpu" in item.keywords]
+    tpu_items = [item for item in items if item.get_closest_marker("tpu")]
     if tpu_items and not _has_tpu():
         skip = pytest.mark.skip(reason="needs a TPU chip (JAX_PLATFORMS=tpu,cpu on a TPU host; see docs/testing.md)")
         for item in tpu_items:

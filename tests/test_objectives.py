@@ -312,15 +312,16 @@ def test_precomputed_reference_logps_equal_the_frozen_copys_in_the_step(dpo_run,
     )
     copy = train.train(copy_cfg, progress=False)
     assert not (tmp_path / "reference_logps.npz").exists()
+    # Rewards are beta x a difference of two log-probs near -32, where a float32 ulp is 3.8e-6: the two programs'
+    # few ulps of rounding show as ~1e-5 in a reward however small it is.
+    reward_rounding = 2e-5
     for want, got in zip(logged(dpo_run.out_dir), logged(tmp_path), strict=True):
-        # At step 1 the policy is its reference: each pair's rewards tie at float rounding, and the two programs
-        # round apart, so "chosen > rejected" of a tie is noise (as in test_posttrain_trl's assert_steps_equal).
-        tied = want["step"] == 1 and abs(want.get("rewards/margins", 1.0)) < 2e-5
+        # At step 1 the policy is its reference: each pair's rewards tie up to that rounding, so "chosen >
+        # rejected" of a tie is noise (as in test_posttrain_trl's assert_steps_equal).
+        tied = want["step"] == 1 and abs(want.get("rewards/margins", 1.0)) < reward_rounding
         for name in ("loss", "val/val", *TRL_DPO_METRICS):
             if name in want and not (tied and name == "rewards/accuracies"):
-                # rewards are beta x a difference of two log-probs near -32, where a float32 ulp is 3.8e-6: the
-                # two programs' few ulps of rounding show as ~1e-5 in a reward however small it is
-                slack = 2e-5 if name.startswith("rewards/") else 1e-6
+                slack = reward_rounding if name.startswith("rewards/") else 1e-6
                 assert got[name] == pytest.approx(want[name], rel=1e-5, abs=slack), (want["step"], name)
     assert copy.step == 6
 

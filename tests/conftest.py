@@ -1,6 +1,7 @@
 """Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
 
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,9 @@ import pytest  # noqa: E402
 pytest.register_assert_rewrite("tests.helpers")
 
 from tests import oracle  # noqa: E402
+from tests.helpers import tiers  # noqa: E402
+
+STARTED = pytest.StashKey[tuple[float, float]]()
 
 
 def _has_tpu() -> bool:
@@ -48,6 +52,31 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a TPU chip (JAX_PLATFORMS=tpu,cpu on a TPU host; see docs/testing.md)")
         for item in tpu_items:
             item.add_marker(skip)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all its threads) and of the children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[STARTED] = (time.perf_counter(), cpu_seconds())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A quick test (not `slow`, not `tpu`) that passed but took over the budget fails (tests/helpers/tiers.py)."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or STARTED not in item.stash:
+        return
+    wall, cpu = item.stash[STARTED]
+    message = tiers.over_budget(item, time.perf_counter() - wall, cpu_seconds() - cpu)
+    if message:
+        report.outcome, report.longrepr = "failed", message
 
 
 def pytest_unconfigure(config):

@@ -1,0 +1,80 @@
+"""The TPU tier: the chip against the CPU, on the programs users run there (docs/testing.md).
+
+Every test needs a TPU chip and is skipped anywhere else. The chip's run and the CPU's run are the same
+`meshlm train` command on the same config and data, in two processes (`JAX_PLATFORMS=tpu` and `cpu`), both at
+the highest matmul precision so that the chip's float32 is float32 and only rounding order differs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from meshlm import api
+from meshlm.sharding import make_mesh
+from tests.helpers import preferences
+from tests.helpers.training import CFG8, REPO, SEQ, tiny_config, write_dataset
+
+pytestmark = pytest.mark.tpu
+
+
+def train_on(platform: str, cfg, folder: Path) -> list[dict]:
+    """`meshlm train` of `cfg` on one platform, in its own process; returns its logged metrics."""
+    out = folder / platform
+    config = folder / f"{platform}.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(cfg.replace(out_dir=str(out)).to_dict()))
+    env = {**os.environ, "JAX_PLATFORMS": platform, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_runs_agree(tpu: list[dict], cpu: list[dict], names: tuple[str, ...]) -> None:
+    assert [r["step"] for r in tpu] == [r["step"] for r in cpu]
+    for t, c in zip(tpu, cpu, strict=True):
+        # A DPO step whose pairs' rewards tie (step 1: the policy is its reference) has an accuracy of rounding.
+        tied = abs(c.get("rewards/margins", 1.0)) < 1e-4
+        for name in names:
+            if name in c and not (tied and name == "rewards/accuracies"):
+                assert t[name] == pytest.approx(c[name], rel=2e-4, abs=2e-4), (c["step"], name)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> Path:
+    rows = np.random.default_rng(0).integers(1, CFG8.vocab_size, (64, SEQ + 1), dtype=np.int32)
+    return write_dataset(tmp_path_factory.mktemp("tpu_tokens"), rows)
+
+
+def test_logits_on_the_chip_match_the_cpu():
+    tokens = np.random.default_rng(1).integers(0, CFG8.vocab_size, (2, 24))
+    on = {}
+    for platform in ("tpu", "cpu"):
+        with jax.default_matmul_precision("highest"):  # the same random weights: threefry is exact everywhere
+            lm = api.from_config(CFG8, make_mesh("data=1", jax.devices(platform)[:1]), seed=0)
+            on[platform] = np.asarray(lm.logits(tokens))
+    np.testing.assert_allclose(on["tpu"], on["cpu"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("changes", [{}, {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "out"]}}],
+                         ids=["full", "lora"])  # fmt: skip
+def test_a_training_run_on_the_chip_matches_the_cpu(tokens, tmp_path, changes):
+    cfg = tiny_config(tokens, tmp_path, total_steps=6, log_every=1, **changes)
+    assert_runs_agree(train_on("tpu", cfg, tmp_path), train_on("cpu", cfg, tmp_path), ("loss", "grad_norm"))
+
+
+def test_a_dpo_run_on_the_chip_matches_the_cpu(tmp_path):
+    data = preferences.write_preferences(tmp_path / "prefs")
+    cfg = preferences.run_config(data, tmp_path, log_every=1)
+    names = ("loss", *preferences.TRL_DPO_METRICS)
+    assert_runs_agree(train_on("tpu", cfg, tmp_path), train_on("cpu", cfg, tmp_path), names)

@@ -256,6 +256,7 @@ class ServerState:
     in_flight: set[Group] = field(default_factory=set)
     stopping: bool = False
     token_texts: dict[int, str] = field(default_factory=dict)
+    vetting: dict[Constraint, asyncio.Future] = field(default_factory=dict)  # constraints being compiled
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="meshlm-grammar")
     )
@@ -412,10 +413,14 @@ async def vet_constraint(state: ServerState, constraint: Constraint | None) -> N
     or not done within COMPILE_SECONDS (its worker finishes in the background; the verdict is cached)."""
     if constraint is None:
         return
-    loop = asyncio.get_running_loop()
-    work = loop.run_in_executor(state.grammar_pool, state.engine.check_constraint, constraint, state.tokenizer)
+    work = state.vetting.get(constraint)
+    if work is None:  # one worker per constraint: the same slow one sent again waits on the first's verdict
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(state.grammar_pool, state.engine.check_constraint, constraint, state.tokenizer)
+        state.vetting[constraint] = work
+        work.add_done_callback(lambda done: _vetted(state, constraint, done))
     try:
-        await asyncio.wait_for(work, COMPILE_SECONDS)
+        await asyncio.wait_for(asyncio.shield(work), COMPILE_SECONDS)
     except TimeoutError:
         raise APIError(400, f"{constraint.param or 'the output constraint'}: too complex: it did not compile within "
                        f"{COMPILE_SECONDS:g} s", param=constraint.param) from None  # fmt: skip
@@ -579,6 +584,14 @@ async def wait(state: ServerState, group: Group, request: HTTPRequest) -> None:
     for row in group.rows:
         if row.error:
             raise APIError(row.error_status, row.error, kind=_error_kind(row.error_status))
+
+
+def _vetted(state: ServerState, constraint: Constraint, done: asyncio.Future) -> None:
+    """A constraint's worker is done: forget it (its verdict is cached), and take its refusal, which nobody may
+    be waiting for any more (asyncio would log it as never retrieved)."""
+    state.vetting.pop(constraint, None)
+    if not done.cancelled():
+        done.exception()
 
 
 def _error_kind(status: int) -> str:

@@ -170,6 +170,7 @@ class FailingMatcher:
         self.matcher.accept(token)
 
 
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
 def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm):
     """Before, the error failed every row in flight and reset the cache."""
     engine = lm.engine(max_batch=4, max_len=64)
@@ -185,6 +186,7 @@ def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm):
     assert rows[1].error is None and rows[1].output.tokens == alone.tokens
 
 
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
 def test_a_row_with_an_id_past_the_tokenizers_fails_alone_and_the_id_is_never_decoded(lm, monkeypatch):
     """A NaN adapter's logits pick the padded id 50257 (here put in its row's step); decoding it crashed every
     row in flight."""

@@ -257,6 +257,7 @@ def http(lm):
         engine.stop()
 
 
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
 def test_a_tool_calling_turn_renders_as_transformers_renders_it(http, neox_style_tokenizer):
     """The assistant's tool calls (content null) and the tool's answer reach the template as transformers'
     apply_chat_template takes them: arguments as an object (vLLM parses OpenAI's JSON text the same way)."""
@@ -315,6 +316,7 @@ def test_a_body_over_max_request_bytes_is_413_before_it_is_read(http):
     assert http.post("/tokenize", json={"prompt": "x" * 100}).status_code == 200
 
 
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
 def test_prompts_are_tokenized_off_the_event_loop(http, lm, monkeypatch):
     """A long prompt's tokenizing never holds the event loop (and so /health) up."""
     import threading

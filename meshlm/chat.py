@@ -126,6 +126,9 @@ class ChatTemplate:
                 blocks.append(block)
         except jinja2.TemplateError as e:
             raise DataError(f"the chat template refused this chat: {e.message or e}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            # the template's own code failed on these values ({{ 1 // 0 }}, a `tools` it cannot iterate)
+            raise DataError(f"the chat template failed on this chat: {type(e).__name__}: {e}") from None
         finally:
             _SPANS.reset(token)
         return "".join(blocks)
@@ -162,17 +165,43 @@ def load_chat_template(tokenizer: Tokenizer, template_file: str | Path | None = 
 
 
 def check_messages(messages: Any, field: str = "messages") -> list[dict[str, Any]]:
-    """A list of {"role", "content"} messages with known roles and string contents; DataError says what is not."""
+    """A list of {"role", "content"} messages with known roles and string contents, in OpenAI's shapes: an
+    assistant message that makes `tool_calls` may have no content (null, as the openai SDK sends it back), and
+    a `tool` message answers one (`tool_call_id`). DataError says what is not."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{field!r} must be a non-empty list of messages, got {_describe(messages)}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        if not isinstance(message, dict) or "role" not in message:
             raise DataError(f"{field}[{i}] must be an object with 'role' and 'content', got {_describe(message)}")
         if message["role"] not in ROLES:
             raise DataError(f"{field}[{i}] has unknown role {message['role']!r}; roles are {', '.join(ROLES)}")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, f"{field}[{i}]", message["role"])
+        if message.get("content") is None and calls:
+            continue  # an assistant's tool calls stand for its content
+        if "content" not in message:
+            raise DataError(f"{field}[{i}] must be an object with 'role' and 'content', got {_describe(message)}")
         if not isinstance(message["content"], str):
             raise DataError(f"{field}[{i}].content is {_describe(message['content'])}, expected a string")
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+            raise DataError(f"{field}[{i}].tool_call_id is {_describe(message['tool_call_id'])}, expected a string")
     return messages
+
+
+def _check_tool_calls(calls: Any, where: str, role: str) -> None:
+    """OpenAI's `tool_calls`: on an assistant message, a list of {"type": "function", "function": {"name",
+    "arguments"}} (arguments as JSON text, or already an object)."""
+    if role != "assistant":
+        raise DataError(f"{where}.tool_calls: only an assistant message makes tool calls, not a {role!r} one")
+    if not isinstance(calls, list):
+        raise DataError(f"{where}.tool_calls is {_describe(calls)}, expected a list")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where}.tool_calls[{j}] must be {{type: function, function: {{name, arguments}}}}")
+        if not isinstance(function.get("arguments", {}), str | dict):
+            raise DataError(f"{where}.tool_calls[{j}].function.arguments must be JSON text or an object")
 
 
 def _describe(value: Any) -> str:

@@ -51,11 +51,25 @@ def _add_model_options(p: argparse.ArgumentParser, named_adapters: bool = False)
         "--max-adapters",
         type=int,
         default=None,
-        help="adapter slots on the device (default: one per NAME=DIR; more adapters swap in when idle); "
-        "> 0 enables /v1/load_lora_adapter",
+        help="adapter slots on the device (default: one per NAME=DIR, at least one with --allow-runtime-adapters; "
+        "more adapters swap in when idle)",
     )
     p.add_argument(
         "--max-lora-rank", type=int, default=None, help="the slots' rank (default: the largest given, else 16)"
+    )
+    p.add_argument(
+        "--allow-runtime-adapters",
+        action="store_true",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), "
+        "for adapter folders under an --adapter-root",
+    )
+    p.add_argument(
+        "--adapter-root",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="with --allow-runtime-adapters: a folder runtime adapters may be loaded from, at any depth (repeat for "
+        "more); any other path is refused with one message that tells nothing about it",
     )
 
 
@@ -319,7 +333,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     # settings that cannot work, and the port, are refused before the model loads (minutes, for a large one)
     at_least = {"--max-batch": 1, "--max-queue": 1, "--chunk": 1, "--max-len": 1, "--kv-tokens": 1, "--speculate": 1,
-                "--ngram": 0, "--max-adapters": 0, "--max-lora-rank": 1}  # fmt: skip
+                "--ngram": 0, "--max-adapters": 0, "--max-lora-rank": 1, "--max-request-bytes": 1}  # fmt: skip
     for flag, least in at_least.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < least:
@@ -328,15 +342,28 @@ def _serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise ConfigError(f"--chat-template {args.chat_template}: no such file")
+    if args.allow_runtime_adapters and not args.adapter_root:
+        raise ConfigError("--allow-runtime-adapters needs at least one --adapter-root DIR to load adapters from")
+    if args.adapter_root and not args.allow_runtime_adapters:
+        raise ConfigError("--adapter-root needs --allow-runtime-adapters")
+    for root in args.adapter_root:
+        if not Path(root).is_dir():
+            raise ConfigError(f"--adapter-root {root}: no such folder")
     try:
         from meshlm import server
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
     adapters, args.adapter = _named_adapters(args.adapter)  # the unnamed one, if any, is the served model's
+    model_name = args.model_name or Path(args.checkpoint).resolve().name
     for name, folder in adapters.items():
+        if name == model_name:
+            raise ConfigError(f"--adapter {name}={folder}: {name!r} is the served model's own name; name it otherwise")
         if not Path(folder).exists():
             raise ConfigError(f"--adapter {name}={folder}: no such folder")
+    max_adapters = args.max_adapters
+    if args.allow_runtime_adapters and max_adapters is None:
+        max_adapters = max(len(adapters), 1)
     with server.bind(args.host, args.port) as sock:
         lm = _load(args)
         _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
@@ -345,13 +372,12 @@ def _serve(args: argparse.Namespace) -> None:
             from meshlm import api
 
             draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
-        name = args.model_name or Path(args.checkpoint).resolve().name
         server.serve(
             lm,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             chunk=args.chunk,
-            model_name=name,
+            model_name=model_name,
             max_len=args.max_len,
             kv_tokens=args.kv_tokens,
             prefix_caching=not args.no_prefix_caching,
@@ -364,8 +390,10 @@ def _serve(args: argparse.Namespace) -> None:
             sock=sock,
             chat_template=args.chat_template,
             adapters=adapters,
-            max_adapters=args.max_adapters,
+            max_adapters=max_adapters,
             max_lora_rank=args.max_lora_rank,
+            adapter_roots=args.adapter_root if args.allow_runtime_adapters else None,
+            max_request_bytes=args.max_request_bytes or server.MAX_REQUEST_BYTES,
         )
 
 
@@ -637,6 +665,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--request-timeout", type=float, default=None, help="seconds a request may run before it is stopped (408)"
     )
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="the largest request body, in bytes (default 4 MiB, about 1M tokens of text); larger ones get 413",
+    )
     _add_chat_template(p)
     _add_tokenizer(p)
     _add_model_options(p, named_adapters=True)

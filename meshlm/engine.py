@@ -22,22 +22,27 @@ from jax.sharding import Mesh
 
 from meshlm import lora, model
 from meshlm.adapter_slots import AdapterSlots, Registered, SlotsBusy
-from meshlm.config import InputError, ModelConfig
+from meshlm.config import InputError, MeshlmError, ModelConfig
 from meshlm.formats import adapters as adapter_files
 from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, check_token_ids
-from meshlm.grammar import Grammars
+from meshlm.grammar import Constraint, Grammars
 from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
 from meshlm.scheduler import Request, Scheduler
 from meshlm.sharding import SERVING, Rules
 from meshlm.tokenizer import Tokenizer
 
-__all__ = ["PAGE_SIZE", "Draft", "Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"]
+__all__ = ["PAGE_SIZE", "Draft", "Engine", "GenerationFailed", "QueueFull", "Request", "SlotsBusy", "Snapshot"]
 
 DEFAULT_LORA_RANK = 16  # the adapter slots' rank when no adapter is given at start (vLLM's default too)
 
 
 class QueueFull(Exception):
     """The engine's queue is full; the client should retry later."""
+
+
+class GenerationFailed(MeshlmError):
+    """A row failed while generating (`Request.error`): its constraint failed, or the model produced an id the
+    tokenizer does not have. The other rows were not affected."""
 
 
 @dataclass(frozen=True)
@@ -150,14 +155,15 @@ class Engine:
         for name, weights in given.items():
             self._register(name, weights, str(adapters[name]))
         self.scheduler = Scheduler(
-            self.runner.shapes, self.runner.n_pages, cfg.vocab_size, prefix_caching=prefix_caching,
-            speculate=speculate, ngram=ngram, draft=draft is not None,
+            self.runner.shapes, self.runner.n_pages, cfg.vocab_size, n_tokens=cfg.n_vocab_used,
+            prefix_caching=prefix_caching, speculate=speculate, ngram=ngram, draft=draft is not None,
         )  # fmt: skip
         self.max_batch, self.max_len = self.runner.shapes.max_batch, self.runner.shapes.max_len
         self.page_size, self.speculate = page_size, speculate
         self._requests: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._loop: _Loop | None = None
         self._grammars: dict[Tokenizer, Grammars] = {}  # compiled output constraints, per tokenizer
+        self._grammars_lock = threading.Lock()
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes on each device (the draft model's included)."""
@@ -187,6 +193,15 @@ class Engine:
         if name in self.adapters.registered:  # before reading the files
             raise InputError(f"an adapter named {name!r} is loaded already; unload it first", param="lora_name")
         self._register(name, self._read_adapter(name, path), str(path))
+
+    @staticmethod
+    def is_adapter(path: str | Path) -> bool:
+        """Whether `path` holds a LoRA adapter (a PEFT folder or a meshlm LoRA run), by its files' names and
+        description alone (no weights are read)."""
+        try:
+            return adapter_files.is_peft(path) or adapter_files.is_lora_run(path)
+        except (MeshlmError, OSError, ValueError, KeyError, TypeError):
+            return False
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` (InputError while a queued or running request uses it)."""
@@ -284,17 +299,27 @@ class Engine:
         constraints = {sp.constraint for sp in params if sp.constraint is not None}
         if not constraints:
             return None
-        if self.speculate:
-            raise InputError("output constraints do not run with speculative decoding; serve without --ngram/--draft",
-                             param=next(iter(constraints)).param)  # fmt: skip
-        if tokenizer is None:
-            raise InputError("output constraints need a tokenizer")
-        if tokenizer not in self._grammars:
-            self._grammars[tokenizer] = Grammars(tokenizer, self.cfg.vocab_size)
-        grammars = self._grammars[tokenizer]
+        grammars = self._grammars_for(tokenizer, next(iter(constraints)))
         for c in constraints:
             grammars.check(c)
         return grammars
+
+    def _grammars_for(self, tokenizer: Tokenizer | None, c: Constraint) -> Grammars:
+        if self.speculate:
+            raise InputError("output constraints do not run with speculative decoding; serve without --ngram/--draft",
+                             param=c.param)  # fmt: skip
+        if tokenizer is None:
+            raise InputError("output constraints need a tokenizer")
+        with self._grammars_lock:
+            if tokenizer not in self._grammars:
+                self._grammars[tokenizer] = Grammars(tokenizer, self.cfg.vocab_size)
+            return self._grammars[tokenizer]
+
+    def check_constraint(self, constraint: Constraint, tokenizer: Tokenizer | None = None) -> None:
+        """Compile `constraint` and time its first token's mask (`Grammars.vet`): InputError for one that is
+        invalid, over the size budgets or too slow to run beside other rows. Works on the host alone (no device,
+        no engine lock), so a server runs it on a worker thread, off its event loop and the engine's."""
+        self._grammars_for(tokenizer or self.tokenizer, constraint).vet(constraint)
 
     def add_request(
         self,
@@ -385,6 +410,8 @@ class Engine:
                     self.fail_all("generation failed")
                     raise
                 yield [r.output for r in requests]
+            if failed := next((r for r in requests if r.error is not None), None):
+                raise GenerationFailed(failed.error)
         finally:  # the caller stopped early: free what is still held
             for r in requests:
                 r.cancelled = not r.output.finished

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -324,6 +325,15 @@ class Step(NamedTuple):
     prompt_top_logprobs: np.ndarray | None = None
 
 
+def seed_word(seed: int) -> int:
+    """The 32-bit word a row's random key is made from: a seed in [0, 2^32) as it is (what earlier versions
+    drew), any other integer hashed whole, so that seeds differing only in high bits (2^32 and 0, 2^70 and
+    2^63) do not draw alike; distinct seeds then share a word with a chance of 2^-32."""
+    if 0 <= seed < 2**32:
+        return seed
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little")
+
+
 def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settings:
     """Host arrays for `n_rows` rows; rows beyond `params` (padding) are greedy and produce nothing."""
     stop_ids = np.full((n_rows, MAX_STOP_IDS), -1, np.int32)
@@ -339,7 +349,7 @@ def settings_for(params: Sequence[SamplingParams | None], n_rows: int) -> Settin
         values[:, i] = (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, sp.max_new_tokens,
                         sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.min_tokens, sp.logprobs)  # fmt: skip
         stop_ids[i, : len(sp.stop_token_ids)] = sp.stop_token_ids
-        seeds[i] = (secrets.randbits(32) if sp.seed is None else sp.seed) & 0xFFFFFFFF
+        seeds[i] = secrets.randbits(32) if sp.seed is None else seed_word(sp.seed)
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias, strict=True)
             bias_ids[i, : len(ids)], bias[i, : len(ids)] = ids, biases

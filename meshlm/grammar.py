@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,13 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 CACHE_SIZE = 256  # compiled grammars a Grammars keeps: a pristine matcher each, copied for every row
 # Error messages carry no parser state or grammar dump: they go back to whoever sent the request.
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# Budgets a constraint is held to before it is admitted (`Grammars.vet`), so that no request can fail while
+# generating for want of them, nor stall the rows it runs beside:
+MAX_CHOICES = LIMITS.max_items_in_row  # llguidance's items in a row: a longer choice list fails mid-generation
+MAX_CONSTRAINT_BYTES = 256 * 1024  # a schema's, regex's, grammar's or choice list's text
+MAX_REPEAT = 2000  # a bound in {n}, {n,}, {n,m}: each token's mask costs in proportion (e{100000}: 4 s a token)
+MASK_SECONDS = 0.5  # a constraint's first token mask at most (each step of its row costs about as much)
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 @dataclass(frozen=True)
@@ -297,12 +306,42 @@ class Grammars:
         self.words = -(-vocab_size // 32)  # int32 words of one row's bitmask
         self._ll = ll_tokenizer(tokenizer)
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._vetted: OrderedDict[Constraint, str | None] = OrderedDict()  # constraint -> its refusal, or None
         self._lock = threading.Lock()  # requests are checked on the server's threads, matchers made on the engine's
 
     def check(self, c: Constraint) -> None:
         """Compile `c` (once: cached); an invalid schema, regex or grammar is an InputError with llguidance's
-        reason, naming the request field `c` came from."""
+        reason, naming the request field `c` came from, as is one over the size budgets."""
         self._pristine(c)
+
+    def vet(self, c: Constraint) -> None:
+        """`check`, then time the mask of a fresh row's first token (llguidance builds its lexer lazily, in every
+        row's matcher, so a compact regex like e{100000} compiles in a millisecond and then takes seconds per
+        token): InputError when it takes more than MASK_SECONDS. Once per constraint (its verdict is cached).
+        Holds no lock while it works and touches no device: a server runs it on a worker thread."""
+        with self._lock:
+            if c in self._vetted:
+                self._vetted.move_to_end(c)
+                if (refusal := self._vetted[c]) is not None:
+                    raise InputError(refusal, c.param)
+                return
+        refusal = None
+        try:
+            matcher = self.matcher(c)
+            start = time.perf_counter()
+            matcher.fill(np.zeros(self.words, np.int32))
+            took = time.perf_counter() - start
+            if took > MASK_SECONDS:
+                refusal = (f"this {c.kind} is too complex: a token's mask took {took:.1f} s "
+                           f"(at most {MASK_SECONDS} s; a smaller one stalls no one)")  # fmt: skip
+        except InputError as e:
+            refusal = str(e)
+        with self._lock:
+            self._vetted[c] = refusal
+            if len(self._vetted) > CACHE_SIZE:
+                self._vetted.popitem(last=False)
+        if refusal is not None:
+            raise InputError(refusal, c.param)
 
     def matcher(self, c: Constraint) -> Matcher:
         """A matcher for one generation under `c`, at its start."""
@@ -314,6 +353,7 @@ class Grammars:
             if c in self._compiled:
                 self._compiled.move_to_end(c)
                 return self._compiled[c]
+        check_size(c)
         try:
             spec = llguidance.grammar_from(c.kind, c.text)  # type: ignore[arg-type]
         except ValueError as e:  # a GBNF grammar that does not convert; a choice list that is not JSON
@@ -326,6 +366,20 @@ class Grammars:
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
+
+
+def check_size(c: Constraint) -> None:
+    """InputError for a constraint over the size budgets (MAX_CONSTRAINT_BYTES, MAX_CHOICES, MAX_REPEAT)."""
+    if len(c.text.encode()) > MAX_CONSTRAINT_BYTES:
+        raise InputError(f"{c.param or c.kind}: {len(c.text.encode()):,} bytes; at most {MAX_CONSTRAINT_BYTES:,}",
+                         c.param)  # fmt: skip
+    if c.kind == "choice" and (n := len(json.loads(c.text))) > MAX_CHOICES:
+        raise InputError(f"{c.param or c.kind}: {n:,} choices; at most {MAX_CHOICES:,}", c.param)
+    if c.kind in ("regex", "grammar"):
+        for m in _REPEAT.finditer(c.text):
+            if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
+                raise InputError(f"{c.param or c.kind}: repetition {m.group(0)} exceeds {MAX_REPEAT} "
+                                 "(each token's mask would cost in proportion)", c.param)  # fmt: skip
 
 
 def _reason(message: str) -> str:
@@ -347,6 +401,8 @@ class Matcher:
             raise ValueError(f"a bitmask row is a contiguous int32 [words] array, not {out.dtype} {out.shape}")
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, self._ll_words * 4)
         out[self._ll_words :] = 0
+        if self._m.is_error():  # a runtime limit (items in a row, lexer fuel): the request's constraint is at fault
+            raise InputError(_reason(self._m.get_error()))
 
     def accept(self, token: int) -> None:
         """Advance by the sampled `token`; a RuntimeError if the mask did not allow it (a sampler bug)."""

@@ -47,7 +47,8 @@ class Request:
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
-    error: str | None = None
+    error: str | None = None  # why the row failed: it alone ends (see `fail`)
+    error_status: int = 500  # the HTTP status that error maps to (400: the request's own constraint failed)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None  # perf_counter time of the first token
     slot: int = -1
@@ -62,6 +63,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.output.finished or self.cancelled or self.error is not None
+
+    def fail(self, error: str, status: int = 500) -> None:
+        """End this row alone with `error`; the step frees its slot and pages."""
+        self.error, self.error_status = error, status
+        _notify(self)
 
     @property
     def budget(self) -> int:
@@ -154,12 +160,16 @@ class Scheduler:
         n_pages: int,
         vocab_size: int,
         *,
+        n_tokens: int | None = None,
         prefix_caching: bool = True,
         speculate: int = 0,
         ngram: int = 0,
         draft: bool = False,
     ):
+        """`n_tokens`: the ids a row may produce (the tokenizer's; default `vocab_size`): a row whose step
+        yields another (NaN logits from a diverged adapter pick a padded id) fails alone."""
         self.shapes, self.vocab_size = shapes, vocab_size
+        self.n_tokens = vocab_size if n_tokens is None else n_tokens
         self.words = bitmask_words(vocab_size)
         self.speculate, self.ngram, self.draft = speculate, ngram, draft
         self.page_size = shapes.page_size
@@ -301,8 +311,12 @@ class Scheduler:
         """The rows' output-constraint bitmasks for their next token, padded to n rows (zeros: unconstrained)."""
         allowed = np.zeros((n, self.words), np.int32)
         for i, r in enumerate(rows):
-            if r.matcher is not None:
-                r.matcher.fill(allowed[i])
+            if r.matcher is not None and r.error is None:
+                try:
+                    r.matcher.fill(allowed[i])
+                except Exception as e:  # this row's constraint failed: it alone ends (its tokens are dropped)
+                    allowed[i] = 0
+                    r.fail(f"the output constraint failed: {e}", 400 if isinstance(e, InputError) else 500)
         return allowed
 
     def update(self, scheduled: Scheduled, step: Step) -> None:
@@ -331,15 +345,31 @@ class Scheduler:
                 r.proposed, r.accepted = r.proposed + offered, r.accepted + kept
                 self.stats.proposed, self.stats.accepted = self.stats.proposed + offered, self.stats.accepted + kept
         for i, r in enumerate(rows):
-            with r.lock:
-                before = len(r.output.tokens)
-                r.output.add(step, i)
-                self.stats.record(len(r.output.tokens) - before)
-                if r.matcher is not None and not r.output.finished:
-                    for token in r.output.tokens[before:]:
-                        r.matcher.accept(token)
+            if r.error is not None:
+                continue  # failed while this batch was made: what it produced is dropped
+            try:
+                self._take(r, step, i)
+            except Exception as e:  # one row's failure (a bad id, its constraint) never fails the others
+                r.fail(f"generation failed for this request: {e}", 400 if isinstance(e, InputError) else 500)
+                continue
             _notify(r)
         self.drop_finished()
+
+    def _take(self, r: Request, step: Step, i: int) -> None:
+        """Row i's new tokens into its output and its constraint. An id past the tokenizer's never reaches the
+        detokenizer: a ValueError."""
+        emitted = step.token[i][step.emitted[i]]
+        if emitted.size and not (0 <= emitted.min() and emitted.max() < self.n_tokens):
+            bad = next(int(t) for t in emitted if not 0 <= t < self.n_tokens)
+            raise ValueError(f"the model produced token id {bad}, outside the tokenizer's {self.n_tokens} ids "
+                             "(its weights or its adapter's may hold NaN or inf)")  # fmt: skip
+        with r.lock:
+            before = len(r.output.tokens)
+            r.output.add(step, i)
+            self.stats.record(len(r.output.tokens) - before)
+            if r.matcher is not None and not r.output.finished:
+                for token in r.output.tokens[before:]:
+                    r.matcher.accept(token)
 
     def _score(self, r: Request, step: Step, i: int) -> list[tuple[np.ndarray, ...]]:
         """Fill a scored row's prompt logprobs: those of its cached pages' tokens from the pool, the rest

@@ -17,11 +17,14 @@ import asyncio
 import contextlib
 import errno
 import json
+import os
 import secrets
 import socket
+import sys
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +65,15 @@ EXPECTED = {
 BACKLOG = 2048  # connections the kernel queues before the server accepts them (uvicorn's default)
 STOPPING = -1  # the update that tells a handler the server is stopping
 SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for requests to answer once stopping, then cancels them
+MAX_REQUEST_BYTES = 4 * 2**20  # a request body's default limit (413 past it): a 128k-token prompt is ~1 MB
+COMPILE_SECONDS = 5.0  # an output constraint's compile and first mask, on a worker thread, at most (else 400)
+GRAMMAR_WORKERS = 2  # threads compiling constraints: a slow one (up to its budget) leaves the other free
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a request's seed: a 64-bit integer, as vLLM takes it (torch.long)
+# chat_template_kwargs a request may not set: the server's own arguments to the template
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message")
+# what a template variable the server also fills must be, when a request's chat_template_kwargs gives it
+LIST_TEMPLATE_KWARGS = ("tools", "documents")
+REFUSED_ADAPTER_PATH = "lora_path: not an adapter folder under the server's --adapter-root"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,7 +106,7 @@ class Sampling(Strict):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -238,10 +250,16 @@ class ServerState:
     chat: ChatTemplate | None
     metrics: Metrics
     tokenizer: Tokenizer
+    adapter_roots: tuple[Path, ...] | None = None  # where /v1/load_lora_adapter may read (None: it is off)
+    max_request_bytes: int = MAX_REQUEST_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: set[Group] = field(default_factory=set)
     stopping: bool = False
     token_texts: dict[int, str] = field(default_factory=dict)
+    vetting: dict[Constraint, asyncio.Future] = field(default_factory=dict)  # constraints being compiled
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="meshlm-grammar")
+    )
 
     def token_text(self, token: int) -> str:
         """One token's text, as logprobs show it (remembered: a scored prompt shows thousands)."""
@@ -294,7 +312,9 @@ def state_of(request: HTTPRequest) -> ServerState:
 
 
 async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awaitable[Any]]) -> Any:
-    """With an API key, every route but /health needs `Authorization: Bearer KEY` (the scheme in any case)."""
+    """With an API key, every route but /health needs `Authorization: Bearer KEY` (the scheme in any case).
+    An error no handler expected is answered here, a JSON 500 in OpenAI's shape: past this point Starlette
+    would re-raise it to uvicorn, which logs a traceback and closes the client's connection."""
     key = state_of(request).api_key
     if key is not None and request.url.path != "/health":
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
@@ -302,7 +322,42 @@ async def authorize(request: HTTPRequest, call_next: Callable[[HTTPRequest], Awa
             body = error_body("a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error",
                               code="invalid_api_key")  # fmt: skip
             return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    return await call_next(request)
+    try:
+        return await call_next(request)
+    except Exception as e:
+        return await on_crash(request, e)
+
+
+class LimitBody:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 (by its Content-Length before it is
+    read; a chunked one once it is), before anything parses or tokenizes it."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.max_request_bytes
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            response = JSONResponse(error_body(_too_large(limit), "invalid_request_error"), status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, _too_large(limit))  # FastAPI's body parser passes it on
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body exceeds this server's limit of {limit:,} bytes (--max-request-bytes)"
 
 
 async def on_api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
@@ -333,7 +388,7 @@ async def on_http(request: HTTPRequest, e: HTTPException) -> JSONResponse:
 
 
 async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
-    traceback.print_exc()
+    traceback.print_exception(e, file=sys.stderr)
     return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
 
@@ -344,6 +399,33 @@ async def on_crash(request: HTTPRequest, e: Exception) -> JSONResponse:
 def encode(state: ServerState, prompt: str | list[int]) -> list[int]:
     """A prompt's token ids (a token list as given: the engine checks every request's ids)."""
     return state.lm.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+
+
+async def off_loop(work: Callable[..., Any], *args: Any) -> Any:
+    """`work(*args)` on a worker thread: tokenizing and rendering a long prompt must not stall every route.
+    Only host work goes there (tokenizers, templates), never the device's."""
+    return await asyncio.to_thread(work, *args)
+
+
+async def vet_constraint(state: ServerState, constraint: Constraint | None) -> None:
+    """Compile the request's output constraint and time its first mask (`Engine.check_constraint`) on a grammar
+    worker thread, off the event loop and the engine's: 400 for one that is invalid, over the size budgets,
+    or not done within COMPILE_SECONDS (its worker finishes in the background; the verdict is cached)."""
+    if constraint is None:
+        return
+    work = state.vetting.get(constraint)
+    if work is None:  # one worker per constraint: the same slow one sent again waits on the first's verdict
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(state.grammar_pool, state.engine.check_constraint, constraint, state.tokenizer)
+        state.vetting[constraint] = work
+        work.add_done_callback(lambda done: _vetted(state, constraint, done))
+    try:
+        await asyncio.wait_for(asyncio.shield(work), COMPILE_SECONDS)
+    except TimeoutError:
+        raise APIError(400, f"{constraint.param or 'the output constraint'}: too complex: it did not compile within "
+                       f"{COMPILE_SECONDS:g} s", param=constraint.param) from None  # fmt: skip
+    except InputError as e:
+        raise APIError(400, str(e), param=e.param or constraint.param) from None
 
 
 def check_unsupported(body: BaseModel, table: dict[str, tuple[Any, ...]]) -> None:
@@ -501,7 +583,19 @@ async def wait(state: ServerState, group: Group, request: HTTPRequest) -> None:
             watcher.cancel()
     for row in group.rows:
         if row.error:
-            raise APIError(500, row.error, kind="server_error")
+            raise APIError(row.error_status, row.error, kind=_error_kind(row.error_status))
+
+
+def _vetted(state: ServerState, constraint: Constraint, done: asyncio.Future) -> None:
+    """A constraint's worker is done: forget it (its verdict is cached), and take its refusal, which nobody may
+    be waiting for any more (asyncio would log it as never retrieved)."""
+    state.vetting.pop(constraint, None)
+    if not done.cancelled():
+        done.exception()
+
+
+def _error_kind(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 async def _disconnected(request: HTTPRequest, every: float = 0.25) -> None:
@@ -520,7 +614,8 @@ class Piece:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None
+    error: str | None = None  # the row failed (it alone): why
+    error_status: int = 500
     first: bool = False  # the row's first piece: its prompt's logprobs are known from here on
 
 
@@ -540,7 +635,7 @@ async def pieces(state: ServerState, group: Group) -> AsyncIterator[Piece]:
         seen.add(i)
         if row.error:
             open_rows.discard(i)
-            yield Piece(i, error=row.error, first=first)
+            yield Piece(i, error=row.error, error_status=row.error_status, first=first)
             continue
         with row.lock:
             out = row.output
@@ -711,13 +806,14 @@ async def completions(body: CompletionRequest, request: HTTPRequest) -> Any:
         raw = list(body.prompt)
     if not raw:
         raise APIError(400, "prompt: must not be an empty list", param="prompt")
-    prompts = [encode(state, p) for p in raw]
+    prompts = await off_loop(lambda: [encode(state, p) for p in raw])
     # echo with logprobs scores the prompt (lm-eval's loglikelihood requests); so does vLLM's prompt_logprobs
     scored = body.echo and body.logprobs is not None
     wanted = [k for k in (body.logprobs if scored else None, body.prompt_logprobs) if k is not None]
     constraint = output_constraint(body)
     params = [sampling_params(state, body, budget(state, p, body.max_tokens, "max_tokens"), max(wanted, default=None),
                               constraint) for p in prompts]  # fmt: skip
+    await vet_constraint(state, constraint)
     group = add_rows(state, prompts, params, body.n, adapter)
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw for _ in range(body.n)]
     cid = f"cmpl-{secrets.token_hex(12)}"
@@ -779,8 +875,8 @@ async def stream_completion(
         try:
             async for piece in pieces(state, group):
                 i = piece.index
-                if piece.error:
-                    yield sse(error_body(piece.error, "server_error"))
+                if piece.error:  # this choice alone failed; the others go on
+                    yield sse(error_body(piece.error, _error_kind(piece.error_status)))
                     continue
                 if piece.first and (scored or body.prompt_logprobs is not None):  # the prefill scored the prompt
                     row = rows[i]
@@ -824,10 +920,20 @@ def render_chat(
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
                        param="continue_final_message")  # fmt: skip
-    chat = [_plain_text(m) for m in messages]
+    kwargs = dict(kwargs or {})
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise APIError(400, f"chat_template_kwargs.{key}: the server sets it; give it as the request's own field"
+                           if key != "messages" else "chat_template_kwargs.messages: give the chat as messages",
+                           param="chat_template_kwargs")  # fmt: skip
+    for key in LIST_TEMPLATE_KWARGS:
+        if kwargs.get(key) is not None and not isinstance(kwargs[key], list):
+            raise APIError(400, f"chat_template_kwargs.{key}: must be a list or null, got {type(kwargs[key]).__name__}",
+                           param="chat_template_kwargs")  # fmt: skip
+    chat = [_template_message(m) for m in messages]
     try:
         check_messages(chat)
-        text = state.chat.render(chat, add_generation_prompt, **(kwargs or {}))
+        text = state.chat.render(chat, add_generation_prompt, **kwargs)
     except DataError as e:
         raise APIError(400, str(e), param="messages") from None
     if continue_final_message:  # end the text with the last message's content, open for the model to continue
@@ -839,13 +945,30 @@ def render_chat(
     return text
 
 
-def _plain_text(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is a list of text parts ([{"type": "text", "text": ...}], as OpenAI allows) has
-    them joined into one string, as vLLM joins them; anything else stays as it is, for `check_messages`."""
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the template takes it, as vLLM passes it to transformers: content given as a list of text
+    parts ([{"type": "text", "text": ...}], as OpenAI allows) joined into one string; an assistant's
+    `tool_calls` with their `arguments` (OpenAI's JSON text) parsed into the object templates iterate.
+    Anything else stays as it is, for `check_messages`."""
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message = {**message, "tool_calls": [_parsed_arguments(c) for c in calls]}
     return message
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call whose function's `arguments` is JSON text, with them parsed (left as they are otherwise)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
@@ -860,14 +983,19 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Any:
     except InputError as e:
         raise APIError(400, str(e), param=e.param) from None
     template_kwargs = {**({"tools": body.tools} if body.tools else {}), **(body.chat_template_kwargs or {})}
-    text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       template_kwargs)  # fmt: skip
-    prompt = tok.encode(text)
+
+    def tokens() -> list[int]:
+        text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           template_kwargs)  # fmt: skip
+        return tok.encode(text)
+
+    prompt = await off_loop(tokens)
     if not prompt:
         raise APIError(400, "messages: the chat template renders this chat as no tokens", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(state, body, budget(state, prompt, max_tokens, name), body.prompt_logprobs, constraint)
+    await vet_constraint(state, constraint)
     group = add_rows(state, [prompt], [params], body.n, adapter)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     now = int(time.time())
@@ -932,8 +1060,8 @@ async def stream_chat(
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], **extra)
         try:
             async for piece in pieces(state, group):
-                if piece.error:
-                    yield sse(error_body(piece.error, "server_error"))
+                if piece.error:  # this choice alone failed; the others go on
+                    yield sse(error_body(piece.error, _error_kind(piece.error_status)))
                     continue
                 if not (piece.text or piece.finish_reason or (body.logprobs and piece.tokens)):
                     continue
@@ -963,13 +1091,17 @@ async def tokenize(body: TokenizeRequest, request: HTTPRequest) -> dict[str, Any
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
-    if body.prompt is not None:
-        text, special = body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
-    else:
-        text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)  # fmt: skip
-        special = bool(body.add_special_tokens)
-    tokens = state.tokenizer.encode(text, add_special_tokens=special)
+
+    def encoded() -> list[int]:
+        if body.prompt is not None:
+            text, special = body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
+        else:
+            text = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                               body.chat_template_kwargs)  # fmt: skip
+            special = bool(body.add_special_tokens)
+        return state.tokenizer.encode(text, add_special_tokens=special)
+
+    tokens = await off_loop(encoded)
     return {"count": len(tokens), "max_model_len": state.ctx, "tokens": tokens}
 
 
@@ -999,7 +1131,7 @@ async def tokenizer_info(request: HTTPRequest) -> dict[str, Any]:
 async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
     """The seed's /complete."""
     state = state_of(request)
-    prompt = encode(state, body.context)
+    prompt = await off_loop(encode, state, body.context)
     ctx = state.ctx
     if len(prompt) >= ctx:
         raise APIError(400, f"context has {len(prompt)} tokens; this model's context is {ctx}", param="context")
@@ -1015,14 +1147,40 @@ async def complete(body: LegacyRequest, request: HTTPRequest) -> dict[str, str]:
     return {"completion": group.rows[0].output.text}
 
 
+def check_runtime_adapters(state: ServerState) -> tuple[Path, ...]:
+    """The folders runtime adapters may come from; 404 when runtime loading is off (as vLLM answers without
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: the route is not there)."""
+    if state.adapter_roots is None:
+        raise APIError(404, "runtime adapter loading is off; start the server with --allow-runtime-adapters and "
+                       "--adapter-root DIR", code="not_found")  # fmt: skip
+    return state.adapter_roots
+
+
+def allowed_adapter_path(roots: Sequence[Path], path: str) -> Path | None:
+    """`path` (symbolic links and `..` resolved) when it is an adapter folder under one of `roots`, else None:
+    the caller answers every refused path alike, so nothing tells whether a path exists or what it holds."""
+    try:
+        real = Path(os.path.realpath(path))
+        inside = any(real.is_relative_to(root) for root in roots)
+        return real if inside and real.is_dir() and Engine.is_adapter(real) else None
+    except (OSError, ValueError):  # a path the system cannot take (a NUL byte, too long, unreadable)
+        return None
+
+
 async def load_adapter(body: LoadAdapterRequest, request: HTTPRequest) -> Response:
-    """vLLM's runtime adapter loading: the adapter is read now and takes a device slot on first use (nothing
-    compiles). 400 for a folder that is not an adapter of this base, a rank above the slots', a name in use."""
+    """vLLM's runtime adapter loading, when the server allows it (--allow-runtime-adapters), from folders under
+    its --adapter-root folders: the adapter is read now and takes a device slot on first use (nothing compiles).
+    400 for a path that is not an adapter folder under the roots (one message for all of them), an adapter that
+    does not fit this base or the slots' rank, a malformed adapter_config.json, a name in use."""
     state = state_of(request)
+    roots = check_runtime_adapters(state)
     if body.lora_name == state.model_name:
         raise APIError(400, f"lora_name: {body.lora_name!r} is the served model's name", param="lora_name")
+    path = await off_loop(allowed_adapter_path, roots, body.lora_path)
+    if path is None:
+        raise APIError(400, REFUSED_ADAPTER_PATH, param="lora_path")
     try:
-        await asyncio.to_thread(state.engine.load_adapter, body.lora_name, body.lora_path)
+        await asyncio.to_thread(state.engine.load_adapter, body.lora_name, path)
     except (InputError, ConfigError, DataError) as e:
         raise APIError(400, str(e), param=getattr(e, "param", None) or "lora_path") from None
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
@@ -1031,6 +1189,7 @@ async def load_adapter(body: LoadAdapterRequest, request: HTTPRequest) -> Respon
 async def unload_adapter(body: UnloadAdapterRequest, request: HTTPRequest) -> Response:
     """vLLM's runtime adapter unloading: 404 for a name not loaded, 400 while requests run the adapter."""
     state = state_of(request)
+    check_runtime_adapters(state)
     if body.lora_name not in state.engine.adapter_sources():
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                        code="model_not_found")  # fmt: skip
@@ -1064,20 +1223,36 @@ def create_app(
     api_key: str | None = None,
     request_timeout: float | None = None,
     chat_template: ChatTemplate | str | Path | None = None,
+    adapter_roots: Sequence[str | Path] | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The HTTP API over an engine stepping on its own thread (`engine.start`). With `api_key`, every route but
     /health needs `Authorization: Bearer <api_key>`; a request running past `request_timeout` seconds is stopped
     (408). Chats render with `chat_template` (a ChatTemplate or a Jinja file), else the model's own template, if
-    it has one. `app.state.stop()` answers every request in flight 503 and refuses new ones (the server is
-    stopping)."""
+    it has one. `adapter_roots` (None: off) turns on /v1/load_lora_adapter and /v1/unload_lora_adapter for
+    adapter folders under them. A body over `max_request_bytes` is refused (413). `app.state.stop()` answers
+    every request in flight 503 and refuses new ones (the server is stopping)."""
     if request_timeout is not None and not request_timeout > 0:
         raise InputError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise InputError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
+    if model_name in engine.adapter_sources():
+        raise ConfigError(f"adapter {model_name!r} has the served model's own name; name it otherwise")
+    roots = None
+    if adapter_roots is not None:
+        roots = tuple(Path(os.path.realpath(root)) for root in adapter_roots)
+        if not roots or not all(root.is_dir() for root in roots):
+            missing = next((str(r) for r in adapter_roots if not Path(r).is_dir()), None)
+            raise ConfigError(f"--adapter-root {missing}: no such folder" if missing else
+                              "runtime adapters need at least one --adapter-root DIR to load them from")  # fmt: skip
     tok = lm.tokenizer
     chat = chat_template if isinstance(chat_template, ChatTemplate) else load_chat_template(tok, chat_template)
     app = FastAPI(title="meshlm", description="OpenAI-compatible completions over a meshlm model")
-    state = ServerState(lm, engine, model_name, api_key, request_timeout, chat, Metrics(engine), tok)
+    state = ServerState(lm, engine, model_name, api_key, request_timeout, chat, Metrics(engine), tok, roots,
+                        max_request_bytes)  # fmt: skip
     app.state.server = state
     app.state.stop = state.stop
+    app.add_middleware(LimitBody, state=state)  # inside `authorize`, whose task group would wrap its 413
     app.middleware("http")(authorize)
     for error, handler in ((APIError, on_api_error), (RequestValidationError, on_invalid), (HTTPException, on_http),
                            (Exception, on_crash)):  # fmt: skip
@@ -1210,12 +1385,15 @@ def serve(
     adapters: dict[str, str | Path] | None = None,
     max_adapters: int | None = None,
     max_lora_rank: int | None = None,
+    adapter_roots: Sequence[str | Path] | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
     `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else.
     `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any).
     `adapters` (name -> folder), `max_adapters` and `max_lora_rank`: LoRA adapters served by name beside the
-    model, as in `Engine` (max_adapters > 0 lets /v1/load_lora_adapter add more while serving)."""
+    model, as in `Engine`; `adapter_roots` (None: off) lets /v1/load_lora_adapter add more while serving, from
+    folders under them (into max_adapters slots). `max_request_bytes`: the largest request body (413 past it)."""
     with sock or bind(host, port) as sock:
         chat = load_chat_template(lm.tokenizer, chat_template)  # a bad file fails before anything compiles
         engine = lm.engine(
@@ -1231,7 +1409,8 @@ def serve(
             max_adapters=max_adapters,
             max_lora_rank=max_lora_rank,
         )
-        app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout, chat_template=chat)
+        app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout, chat_template=chat,
+                         adapter_roots=adapter_roots, max_request_bytes=max_request_bytes)  # fmt: skip
         state = engine.snapshot()
         print(
             f"meshlm serve: {engine.max_batch} rows, {state.kv_tokens} KV tokens "

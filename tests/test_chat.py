@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.chat import ChatTemplate, load_chat_template
+from meshlm.chat import ChatTemplate, check_messages, load_chat_template
 from meshlm.config import ConfigError, DataError
 from meshlm.tokenizer import load_tokenizer
 from tests.helpers.chat_templates import CHATML, CHATML_GENERATION, LLAMA2, ZEPHYR, tokenizer_folder
@@ -128,6 +128,36 @@ def test_template_errors_are_one_line(folders, tmp_path):
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }")
     with pytest.raises(ConfigError, match=r"bad.jinja: not a valid Jinja template \(line 1"):
         ChatTemplate.from_file(tmp_path / "bad.jinja")
+
+
+def test_a_templates_runtime_error_is_one_line(folders):
+    """A template's own code failing on the values it is given ({{ 1 // 0 }}, a `tools` of 5) is a DataError."""
+    with pytest.raises(DataError, match="failed on this chat: ZeroDivisionError"):
+        ChatTemplate("{{ 1 // 0 }}").render(CHAT)
+    with pytest.raises(DataError, match="failed on this chat: TypeError"):
+        ChatTemplate("{% for t in tools %}{{ t }}{% endfor %}").render(CHAT, tools=5)
+
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_openais_tool_calling_turns_are_messages():
+    """The assistant turn of a tool call (content null, as the openai SDK sends it back) and the tool's answer."""
+    turns = [CHAT[1], {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "assistant", "tool_calls": [
+             {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}]  # fmt: skip
+    assert check_messages(turns) is turns
+    bad = [
+        ({"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}, "only an assistant message makes tool calls"),
+        ({"role": "assistant", "content": None, "tool_calls": {"a": 1}}, "tool_calls is dict, expected a list"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}, r"tool_calls\[0\] must be"),
+        ({"role": "assistant", "content": None, "tool_calls": []}, "content is null, expected a string"),
+        ({"role": "tool", "content": None}, r"messages\[1\].content is null"),
+        ({"role": "tool", "tool_call_id": 3, "content": "x"}, "tool_call_id is int"),
+    ]
+    for message, words in bad:
+        with pytest.raises(DataError, match=words):
+            check_messages([CHAT[1], message])
 
 
 def test_the_sandbox_holds(folders):

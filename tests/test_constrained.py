@@ -117,3 +117,95 @@ def test_bad_constraints_are_refused_in_one_line(lm):
     params = lm.sampling(max_new_tokens=4, constraint=Constraint.json_object())
     with pytest.raises(InputError, match="speculative decoding"):
         speculating.add_request(lm.encode_prompt("x"), params)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 42: budgets checked before admission, and a row whose constraint fails mid-way ends alone
+
+
+@pytest.mark.parametrize(
+    "constraint, words",
+    [
+        (Constraint.choice([str(i) for i in range(10_000)], "guided_choice"), "10,000 choices; at most 2,000"),
+        (Constraint.regex("f{300000}", "guided_regex"), "repetition {300000} exceeds 2000"),
+        (Constraint.regex("x{1,100000}", "guided_regex"), "repetition {1,100000} exceeds 2000"),
+        (Constraint.grammar('start: "a"{5000}', "guided_grammar"), "repetition {5000} exceeds 2000"),
+        (Constraint.regex("a" * 300_000, "guided_regex"), "300,000 bytes; at most 262,144"),
+    ],
+)
+def test_constraints_over_the_size_budgets_are_refused_before_compiling(engine, constraint, words):
+    """10,000 choices passed compiling and failed mid-generation (llguidance's 2,000 items per row);
+    f{300000} compiled in a millisecond, then took 44 s for a row's first mask."""
+    with pytest.raises(InputError, match=re.escape(words)) as e:
+        engine.check_constraint(constraint)
+    assert e.value.param == constraint.param and "\n" not in str(e.value)
+
+
+def test_a_constraint_whose_first_mask_is_too_slow_is_refused_once(engine, monkeypatch):
+    from meshlm import grammar
+
+    monkeypatch.setattr(grammar, "MASK_SECONDS", 0.0)
+    slow = Constraint.regex("[a-z]{3,12}", "guided_regex")
+    with pytest.raises(InputError, match="too complex: a token's mask took"):
+        engine.check_constraint(slow)
+    monkeypatch.setattr(grammar, "MASK_SECONDS", 60.0)
+    with pytest.raises(InputError, match="too complex"):  # the verdict is remembered
+        engine.check_constraint(slow)
+    engine.check_constraint(Constraint.regex("[a-z]{3,11}", "guided_regex"))
+
+
+class FailingMatcher:
+    """A constraint that fails at its row's second step, as a runtime limit of llguidance does."""
+
+    def __init__(self, matcher):
+        self.matcher, self.steps = matcher, 0
+
+    def fill(self, out: np.ndarray) -> None:
+        self.steps += 1
+        if self.steps == 2:
+            raise InputError("max_items_in_row exceeded")
+        self.matcher.fill(out)
+
+    def accept(self, token: int) -> None:
+        self.matcher.accept(token)
+
+
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
+def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm):
+    """Before, the error failed every row in flight and reset the cache."""
+    engine = lm.engine(max_batch=4, max_len=64)
+    prompt = lm.encode_prompt("Once upon a time")
+    free = lm.sampling(max_new_tokens=12, temperature=0)
+    (alone,) = engine.generate([prompt], [free])
+    constrained = lm.sampling(max_new_tokens=12, temperature=0, constraint=Constraint.regex("[a-z ]+"))
+    rows = engine.add_requests([prompt, prompt], [constrained, free], tokenizer=lm.tokenizer)
+    rows[0].matcher = FailingMatcher(rows[0].matcher)
+    while engine.has_work():
+        engine.step(4)
+    assert rows[0].error_status == 400 and "max_items_in_row exceeded" in rows[0].error
+    assert rows[1].error is None and rows[1].output.tokens == alone.tokens
+
+
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
+def test_a_row_with_an_id_past_the_tokenizers_fails_alone_and_the_id_is_never_decoded(lm, monkeypatch):
+    """A NaN adapter's logits pick the padded id 50257 (here put in its row's step); decoding it crashed every
+    row in flight."""
+    engine = lm.engine(max_batch=4, max_len=64)
+    prompt = lm.encode_prompt("Once upon a time")
+    free = lm.sampling(max_new_tokens=8, temperature=0)
+    (alone,) = engine.generate([prompt], [free])
+    rows = engine.add_requests([prompt, prompt], [free, free], tokenizer=lm.tokenizer)
+    take, decode, decoded = engine.scheduler._take, lm.tokenizer.decode, []
+
+    def poisoned(r, step, i):
+        if r is rows[0]:
+            step = step._replace(token=np.where(step.emitted, 50257, step.token))
+        return take(r, step, i)
+
+    monkeypatch.setattr(engine.scheduler, "_take", poisoned)
+    monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, *a, **k: decoded.extend(ids) or decode(ids, *a, **k))
+    while engine.has_work():
+        engine.step(4)
+    assert rows[0].error_status == 500 and "token id 50257" in rows[0].error
+    assert rows[0].output.tokens == [] and 50257 not in decoded
+    assert rows[1].error is None and rows[1].output.tokens == alone.tokens

@@ -1,9 +1,16 @@
 """`meshlm serve` faults: impossible settings and a port that cannot be had are refused in one line before
 the model loads; a KV pool or batch the memory cannot hold is refused before it is allocated; the listening
 line comes once the port is really listening; and every way out (an error, Ctrl-C while loading, compiling
-or serving with requests in flight) is one line and no traceback, exit 1 or 130."""
+or serving with requests in flight) is one line and no traceback, exit 1 or 130.
+
+Issue 42's serving faults, in process (the live-server cases are in test_faults_live.py): OpenAI's
+tool-calling turns render through the template; chat_template_kwargs the server sets, a body over
+--max-request-bytes, a seed past 64 bits are 4xx naming what is wrong; prompts are tokenized off the event
+loop; runtime adapters are opt-in, from under --adapter-root only, with one message for every refused path;
+a malformed adapter_config.json is a 400 on load and one line at start-up."""
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -20,7 +27,7 @@ import pytest
 import meshlm
 from meshlm import cli, runner
 from meshlm.footprint import OutOfMemory
-from meshlm.server import Group, create_app
+from meshlm.server import REFUSED_ADAPTER_PATH, Group, create_app
 
 ABSENT = "no-such-checkpoint"  # a refusal that names anything else came before the model would load
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +77,11 @@ def taken_port() -> Iterator[int]:
         (["--request-timeout", "-1"], ["--request-timeout", "> 0"]),
         (["--request-timeout", "nan"], ["--request-timeout"]),
         (["--host", "no-such-host.invalid"], ["no-such-host.invalid"]),
+        (["--max-request-bytes", "0"], ["--max-request-bytes", "at least 1"]),
+        (["--allow-runtime-adapters"], ["--allow-runtime-adapters needs at least one --adapter-root"]),
+        (["--adapter-root", "."], ["--adapter-root needs --allow-runtime-adapters"]),
+        (["--allow-runtime-adapters", "--adapter-root", "no-such-folder"], ["--adapter-root no-such-folder"]),
+        (["--model-name", "tiny", "--adapter", "tiny=."], ["'tiny' is the served model's own name"]),
     ],
 )
 def test_impossible_settings_are_refused_before_the_model_loads(serve: Serve, args: list[str], words: list[str]):
@@ -206,3 +218,230 @@ def test_port_0_listens_on_a_free_port_it_names_and_ctrl_c_ends_serving(hf_tiny,
     port = int(lines[-1].rsplit(":", 1)[1])
     assert port and httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok"
     interrupt(proc)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 42, in process: the app over an engine of the tiny model
+
+# ChatML, with an assistant's tool calls written from their parsed arguments, and a tool answer's call id
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "{% if m['role'] == 'tool' %} [{{ m['tool_call_id'] }}]{% endif %}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},  # as the openai SDK's agent loop sends it back
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def http(lm):
+    """The app over a running engine of the tiny model, with TOOL_TEMPLATE; adapters are not loadable."""
+    from fastapi.testclient import TestClient
+
+    from meshlm.chat import ChatTemplate
+
+    engine = lm.engine(max_batch=2, max_len=128, kv_tokens=256)
+    engine.start(chunk=4)
+    app = create_app(lm, engine, "tiny", chat_template=ChatTemplate(TOOL_TEMPLATE, lm.tokenizer.special_tokens),
+                     max_request_bytes=4096)  # fmt: skip
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            yield client
+    finally:
+        engine.stop()
+
+
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
+def test_a_tool_calling_turn_renders_as_transformers_renders_it(http, neox_style_tokenizer):
+    """The assistant's tool calls (content null) and the tool's answer reach the template as transformers'
+    apply_chat_template takes them: arguments as an object (vLLM parses OpenAI's JSON text the same way)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(neox_style_tokenizer))
+    parsed = json.loads(json.dumps(TOOL_TURNS))
+    parsed[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    want = hf.apply_chat_template(parsed, chat_template=TOOL_TEMPLATE, tokenize=True, add_generation_prompt=True)
+    if isinstance(want, dict) or hasattr(want, "keys"):
+        want = want["input_ids"]
+    r = http.post("/tokenize", json={"messages": TOOL_TURNS})
+    assert r.status_code == 200 and r.json()["tokens"] == list(want), r.text
+    assert '<call>weather {"city": "Paris"}</call>' in hf.decode(r.json()["tokens"])
+    r = http.post("/v1/chat/completions", json={"messages": TOOL_TURNS, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"tools": 5}, "tools"),
+        ({"documents": "x"}, "documents"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_chat_template_kwargs_the_server_sets_are_400_naming_the_key(http, route, kwargs, key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    r = http.post(route, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and f"chat_template_kwargs.{key}" in error["message"], r.text
+    assert error["param"] == "chat_template_kwargs"
+
+
+def test_a_template_failing_on_a_value_is_400_not_500(http):
+    """A template's own runtime error (here iterating a tool's name, a number) is the request's fault."""
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}, "id": 5}]}]}  # fmt: skip
+    r = http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text  # the shapes OpenAI allows render
+    bad = {**body, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": 5}]}
+    r = http.post("/tokenize", json=bad)
+    assert r.status_code == 400 and "messages[1].content" in r.json()["error"]["message"], r.text
+
+
+def test_a_body_over_max_request_bytes_is_413_before_it_is_read(http):
+    big = {"prompt": "x" * 5000, "max_tokens": 1}
+    r = http.post("/v1/completions", json=big)
+    assert r.status_code == 413 and "4,096 bytes" in r.json()["error"]["message"], r.text
+    chunked = http.post("/tokenize", content=iter([json.dumps(big).encode()[:3000], b" " * 3000]),
+                        headers={"content-type": "application/json"})  # fmt: skip
+    assert chunked.status_code == 413, chunked.text
+    assert http.post("/tokenize", json={"prompt": "x" * 100}).status_code == 200
+
+
+@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
+def test_prompts_are_tokenized_off_the_event_loop(http, lm, monkeypatch):
+    """A long prompt's tokenizing never holds the event loop (and so /health) up."""
+    import threading
+
+    loop_thread = http.portal.call(threading.current_thread)
+    seen = []
+    encode, encode_prompt = lm.tokenizer.encode, lm.encode_prompt
+    monkeypatch.setattr(lm.tokenizer, "encode", lambda *a, **k: seen.append(threading.current_thread()) or
+                        encode(*a, **k))  # fmt: skip
+    monkeypatch.setattr(lm, "encode_prompt", lambda *a, **k: seen.append(threading.current_thread()) or
+                        encode_prompt(*a, **k))  # fmt: skip
+    assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
+    assert http.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"messages": TOOL_TURNS[:1], "max_tokens": 1}).status_code == 200
+    assert len(seen) >= 3 and loop_thread not in seen, (loop_thread, seen)
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**70, -(2**63) - 1])
+def test_a_seed_outside_64_bits_is_400_naming_it(http, seed):
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "seed": seed})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+def test_seeds_past_32_bits_key_their_draws_whole():
+    """2^32 and 0, 2^70 and 2^63 drew alike when a seed was cut to its low 32 bits."""
+    from meshlm.generate import seed_word
+
+    assert seed_word(7) == 7 and seed_word(2**32 - 1) == 2**32 - 1
+    words = [seed_word(s) for s in (0, 2**32, 2**63, 2**70, -1, 2**63 - 1)]
+    assert len(set(words)) == len(words) and all(0 <= w < 2**32 for w in words)
+
+
+def test_runtime_adapter_loading_is_off_unless_allowed(http):
+    """As vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: the routes are not there."""
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"}),
+                        ("/v1/unload_lora_adapter", {"lora_name": "x"})):  # fmt: skip
+        r = http.post(route, json=body)
+        assert r.status_code == 404 and "--allow-runtime-adapters" in r.json()["error"]["message"], r.text
+
+
+def test_an_unexpected_error_is_a_json_500_in_openais_shape(lm):
+    from fastapi.testclient import TestClient
+
+    app = create_app(lm, lm.engine(max_batch=1, max_len=16, kv_tokens=16), "tiny")
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom, methods=["GET"])
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/boom")
+    error = {"message": "internal error: RuntimeError", "type": "server_error", "param": None, "code": None}
+    assert r.status_code == 500 and r.json()["error"] == error
+
+
+BAD_CONFIGS = {
+    "a-list": [],
+    "rank-0": {"r": 0},
+    "rank-text": {"r": "8"},
+    "bad-regex": {"rank_pattern": {"(": 4}},
+    "pattern-list": {"rank_pattern": [4]},
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_tree(hf_tiny, tmp_path_factory) -> dict[str, Path]:
+    """An adapter root with a good adapter, malformed ones, a folder and a file that are no adapters and a
+    link out of the root; and a good adapter outside the root."""
+    from tests.helpers.lora import peft_model
+
+    base = tmp_path_factory.mktemp("adapter-tree")
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    peft_model(hf_tiny.path, "gptj", r=4).save_pretrained(root / "good")
+    peft_model(hf_tiny.path, "gptj", r=4).save_pretrained(outside)
+    config = json.loads((root / "good" / "adapter_config.json").read_text())
+    weights = (root / "good" / "adapter_model.safetensors").read_bytes()
+    for name, bad in BAD_CONFIGS.items():
+        (root / name).mkdir()
+        (root / name / "adapter_model.safetensors").write_bytes(weights)
+        (root / name / "adapter_config.json").write_text(json.dumps({**config, **bad} if bad else bad))
+    (root / "empty").mkdir()
+    (root / "file.txt").write_text("x")
+    (root / "link-out").symlink_to(outside)
+    return {"root": root, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def adapters_http(lm, adapter_tree):
+    from fastapi.testclient import TestClient
+
+    engine = lm.engine(max_batch=1, max_len=16, kv_tokens=16, max_adapters=1, max_lora_rank=4)
+    app = create_app(lm, engine, "tiny", adapter_roots=[adapter_tree["root"]])
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def test_runtime_adapters_load_from_under_the_roots_and_every_refused_path_reads_alike(adapters_http, adapter_tree):
+    root, outside = adapter_tree["root"], adapter_tree["outside"]
+    refused = [outside, root / "link-out", root / ".." / "outside", root / "missing", root / "empty",
+               root / "file.txt", "/etc", "/no/such/path", "relative/path", "bad\x00path", root.parent]  # fmt: skip
+    answers = {adapters_http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(p)}).text
+               for p in refused}  # fmt: skip
+    assert len(answers) == 1, answers
+    (answer,) = answers
+    assert json.loads(answer)["error"]["message"] == REFUSED_ADAPTER_PATH
+    r = adapters_http.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": str(root / "good")})
+    assert r.status_code == 200, r.text
+    assert adapters_http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 200
+
+
+@pytest.mark.parametrize("name, words", [("a-list", "must be a JSON object, got list"), ("rank-0", "r is 0"),
+                                         ("rank-text", "r is '8'"), ("bad-regex", "rank_pattern key '('"),
+                                         ("pattern-list", "rank_pattern is list")])  # fmt: skip
+def test_a_malformed_adapter_config_is_a_400_naming_it(adapters_http, adapter_tree, name, words):
+    body = {"lora_name": name, "lora_path": str(adapter_tree["root"] / name)}
+    r = adapters_http.post("/v1/load_lora_adapter", json=body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "adapter_config.json" in message and words in message, r.text
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["a-list", "bad-regex"])
+def test_a_malformed_adapter_config_is_one_line_at_start_up(serve: Serve, hf_tiny, neox_style_tokenizer,
+                                                           adapter_tree, name):  # fmt: skip
+    code, err = serve(hf_tiny.path, "--tokenizer", neox_style_tokenizer, "--port", 0,
+                      "--adapter", f"bad={adapter_tree['root'] / name}")  # fmt: skip
+    assert_refused(code, err, "adapter_config.json")

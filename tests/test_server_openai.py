@@ -81,6 +81,9 @@ def server(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file, adapters):
         "2",
         "--max-lora-rank",
         "8",
+        "--allow-runtime-adapters",
+        "--adapter-root",
+        str(adapters["late"].parent),
     ]
     with serving(args, env, start_within=300) as url:
         yield url
@@ -628,7 +631,7 @@ def test_bad_adapters_get_a_clear_4xx_and_the_server_serves_on(server, client, a
     cases = [
         ({"lora_name": "alien", "lora_path": str(adapters["alien"])}, 400, "adapter does not match the base"),
         ({"lora_name": "wide", "lora_path": str(adapters["wide"])}, 400, "rank 16 exceeds the adapter slots' rank 8"),
-        ({"lora_name": "gone", "lora_path": str(tmp_path / "gone")}, 400, "does not exist"),
+        ({"lora_name": "gone", "lora_path": str(tmp_path / "gone")}, 400, "not an adapter folder under"),
         ({"lora_name": "tuned", "lora_path": str(adapters["late"])}, 400, "loaded already"),
         ({"lora_name": "tiny", "lora_path": str(adapters["late"])}, 400, "the served model's name"),
         ({"lora_name": "x"}, 400, "lora_path"),

@@ -87,12 +87,44 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _check_config(conf: Any, where: Path) -> None:
+    """adapter_config.json's numbers and patterns, as PEFT's LoraConfig takes them: a one-line CheckpointError
+    naming the key for a config that is not an object, a rank that is not a positive integer, an alpha that is
+    not a number, or a rank_pattern / alpha_pattern that is not an object of valid regexes to such values."""
+    if not isinstance(conf, dict):
+        raise CheckpointError(f"{where}: must be a JSON object, got {type(conf).__name__}")
+
+    def rank(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    def alpha(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    for key, ok, what in (("r", rank, "a positive integer"), ("lora_alpha", alpha, "a finite number")):
+        if key in conf and not ok(conf[key]):
+            raise CheckpointError(f"{where}: {key} is {conf[key]!r}; it must be {what}")
+    for key, ok, what in (("rank_pattern", rank, "positive integer ranks"), ("alpha_pattern", alpha, "numbers")):
+        patterns = conf.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise CheckpointError(f"{where}: {key} is {type(patterns).__name__}; it must map module patterns to {what}")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise CheckpointError(f"{where}: {key} key {pattern!r} is not a valid regex ({e})") from None
+            if not ok(value):
+                raise CheckpointError(f"{where}: {key}[{pattern!r}] is {value!r}; it must map to {what}")
+
+
 def read_peft(folder: str | Path, cfg: ModelConfig) -> Adapter:
     """A PEFT LoRA adapter folder as meshlm's adapter for base `cfg`; a one-line error for an adapter
     that is not LoRA, computes something meshlm does not, or does not fit the base."""
     folder = Path(folder)
     conf = read_json(folder / CONFIG, f"{folder}: not a PEFT adapter folder (no {CONFIG})")
-    if not isinstance(conf, dict) or conf.get("peft_type") != "LORA":
+    _check_config(conf, folder / CONFIG)
+    if conf.get("peft_type") != "LORA":
         raise CheckpointError(f"{folder / CONFIG}: peft_type {conf.get('peft_type')!r}; meshlm runs LORA adapters")
     for key, value in UNSUPPORTED.items():
         if conf.get(key, value) != value:

@@ -35,7 +35,13 @@ def helper_imports(tree: ast.AST) -> set[str]:
 
 
 def quick_files() -> dict[Path, list[ast.FunctionDef]]:
-    return {p: fs for p, tree in TEST_FILES.items() if (fs := tiers.quick_tests(tree))}
+    """Each test file with quick tests: those tests, and the file's other functions (fixtures, helpers)."""
+    found = {}
+    for path, tree in TEST_FILES.items():
+        if quick := tiers.quick_tests(tree):
+            others = [f for f in tree.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("test")]
+            found[path] = quick + others
+    return found
 
 
 def test_every_module_is_reached_by_a_quick_test_file():
@@ -51,17 +57,22 @@ def commands() -> list[str]:
 
 
 def runs_command(function: ast.FunctionDef, command: str) -> bool:
-    """Whether a test function calls `main(...)` or starts `meshlm` with `command` in a list of arguments."""
-    calls_main = any(
-        isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == "main"
-        for n in ast.walk(function)
-    )
+    """Whether a test function runs `meshlm command`: a call of `main`, or of a helper named for the command
+    line (`run_cli`, ...), with `command` among its arguments, or an argument list that starts `-m meshlm`."""
     for node in ast.walk(function):
-        if isinstance(node, ast.List | ast.Tuple):
-            strings = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if command in strings and (calls_main or "meshlm" in strings):
-                return True
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            if name == "main" or "cli" in name:
+                lists = [a.elts for a in node.args if isinstance(a, ast.List | ast.Tuple)]
+                if command in strings([*node.args, *(e for elts in lists for e in elts)]):
+                    return True
+        elif isinstance(node, ast.List | ast.Tuple) and {command, "meshlm"} <= set(strings(node.elts)):
+            return True
     return False
+
+
+def strings(nodes: list[ast.expr]) -> list[str]:
+    return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 def test_every_command_is_run_by_a_quick_test():
@@ -90,14 +101,15 @@ def test_quick_tests_leave_out_slow_functions_classes_and_modules():
     assert tiers.quick_tests(ast.parse(slow_module)) == []
 
 
-def test_runs_command_needs_the_command_in_an_argument_list_beside_main_or_meshlm():
+def test_runs_command_needs_the_command_passed_to_main_a_cli_helper_or_meshlm():
     source = """
 def f(): cli.main(["train", "x"])
 def g(): run([sys.executable, "-m", "meshlm", "serve"])
 def h(): x = ["train"]
+def i(): assert run_cli("eval", path) == 1
 """
-    (f, g, h) = ast.parse(source).body
-    assert runs_command(f, "train") and runs_command(g, "serve")
+    (f, g, h, i) = ast.parse(source).body
+    assert runs_command(f, "train") and runs_command(g, "serve") and runs_command(i, "eval")
     assert not runs_command(h, "train") and not runs_command(f, "serve")
 
 

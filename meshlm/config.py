@@ -301,11 +301,13 @@ def preset(name: str) -> ModelConfig:
 # ml_dtypes), which jax takes as they are.
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 REMAT_NAMES = ("none", "full", "dots", "dots_no_batch")
-# "auto": cuDNN's fused (flash) attention on a GPU where it takes the shapes and dtypes, XLA's otherwise,
-# and on a GPU the Pallas paged-attention kernel for decode steps over the paged KV cache; "xla" or
-# "cudnn" force one (a forced "cudnn" raises where cuDNN cannot run); "pallas" uses the paged kernel for
-# decode steps on any backend (interpreted on a CPU: slow, for checking it) and XLA's attention elsewhere.
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+# What `meshlm.attention.resolve` prefers (its docstring has the table of kernels and their limits).
+# "auto": the fastest kernel that serves the call: TPU splash for a forward pass, cuDNN's fused attention
+# on a GPU, the Pallas paged kernels for decode steps, XLA's otherwise; "xla" or "cudnn" force one (a
+# forced "cudnn" raises where cuDNN cannot run); "pallas" uses a paged kernel for decode steps on any
+# backend (interpreted on a CPU: slow, for checking it) and XLA's attention elsewhere; "splash" the TPU
+# splash kernel for forward passes wherever its limits allow (interpreted off a TPU), XLA's elsewhere.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "splash")
 
 
 def dtype_of(name: str) -> Any:
@@ -492,7 +494,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "auto"  # Policy.attention: "auto", "xla", "cudnn" or "pallas" (see ATTENTION_IMPLS)
+    attention: str = "auto"  # Policy.attention: "auto", "xla", "cudnn", "pallas" or "splash" (see ATTENTION_IMPLS)
     val_every: int = 50
     val_batches: int = 8
     eval_tasks: list[str] = dataclasses.field(default_factory=list)  # lm-eval task names, run every eval_every

@@ -142,3 +142,30 @@ def test_packed_documents_never_see_each_other_under_splash():
     run = jax.jit(lambda t: model.hidden_states(params, t, cfg, policy, segments=segments))
     changed = tokens.at[:, :64].set((tokens[:, :64] + 1) % cfg.vocab_size)
     np.testing.assert_allclose(run(changed)[:, 64:], run(tokens)[:, 64:], atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+def test_splash_compiles_for_a_tpu_v5e_with_its_gradient(head_dim, monkeypatch):
+    """Ahead of time, without a chip: the kernel, with segment ids and a local window, and its backward
+    pass lower through Mosaic for a TPU v5e at sequence 2048, for the family's head sizes (Pythia's 64 and
+    80, GPT-J's 256)."""
+    pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from meshlm.attention import Kernel
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    kernel = Kernel("splash", "ahead of time", block=512)
+    on_tpu = SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((2, 2048, 4, head_dim), jnp.bfloat16, sharding=on_tpu)
+    ids = jax.ShapeDtypeStruct((2, 2048), jnp.int32, sharding=on_tpu)
+
+    def grads(q, k, v, ids):
+        loss = lambda q, k, v: splash(kernel, q, k, v, ids, 0.125, 256).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    compiled = jax.jit(grads).trace(x, x, x, ids).lower(lowering_platforms=("tpu",)).compile()
+    assert "tpu_custom_call" in compiled.as_text()

@@ -23,19 +23,37 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshlm import fused_ce, lora, quant
 from meshlm.attention import Kernel, dense, mesh_shards, resolve, splash
-from meshlm.config import PROJECTIONS, ModelConfig, Policy, dtype_of
+from meshlm.config import PROJECTIONS, REMAT_NAMES, ModelConfig, Policy, dtype_of, remat_names
 from meshlm.kv_cache import CacheView, KVCache
 from meshlm.param import Param, axes_of, init_table
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+
+def remat_policy(remat: str) -> Any:
+    """The `jax.checkpoint` policy of a `Policy.remat` name (see `REMAT_NAMES` in meshlm.config): what each
+    layer keeps for the backward pass. The named activations are those `attention` and `mlp` name."""
+    fixed = {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    if remat in fixed:
+        return fixed[remat]
+    saved, offloaded = remat_names(remat)
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved),
+        names_which_can_be_offloaded=list(offloaded),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+REMAT_POLICIES = {name: remat_policy(name) for name in REMAT_NAMES}
 
 DEFAULT_POLICY = Policy()
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
@@ -445,7 +463,7 @@ def _run(
         return block(x, layer, cfg, policy, ctx, cache), None
 
     if policy.remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[policy.remat], prevent_cse=False)
+        step = jax.checkpoint(step, policy=remat_policy(policy.remat), prevent_cse=False)
     local = jnp.array([kind == "local" for kind in cfg.layer_kinds])
     slots = params.get("adapters", {})
     if slots and adapter_rows is None:

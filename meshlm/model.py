@@ -12,7 +12,6 @@ depth.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -306,13 +305,18 @@ def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
     return out
 
 
+def score_scale(cfg: ModelConfig) -> float:
+    """What the scores q.k are multiplied by: 1/sqrt(d_head), or 1 for GPT-Neo."""
+    return 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
+
+
 def attend(
     kind: str, q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context
 ) -> jax.Array:
     """Causal attention of q [B, T, H, K] over k, v [B, S, H, K] for a layer of `kind` ("global" or
     "local"), by the kernel `ctx.kernels` names for it: splash reads the segment ids and the window,
     XLA and cuDNN the [B, T, S] mask (and the t5 bias)."""
-    scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
+    scale = score_scale(cfg)
     kernel = ctx.kernels[kind]
     if kernel.name == "splash":
         return splash(kernel, q, k, v, ctx.segments, scale, cfg.local_window if kind == "local" else 0)
@@ -325,7 +329,8 @@ def attention(
 ) -> tuple[jax.Array, CacheView | None]:
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
     a cache, this layer's new keys/values are stored first and the queries attend over every cached slot
-    (in place by a paged kernel for a decode step, else gathered)."""
+    (in place by a paged kernel for a decode step, else gathered). Each kind of layer runs the kernel
+    `ctx.kernels` names for it."""
     p = layer.params["attn"]
     q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg.rotary_style)
     k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
@@ -334,21 +339,22 @@ def attention(
     q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), ("q", "k", "v"), strict=True))
     if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
+
+    def run(kind: str, ctx: Context) -> jax.Array:
+        kernel = ctx.kernels[kind]
+        if kernel.paged:  # a decode step reads the pool in place
+            assert cache is not None
+            return cache.attend(layer.index, q, score_scale(cfg), kernel.name.removeprefix("paged_"))
+        keys, values = (k, v) if cache is None else cache.read(layer.index, h.dtype)
+        return attend(kind, q, keys, values, cfg, policy, ctx)
+
     kernels = ctx.kernels
-    if cache is not None and kernels["global"].paged:  # a decode step (no local layers: see `resolve`)
-        scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
-        out = cache.attend(layer.index, q, scale, kernels["global"].name.removeprefix("paged_"))
-    else:
-        if cache is not None:
-            k, v = cache.read(layer.index, h.dtype)
-        if len(kernels) == 1:
-            out = attend(next(iter(kernels)), q, k, v, cfg, policy, ctx)
-        elif kernels["global"] == kernels["local"] and kernels["global"].name != "splash":  # one kernel, two masks
-            local_ctx = ctx._replace(allowed=jnp.where(layer.local, ctx.allowed_local, ctx.allowed))
-            out = attend("global", q, k, v, cfg, policy, local_ctx)
-        else:  # each kind of layer its own kernel
-            run = {kind: functools.partial(attend, kind, cfg=cfg, policy=policy, ctx=ctx) for kind in kernels}
-            out = jax.lax.cond(layer.local, run["local"], run["global"], q, k, v)
+    if len(kernels) == 1:
+        out = run(next(iter(kernels)), ctx)
+    elif kernels["global"] == kernels["local"] and kernels["global"].name in ("xla", "cudnn"):  # by the mask
+        out = run("global", ctx._replace(allowed=jnp.where(layer.local, ctx.allowed_local, ctx.allowed)))
+    else:  # each kind of layer its own kernel
+        out = jax.lax.cond(layer.local, lambda: run("local", ctx), lambda: run("global", ctx))
     out = linear(checkpoint_name(out, "attn"), p["out"], "out", layer, ctx)
     if "out_bias" in p:
         out = out + p["out_bias"].astype(h.dtype)

@@ -169,3 +169,28 @@ def test_splash_compiles_for_a_tpu_v5e_with_its_gradient(head_dim, monkeypatch):
 
     compiled = jax.jit(grads).trace(x, x, x, ids).lower(lowering_platforms=("tpu",)).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.slow
+def test_a_decode_step_of_global_and_local_layers_reads_the_pool_by_kernel_and_window():
+    """GPT-Neo's layout with `attention: pallas`: global layers read the pool in place (the GPU paged kernel,
+    interpreted), local ones a gathered copy within their window; the logits equal XLA's for both."""
+    from meshlm import kv_cache
+
+    cfg = CONFIGS["local"]
+    params = model.init(cfg, jax.random.key(2))
+    page, pages = 16, 4
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 40)), jnp.int32)
+    kernels = model.attention_kernels(cfg, Policy(attention="pallas"), (1, 1), pages * page, False, cached=True)
+    assert (kernels["global"].name, kernels["local"].name) == ("paged_gpu", "xla")
+
+    def next_logits(attention):
+        policy = Policy(attention=attention)
+        cache = kv_cache.init_cache(cfg, pages + 1, page)
+        _, cache = model.decode(params, prompt, cache, table, jnp.zeros((1,), jnp.int32), cfg, policy)
+        token = prompt[:, -1:]
+        logits, _ = model.decode(params, token, cache, table, jnp.full((1,), 40, jnp.int32), cfg, policy)
+        return logits
+
+    np.testing.assert_allclose(next_logits("pallas"), next_logits("xla"), atol=2e-5, rtol=1e-5)

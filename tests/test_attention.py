@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshlm import model
-from meshlm.attention import dense, resolve, splash
+from meshlm.attention import dense, mesh_shards, resolve, splash
 from meshlm.config import ModelConfig, Policy
 
 # Shapes the splash kernel tiles (128 tokens is its smallest block), kept tiny otherwise: the interpreter is slow.
@@ -194,3 +194,22 @@ def test_a_decode_step_of_global_and_local_layers_reads_the_pool_by_kernel_and_w
         return logits
 
     np.testing.assert_allclose(next_logits("pallas"), next_logits("xla"), atol=2e-5, rtol=1e-5)
+
+
+def test_splash_runs_per_shard_under_a_mesh():
+    """Rows split over data and fsdp, heads over model: each shard runs the kernel on its own rows and heads,
+    and the whole equals XLA's attention."""
+    from meshlm.sharding import make_mesh
+
+    B, H, K, window = 4, 2, 16, 24
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (B, T, H, K)) for key in keys)
+    segments = jnp.asarray(np.repeat([[1, 2], [1, 1], [2, 3], [1, 2]], T // 2, axis=1), jnp.int32)
+    allowed = model.causal_mask(None, B, T, segments) & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)
+    want = dense(resolve(**shape(batch=B, q_len=T, kv_len=T, heads=H), dtype="float32", impl="xla"),
+                 q, k, v, allowed, None, 0.25)  # fmt: skip
+    with jax.set_mesh(make_mesh("data=2,fsdp=2,model=2")):
+        assert mesh_shards() == (4, 2)
+        kernel = resolve(**shape(batch=B, q_len=T, kv_len=T, heads=H), dtype="float32", impl="splash", shards=(4, 2))
+        got = jax.jit(lambda q, k, v: splash(kernel, q, k, v, segments, 0.25, window))(q, k, v)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ the time budget is spent:
             the largest batch of a list that fits): tokens/s, MFU, step and compile time;
   generate  bf16 generation: prefill tokens/s of a 2048-token prompt, decode tokens/s at batch 1/16/64,
             batch-1 decode as a fraction of the roofline (weight + KV-cache bytes per step / copy GB/s);
-for the gptj-6b and the gptj-1b presets. `--tiny` shrinks every shape so the same code runs on a CPU.
+for the gptj-6b and the gptj-1b presets (`--models` names others, `--sections` picks sections; `--micro-batches`
+and `--param-dtype` shape the training step). `--tiny` shrinks every shape so the same code runs on a CPU.
 
     bash benchmarks/gpu.sh            # writes $OUT/gpu.json and $OUT/gpu.md
     python benchmarks/gpu.py --tiny --out /tmp/gpu
@@ -126,44 +127,50 @@ def bench_train(
 ) -> dict:
     mesh = make_mesh(None)
     memory = device_capacity(jax.devices()[0]) or host_memory()
-    remat = args.remat
+    remat, micro = args.remat, args.micro_batches
     state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
-    tcfg = config.TrainConfig(
-        model=cfg,
-        param_dtype="float32",
-        compute_dtype="bfloat16",
-        remat=remat,
-        attention=attention,
-        warmup_steps=0,
-        anneal_steps=10,
-    )
-    opt = optim.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
-    shardings = train_step.state_shardings(cfg, opt, mesh)
-    step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
-
-    def init_state(key: jax.Array) -> train_step.TrainState:
-        params = model.init(cfg, key)
-        return train_step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
-
-    make_state = jax.jit(init_state, out_shardings=shardings)
+    param_bytes = 4 if args.param_dtype == "float32" else 2  # weights and gradients, each
     result: dict[str, Any] = {
         "params": model.count_params(cfg),
         "seq_len": shapes.seq_len,
         "remat": remat,
         "attention": attention,
+        "param_dtype": args.param_dtype,
+        "micro_batches": micro,
         "optimizer_state": state_dtype,
-        "state_gb": metrics.state_bytes_per_device(cfg, {}, bytes_per_param=16 if state_dtype == "float32" else 12)
+        "state_gb": metrics.state_bytes_per_device(
+            cfg, {}, bytes_per_param=2 * param_bytes + (8 if state_dtype == "float32" else 4)
+        )
         / 1e9,
         "device_memory_gb": memory / 1e9,
         "tried": {},
     }
-    for batch_size in shapes.train_batches:
+    for batch_size in shapes.train_batches:  # sequences per micro-batch
         if time.monotonic() > deadline:
             result["tried"][batch_size] = "skipped: time budget"
             continue
-        state = make_state(jax.random.key(0))
-        tokens = jax.random.randint(jax.random.key(1), (1, batch_size, shapes.seq_len + 1), 0, cfg.n_vocab_used)
-        batch = token_batch(tokens)
+        tcfg = config.TrainConfig(
+            model=cfg,
+            param_dtype=args.param_dtype,
+            compute_dtype="bfloat16",
+            remat=remat,
+            attention=attention,
+            batch_size=batch_size * micro,
+            micro_batches=micro,
+            warmup_steps=0,
+            anneal_steps=10,
+        )
+        opt = optim.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
+        shardings = train_step.state_shardings(cfg, opt, mesh)
+        step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
+
+        def init_state(key: jax.Array, opt: Any = opt) -> train_step.TrainState:
+            params = model.init(cfg, key, args.param_dtype)
+            return train_step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+
+        state = jax.jit(init_state, out_shardings=shardings)(jax.random.key(0))
+        shape = (micro, batch_size, shapes.seq_len + 1)
+        batch = token_batch(jax.random.randint(jax.random.key(1), shape, 0, cfg.n_vocab_used))
         try:
             start = time.perf_counter()
             compiled = step_fn.lower(state, batch).compile()
@@ -185,12 +192,13 @@ def bench_train(
             del state
             gc.collect()
             continue
-        tokens_per_s = batch_size * shapes.seq_len / step_s
+        tokens_per_s = micro * batch_size * shapes.seq_len / step_s
         flops = metrics.flops_per_token(cfg, shapes.seq_len) * tokens_per_s
         result["tried"][batch_size] = "ok"
+        result["stored_param_dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(state.params)})
         result |= {
             "batch": batch_size,
-            "tokens_per_step": batch_size * shapes.seq_len,
+            "tokens_per_step": micro * batch_size * shapes.seq_len,
             "first_loss": first_loss,
             "loss": loss,  # after the timed steps, all on the same batch
             "compile_s": compile_s,
@@ -364,14 +372,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name}: {result['status']} ({result.get('wall_s', 0):.1f} s)", flush=True)
         return result
 
-    matmul = section("matmul", lambda _: probe_matmul(shapes))
-    copy = section("copy", lambda _: probe_copy(shapes))
+    wanted = set(args.sections.split(","))
+    matmul = section("matmul", lambda _: probe_matmul(shapes)) if "matmul" in wanted else {}
+    copy = section("copy", lambda _: probe_copy(shapes)) if "copy" in wanted else {}
     tflops = matmul.get("tflops", float("nan"))
     gbs = copy.get("gb_per_s", float("nan"))
-    for name in shapes.models:
+    for name in args.models.split(",") if args.models else shapes.models:
         cfg = config.preset(name).replace(max_seq_len=max(shapes.seq_len, shapes.prompt_len))
-        section(f"train/{name}", lambda attn, cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline, attn))
-        section(f"generate/{name}", lambda attn, cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline, attn))
+        if "train" in wanted:
+            section(f"train/{name}", lambda attn, cfg=cfg: bench_train(cfg, shapes, args, tflops, deadline, attn))
+        if "generate" in wanted:
+            section(f"generate/{name}", lambda attn, cfg=cfg: bench_generate(cfg, shapes, tflops, gbs, deadline, attn))
     return report
 
 
@@ -404,7 +415,8 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"- **copy** {r['bytes'] >> 20} MiB: {fmt(r['gb_per_s'])} GB/s")
         elif name.startswith("train/"):
             lines.append(
-                f"- **{name}** batch {r['batch']} x {r['seq_len']}, remat {r['remat']}, Adam state "
+                f"- **{name}** batch {r['micro_batches']} x {r['batch']} x {r['seq_len']}, remat {r['remat']}, "
+                f"weights {r['param_dtype']}, Adam state "
                 f"{r['optimizer_state']}: {fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
                 f"MFU {fmt(100 * r['mfu'])}% (of spec peak; {fmt(100 * r['mfu_vs_matmul'])}% of measured matmul), "
                 f"compile {fmt(r['compile_s'])} s"
@@ -422,6 +434,17 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = ("matmul", "copy", "train", "generate")
+
+
+def sections(value: str) -> str:
+    """--sections: a comma-separated subset of SECTIONS."""
+    unknown = [s for s in value.split(",") if s not in SECTIONS]
+    if unknown or not value:
+        raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    return value
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", default=os.environ.get("MESHLM_GPU_TINY") == "1")
@@ -429,7 +452,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0, help="sections starting after this are skipped")
     p.add_argument("--remat", default="dots_no_batch", choices=sorted(model.REMAT_POLICIES))
     p.add_argument("--attention", default="auto", choices=config.ATTENTION_IMPLS)
-    p.add_argument("--train-batches", default="", help="comma-separated batch sizes to try, largest first")
+    p.add_argument(
+        "--train-batches", default="", help="comma-separated sequences per micro-batch to try, largest first"
+    )
+    p.add_argument("--models", default="", help="comma-separated presets (default: gptj-6b,gptj-1b; --tiny: test-tiny)")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        type=sections,
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches (gradient accumulation) per step")
+    p.add_argument(
+        "--param-dtype", default="float32", choices=list(config.DTYPES), help="the trained weights' storage dtype"
+    )
     p.add_argument(
         "--optimizer-state",
         default="auto",

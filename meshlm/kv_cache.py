@@ -3,7 +3,7 @@ call's view of it (where its new tokens are written, what each row reads back).
 
 `meshlm.pages` decides which pages a row holds; this module only stores into and reads from them, for
 the attention in `meshlm.model`. A decode step reads the pool either gathered into a contiguous copy
-(`CacheView.read`) or in place by a Pallas kernel (`CacheView.attend`, chosen by `paged_kernel`).
+(`CacheView.read`) or in place by a Pallas kernel (`CacheView.attend`), as `meshlm.attention.resolve` chooses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshlm.config import ModelConfig, Policy, dtype_of
+from meshlm.config import ModelConfig, dtype_of
 from meshlm.paged_attention import paged_attention
 from meshlm.sharding import constrain
 
@@ -84,19 +84,3 @@ class CacheView(NamedTuple):
         query = (q[:, 0] * scale).astype(k.dtype)
         out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel)
         return out[:, None].astype(q.dtype)
-
-
-def paged_kernel(q: jax.Array, cfg: ModelConfig, policy: Policy, biased: bool) -> str | None:
-    """The Pallas kernel ("gpu" or "tpu", see `meshlm.paged_attention`) that reads the pool for a decode
-    step (one token per row) of a model with plain causal attention (no `biased` scores, no local
-    layers): on a GPU, and on a TPU for a
-    bfloat16 pool, with "auto"; wherever "pallas" asks (the GPU kernel, interpreted on a CPU). None:
-    the gather path."""
-    if q.shape[1] != 1 or biased or "local" in cfg.attention_layers:
-        return None
-    backend = jax.default_backend()
-    if backend == "tpu" and policy.attention in ("auto", "pallas"):
-        return "tpu" if policy.compute_dtype == "bfloat16" else None
-    if (backend == "gpu" and policy.attention == "auto") or policy.attention == "pallas":
-        return "gpu"
-    return None

@@ -18,21 +18,41 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from meshlm import fused_ce, lora, quant
-from meshlm.config import PROJECTIONS, ModelConfig, Policy, dtype_of
-from meshlm.kv_cache import CacheView, KVCache, paged_kernel
+from meshlm.attention import Kernel, dense, mesh_shards, resolve, splash
+from meshlm.config import PROJECTIONS, REMAT_NAMES, ModelConfig, Policy, dtype_of, remat_names
+from meshlm.kv_cache import CacheView, KVCache
 from meshlm.param import Param, axes_of, init_table
 from meshlm.sharding import constrain, embedding_lookup
 
 Params = dict[str, Any]
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+
+def remat_policy(remat: str) -> Any:
+    """The `jax.checkpoint` policy of a `Policy.remat` name (see `REMAT_NAMES` in meshlm.config): what each
+    layer keeps for the backward pass. The named activations are those `attention` and `mlp` name."""
+    fixed = {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    if remat in fixed:
+        return fixed[remat]
+    saved, offloaded = remat_names(remat)
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved),
+        names_which_can_be_offloaded=list(offloaded),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+REMAT_POLICIES = {name: remat_policy(name) for name in REMAT_NAMES}
 
 DEFAULT_POLICY = Policy()
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # the seed's relative position buckets
@@ -225,46 +245,28 @@ def t5_buckets(length: int) -> np.ndarray:
 
 class Positions(NamedTuple):
     """What attention needs to know about where tokens are: queries' positions [B, T], keys' [B, S],
-    and which keys each query may see before windows apply [B, T, S]."""
+    which keys each query may see before windows apply [B, T, S], and (for kernels that take them
+    instead of `allowed`: a forward pass without the cache) each token's segment id [B, T], which only
+    tokens of the same id see: packed documents, and padding apart from real tokens."""
 
     query: jax.Array
     key: jax.Array
     allowed: jax.Array
-
-
-def _use_cudnn(q: jax.Array, impl: str) -> bool:
-    if impl == "cudnn":
-        return True
-    return impl == "auto" and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-
-
-def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, bias: jax.Array | None, scale: float, impl: str
-) -> jax.Array:
-    """Softmax attention with fp32 scores. q [B, T, H, K], k/v [B, S, H, K], allowed [B, T, S], bias
-    [B, H, T, S] or None.
-
-    `jax.nn.dot_product_attention` either way: its XLA path is the plain einsum-softmax-einsum with
-    fp32 scores; the cuDNN path fuses it into one kernel (the mask becomes an additive bias)."""
-    mask = allowed[:, None]
-    if _use_cudnn(q, impl):
-        try:
-            return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            if impl == "cudnn":
-                raise
-    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
+    segments: jax.Array | None = None
 
 
 class Context(NamedTuple):
     """Per-call inputs shared by every block, computed once per call: rotary tables, which keys each
-    query may see in a global and in a local layer, the t5 bias, and the adapters' dropout."""
+    query may see in a global and in a local layer, the t5 bias, the kernel each kind of layer runs
+    (`meshlm.attention.resolve`), and the adapters' dropout."""
 
     sin: jax.Array
     cos: jax.Array
     allowed: jax.Array  # [B, T, S]
     allowed_local: jax.Array | None  # [B, T, S] within `local_window` too; None without local layers
     bias: jax.Array | None  # [B, H, T, S] float32
+    kernels: dict[str, Kernel]  # layer kind ("global", "local") -> its kernel
+    segments: jax.Array | None = None  # [B, T] Positions.segments
     dropout: float = 0.0
     dropout_key: jax.Array | None = None  # None: no dropout (inference)
     adapter_rows: jax.Array | None = None  # [B] each row's slot in `params["adapters"]` (an engine's adapters)
@@ -303,28 +305,57 @@ def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
     return out
 
 
+def score_scale(cfg: ModelConfig) -> float:
+    """What the scores q.k are multiplied by: 1/sqrt(d_head), or 1 for GPT-Neo."""
+    return 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
+
+
+def attend(
+    kind: str, q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, policy: Policy, ctx: Context
+) -> jax.Array:
+    """Causal attention of q [B, T, H, K] over k, v [B, S, H, K] for a layer of `kind` ("global" or
+    "local"), by the kernel `ctx.kernels` names for it: splash reads the segment ids and the window,
+    XLA and cuDNN the [B, T, S] mask (and the t5 bias)."""
+    scale = score_scale(cfg)
+    kernel = ctx.kernels[kind]
+    if kernel.name == "splash":
+        return splash(kernel, q, k, v, ctx.segments, scale, cfg.local_window if kind == "local" else 0)
+    allowed = ctx.allowed_local if kind == "local" else ctx.allowed
+    return dense(kernel, q, k, v, allowed, ctx.bias, scale, strict=policy.attention == "cudnn")
+
+
 def attention(
     h: jax.Array, layer: Layer, cfg: ModelConfig, policy: Policy, ctx: Context, cache: CacheView | None = None
 ) -> tuple[jax.Array, CacheView | None]:
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
-    a cache, this layer's new keys/values are stored first and the queries attend over every cached slot."""
+    a cache, this layer's new keys/values are stored first and the queries attend over every cached slot
+    (in place by a paged kernel for a decode step, else gathered). Each kind of layer runs the kernel
+    `ctx.kernels` names for it."""
     p = layer.params["attn"]
     q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg.rotary_style)
     k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
     v = _qkv(h, layer, ctx, "v")
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    allowed = ctx.allowed if ctx.allowed_local is None else jnp.where(layer.local, ctx.allowed_local, ctx.allowed)
-    scale = 1 / math.sqrt(cfg.d_head) if cfg.scale_attn else 1.0
+    q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), ("q", "k", "v"), strict=True))
     if cache is not None:  # attend over every token the rows hold, this call's included
         cache = cache.write(layer.index, k, v)
-    kernel = None if cache is None else paged_kernel(q, cfg, policy, ctx.bias is not None)
-    if kernel is not None:
-        out = cache.attend(layer.index, q, scale, kernel)
-    else:
-        if cache is not None:
-            k, v = cache.read(layer.index, h.dtype)
-        out = attend(q, k, v, allowed, ctx.bias, scale, policy.attention)
-    out = linear(out, p["out"], "out", layer, ctx)
+
+    def run(kind: str, ctx: Context) -> jax.Array:
+        kernel = ctx.kernels[kind]
+        if kernel.paged:  # a decode step reads the pool in place
+            assert cache is not None
+            return cache.attend(layer.index, q, score_scale(cfg), kernel.name.removeprefix("paged_"))
+        keys, values = (k, v) if cache is None else cache.read(layer.index, h.dtype)
+        return attend(kind, q, keys, values, cfg, policy, ctx)
+
+    kernels = ctx.kernels
+    if len(kernels) == 1:
+        out = run(next(iter(kernels)), ctx)
+    elif kernels["global"] == kernels["local"] and kernels["global"].name in ("xla", "cudnn"):  # by the mask
+        out = run("global", ctx._replace(allowed=jnp.where(layer.local, ctx.allowed_local, ctx.allowed)))
+    else:  # each kind of layer its own kernel
+        out = jax.lax.cond(layer.local, lambda: run("local", ctx), lambda: run("global", ctx))
+    out = linear(checkpoint_name(out, "attn"), p["out"], "out", layer, ctx)
     if "out_bias" in p:
         out = out + p["out_bias"].astype(h.dtype)
     return out, cache
@@ -334,6 +365,7 @@ def mlp(h: jax.Array, layer: Layer, cfg: ModelConfig, ctx: Context) -> jax.Array
     p = layer.params["mlp"]
     up = linear(h, p["fc_in"]["w"], "fc_in", layer, ctx) + p["fc_in"]["b"].astype(h.dtype)
     up = constrain(jax.nn.gelu(up, approximate=cfg.activation == "gelu_new"), ("batch", "seq", "act_mlp"))
+    up = checkpoint_name(up, "mlp")
     return linear(up, p["fc_out"]["w"], "fc_out", layer, ctx) + p["fc_out"]["b"].astype(h.dtype)
 
 
@@ -380,6 +412,30 @@ def _t5_bias(params: Params, cfg: ModelConfig, pos: Positions) -> jax.Array:
     return constrain(bias, ("batch", "act_heads", "seq", None))
 
 
+def attention_kernels(
+    cfg: ModelConfig, policy: Policy, shape: tuple[int, int], keys: int, biased: bool, cached: bool
+) -> dict[str, Kernel]:
+    """The kernel each kind of layer of `cfg` runs for tokens of `shape` [B, T] over `keys` keys: a
+    forward pass without the cache, a prefill over it, or a decode step (one token per row)."""
+    phase = "train" if not cached else "decode" if shape[1] == 1 else "prefill"
+    return {
+        kind: resolve(
+            phase=phase,
+            kind=kind,
+            impl=policy.attention,
+            batch=shape[0],
+            q_len=shape[1],
+            kv_len=keys,
+            heads=cfg.n_head,
+            head_dim=cfg.d_head,
+            dtype=policy.compute_dtype,
+            biased=biased,
+            shards=mesh_shards(),
+        )
+        for kind in sorted(set(cfg.layer_kinds))
+    }
+
+
 def _run(
     params: Params,
     tokens: jax.Array,
@@ -399,7 +455,9 @@ def _run(
     allowed_local = None
     if "local" in cfg.attention_layers:
         allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
-    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, policy.lora_dropout, dropout_key, adapter_rows)
+    kernels = attention_kernels(cfg, policy, tokens.shape, pos.key.shape[1], bias is not None, cache is not None)
+    dropout = policy.lora_dropout
+    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key, adapter_rows)
 
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to
@@ -411,7 +469,7 @@ def _run(
         return block(x, layer, cfg, policy, ctx, cache), None
 
     if policy.remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[policy.remat], prevent_cse=False)
+        step = jax.checkpoint(step, policy=remat_policy(policy.remat), prevent_cse=False)
     local = jnp.array([kind == "local" for kind in cfg.layer_kinds])
     slots = params.get("adapters", {})
     if slots and adapter_rows is None:
@@ -456,7 +514,10 @@ def hidden_states(
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if segments is None else segment_positions(segments)
-    pos = Positions(positions, positions, causal_mask(mask, B, T, segments))
+    ids = segments
+    if mask is not None:  # padding is a segment of its own, which no real token sees
+        ids = jnp.where(mask.astype(bool), 0 if segments is None else segments, -1)
+    pos = Positions(positions, positions, causal_mask(mask, B, T, segments), ids)
     x, _ = _run(params, tokens, pos, cfg, policy, None, dropout_key)
     return x
 

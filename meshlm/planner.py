@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm import footprint, fused_ce, metrics, model, runner, train_step
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of
+from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
 from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
@@ -235,9 +235,11 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
 
     Per layer and token, the backward pass keeps what the policy saves: `full` the block's input;
     `dots_no_batch` the outputs of q, k, v, out and fc_in; `dots` those, the block's input and the
-    attention probabilities; `none` every intermediate. On top come one block's intermediates while it is
-    recomputed (float32 attention scores among them) and the LM head's float32 logits with their softmax
-    and gradient, for the positions `fused_ce` computes at once. The coefficients are counts of
+    attention probabilities; `none` every intermediate; a policy by name (`minimal`, `save_qkv`, ...)
+    the block's input and the named activations it keeps on the device (offloaded ones cost none). On
+    top come one block's intermediates while it is recomputed (float32 attention scores among them) and
+    the LM head's float32 logits with their softmax and gradient, for the positions `fused_ce` computes
+    at once. The coefficients are counts of
     XLA's buffers, checked against compiled CPU and TPU figures by `tests/test_planner.py`.
     """
     m = cfg.model
@@ -248,12 +250,17 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     d, f = m.d_model, m.d_ff // tp
     a = max(m.n_head // tp, 1) * m.d_head  # one device's attention width
     s = max(m.n_head // tp, 1) * seq_len  # one device's attention probabilities per query
-    saved = {
-        "full": d * c,
-        "dots_no_batch": (4 * a + f) * c,
-        "dots": (d + 4 * a + f) * c + s * 4,
-        "none": (3 * d + 5 * a + 3 * f) * c + 3 * s * 4,
-    }[cfg.remat]
+    named = remat_names(cfg.remat)
+    if named is not None:  # the layer's input, and the named activations kept on the device
+        width = {"q": a, "k": a, "v": a, "attn": a, "mlp": f}
+        saved = (d + sum(width[name] for name in named[0])) * c
+    else:
+        saved = {
+            "full": d * c,
+            "dots_no_batch": (4 * a + f) * c,
+            "dots": (d + 4 * a + f) * c + s * 4,
+            "none": (3 * d + 5 * a + 3 * f) * c + 3 * s * 4,
+        }[cfg.remat]
     block = (d + a + 2 * f) * c + 3 * s * 4
     chunk = rows * fused_ce.chunk_positions(rows, seq_len)
     head = chunk * 7 * (m.vocab_size // tp)

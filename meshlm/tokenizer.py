@@ -257,6 +257,14 @@ def load_tokenizer(spec: TokenizerSpec = None, model: str | Path | None = None) 
     return _gpt2()
 
 
+def local_gpt2() -> Path | None:
+    """The GPT-2 BPE file the resolution path takes on this machine: `$MESHLM_TOKENIZER` (where set, even
+    to a file that is missing, which `load_tokenizer` then names), else meshlm's cache; None: neither."""
+    if os.environ.get("MESHLM_TOKENIZER"):
+        return Path(os.environ["MESHLM_TOKENIZER"])
+    return CACHE_FILE if CACHE_FILE.is_file() else None
+
+
 def _gpt2() -> Tokenizer:
     """GPT-2 BPE from `$MESHLM_TOKENIZER`, meshlm's cache, or tiktoken."""
     if os.environ.get("MESHLM_TOKENIZER"):

@@ -97,6 +97,21 @@ def test_the_attention_flag_reaches_the_model_through_the_policy(tmp_path):
         assert "cudnn" in report["sections"][name]["error"].lower(), report["sections"][name]["error"]
 
 
+def test_models_sections_micro_batches_and_param_dtype_reach_the_run(tmp_path):
+    """Only the sections and models asked for run; the step accumulates over the micro-batches asked for,
+    on weights stored in the dtype asked for."""
+    argv = ["--tiny", "--sections", "train", "--models", "test-tiny", "--micro-batches", "2", "--param-dtype",
+            "bfloat16", "--out", str(tmp_path)]  # fmt: skip
+    report = gpu.run(gpu.parse(argv))
+    assert list(report["sections"]) == ["train/test-tiny"]
+    train = report["sections"]["train/test-tiny"]
+    assert train["status"] == "ok", train
+    assert (train["micro_batches"], train["param_dtype"], train["stored_param_dtypes"]) == (2, "bfloat16", ["bfloat16"])
+    assert train["tokens_per_step"] == 2 * train["batch"] * train["seq_len"]
+    with pytest.raises(SystemExit):
+        gpu.parse(["--sections", "train,everything"])
+
+
 def test_optimizer_state_goes_to_bf16_only_where_memory_requires():
     h200 = 0.95 * 141e9
     assert gpu.optimizer_dtype(preset("gptj-6b"), h200) == "bfloat16"  # 6.05B x 20 bytes > 85% of 134 GB

@@ -8,12 +8,16 @@ import subprocess
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
-from meshlm import cli, data, train
+from meshlm import api, cli, data, model, run_start, train
 from meshlm.config import TrainConfig, TrainingStopped
 from meshlm.formats import native
+from tests.helpers.preferences import CFG as PREF_CFG
+from tests.helpers.preferences import logged
+from tests.helpers.preferences import run_config as pref_config
 from tests.helpers.training import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 from tests.small_disk import tmpfs
 
@@ -228,3 +232,78 @@ def test_resuming_from_a_damaged_checkpoint_names_the_parameter_in_one_line(tmp_
     config.write_text(json.dumps(cfg.replace(total_steps=4).to_dict()))
     err = run_cli_error(capsys, str(config), "--no-progress")
     assert "error: parameter " in err and ": chunk missing or corrupt (" in err, err
+
+
+# --- issue 42: DPO's stored reference log-probs are those of the starting weights, never stale ones ---
+
+
+def save_model(path: Path, seed: int) -> None:
+    """A random model of the preference tests' config at `path`, written over what was there (as `meshlm
+    convert --overwrite` or a retrained SFT run does)."""
+    shutil.rmtree(path, ignore_errors=True)
+    api.from_config(PREF_CFG, seed=seed).save(path)
+
+
+def first_step(run: Path) -> dict:
+    return next(r for r in logged(run) if r.get("step") == 1 and "loss" in r)
+
+
+def test_a_fresh_dpo_run_recomputes_a_reference_of_changed_starting_weights_saying_why(preferences, tmp_path, capsys):
+    """A DPO run killed after its reference pass and before its first checkpoint leaves reference_logps.npz
+    and no checkpoint; the model at init_from is then replaced. The next run in that folder starts fresh: its
+    policy is the new model, and so must its reference be (step 1's rewards ~0), not the old file's."""
+    sft = tmp_path / "sft"
+    save_model(sft, seed=1)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, init_from=str(sft), total_steps=1)
+    train.train(cfg, progress=False)
+    shutil.rmtree(run / "checkpoints")  # as the kill leaves it: the reference stored, no step saved
+    stored = np.load(run / "reference_logps.npz")["train"]
+    capsys.readouterr()
+
+    save_model(sft, seed=2)
+    train.train(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert f"{run / 'reference_logps.npz'}: holds the reference log-probs of other starting weights: {sft}" in err
+    assert "computing them again" in err
+    assert first_step(run)["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
+    assert first_step(run)["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    assert not np.allclose(np.load(run / "reference_logps.npz")["train"], stored)
+
+
+def test_the_weights_fingerprint_is_the_same_on_any_mesh_and_tells_values_apart():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from meshlm.sharding import make_mesh
+
+    params = model.init(PREF_CFG, jax.random.key(0))
+    one = run_start.weights_fingerprint(params, make_mesh(None))
+    mesh = make_mesh("model=8")
+
+    def split(x: jax.Array) -> jax.Array:  # each leaf split over 8 devices along its first axis that divides
+        axes = [None] * x.ndim
+        axes[next((i for i, n in enumerate(x.shape) if n % 8 == 0), 0)] = "model" if x.ndim else None
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*axes)))
+
+    assert run_start.weights_fingerprint(jax.tree.map(split, params), mesh) == one
+    nudged = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1e-3) if x.size == 64 else x, params)
+    assert run_start.weights_fingerprint(nudged, make_mesh(None)) != one
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_corrupt_reference_file_is_computed_again_saying_so_and_the_run_goes_on_exactly(
+    resumed, preferences, tmp_path, capsys
+):
+    full = train.train(pref_config(preferences, tmp_path / "full", total_steps=2), progress=False)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, total_steps=1, ckpt_every=1)
+    train.train(cfg, progress=False)
+    if not resumed:
+        shutil.rmtree(run / "checkpoints")
+    (run / "reference_logps.npz").write_bytes((run / "reference_logps.npz").read_bytes()[:200])  # cut short
+    capsys.readouterr()
+    again = train.train(cfg.replace(total_steps=2), progress=False)
+    err = capsys.readouterr().err
+    assert f"{run / 'reference_logps.npz'}: unreadable (" in err and "computing the reference log-probs again" in err
+    assert "Traceback" not in err
+    assert again.losses == {s: v for s, v in full.losses.items() if s in again.losses}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -123,8 +124,8 @@ def train(
             "eval_tasks are run by an evaluator handed to train(): train(cfg, evaluate_tasks="
             "meshlm.evaluate.evaluate_tasks), as `meshlm train` does"
         )
-    with _stop_on_signals() as signals:
-        out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
+    out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
+    with _stop_on_signals() as signals, _removed_if_refused([out_dir, Path(cfg.metrics_dir)]):
         _make_folder(out_dir, "out_dir")
         _make_folder(Path(cfg.metrics_dir), "log_dir")
         mesh = make_mesh(cfg.mesh)
@@ -142,6 +143,34 @@ def _make_folder(path: Path, key: str) -> None:
     if not is_url(path) and path.exists() and not path.is_dir():
         raise ConfigError(f"{key} {path}: is a file, not a folder")
     path.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def _removed_if_refused(folders: list[Path]) -> Iterator[None]:
+    """A run refused (a ConfigError) before it saved a checkpoint or logged a step leaves no folder behind:
+    the local folders it made (the outermost of each that did not exist) are removed again. A folder that
+    existed before the run is never touched."""
+    made = []
+    for folder in folders:
+        if is_url(folder) or folder.exists():
+            continue
+        while not folder.parent.exists():
+            folder = folder.parent
+        made.append(folder)
+    try:
+        yield
+    except ConfigError:
+        if not any(_holds_results(folder) for folder in made):
+            for folder in dict.fromkeys(made):
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _holds_results(folder: Path) -> bool:
+    """Whether a run folder holds what a run produced: a checkpoint, or a logged step."""
+    if any(folder.rglob(f"{RUN_CHECKPOINTS}/[0-9]*")):
+        return True
+    return any(path.stat().st_size for path in folder.rglob("metrics.jsonl"))
 
 
 def _stop_if_signalled(signals: list[int]) -> None:

@@ -2,9 +2,11 @@
 one line and keeps the last good checkpoint, Ctrl-C at any moment exits 130 without a crash."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from meshlm.formats import native
 from tests.helpers.preferences import CFG as PREF_CFG
 from tests.helpers.preferences import logged
 from tests.helpers.preferences import run_config as pref_config
-from tests.helpers.training import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
+from tests.helpers.training import CFG8, REPO, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 from tests.small_disk import tmpfs
 
 
@@ -307,3 +309,60 @@ def test_a_corrupt_reference_file_is_computed_again_saying_so_and_the_run_goes_o
     assert f"{run / 'reference_logps.npz'}: unreadable (" in err and "computing the reference log-probs again" in err
     assert "Traceback" not in err
     assert again.losses == {s: v for s, v in full.losses.items() if s in again.losses}
+
+
+# --- issue 42: a refused run prints its one line, waits for orbax, and leaves no folder it made ---
+
+
+def test_a_refused_run_leaves_no_folder_it_made_and_keeps_those_that_were_there(tmp_path, capsys):
+    rows = np.random.default_rng(1).integers(0, 250, (16, SEQ + 1))
+    rows[3, 3] = CFG8.vocab_size + 44  # refused once the model is known, after the run folder was made
+    folder = write_dataset(tmp_path / "data", rows)
+    new = tmp_path / "new" / "run"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(folder, new, log_dir=str(tmp_path / "logs")).to_dict()))
+    assert "beyond the model's vocab_size 256" in run_cli_error(capsys, str(config), "--no-progress")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "logs").exists()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    config.write_text(json.dumps(tiny_config(folder, mine).to_dict()))
+    assert "beyond the model's vocab_size 256" in run_cli_error(capsys, str(config), "--no-progress")
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+SLOW_ORBAX_CLEANUP = """
+import asyncio, sys
+from orbax.checkpoint._src.path import temporary_paths
+from meshlm import cli
+
+cleanup = temporary_paths.cleanup_temporary_paths
+
+
+async def slow_cleanup(*args, **kwargs):  # a slow filesystem (a bucket): the listing takes a moment
+    await asyncio.sleep(0.5)
+    return await cleanup(*args, **kwargs)
+
+
+temporary_paths.cleanup_temporary_paths = slow_cleanup
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_refused_run_prints_one_line_even_while_orbax_is_cleaning_up(tmp_path):
+    """Orbax lists a run's folder for a crashed save's leftovers on a thread of its own; a run refused before
+    that listing ended exited under it, and the thread's traceback followed the one-line error."""
+    rows = np.random.default_rng(1).integers(0, 250, (16, SEQ + 1))
+    rows[3, 3] = CFG8.vocab_size + 44
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(write_dataset(tmp_path / "data", rows), tmp_path / "run").to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", SLOW_ORBAX_CLEANUP, "train", str(config), "--no-progress"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("meshlm") or "Traceback" in line]
+    assert lines == [f"meshlm train: error: {tmp_path / 'data'}: split 'train' holds token id 300, beyond the "
+                     "model's vocab_size 256; the data was tokenized for another vocabulary"], done.stderr  # fmt: skip
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()

@@ -366,3 +366,27 @@ def test_a_refused_run_prints_one_line_even_while_orbax_is_cleaning_up(tmp_path)
     assert lines == [f"meshlm train: error: {tmp_path / 'data'}: split 'train' holds token id 300, beyond the "
                      "model's vocab_size 256; the data was tokenized for another vocabulary"], done.stderr  # fmt: skip
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # lm-eval indexes its ~15,000 task files to know that a name is none of them
+def test_unknown_lm_eval_tasks_are_refused_in_one_line_before_any_model_is_loaded(
+    tmp_path, capsys, monkeypatch, dataset
+):
+    from tests.helpers.harness import TASK_DIR
+
+    def no_load(*_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    tasks = ["--tasks", "meshlm_test_lambada,no_such_task", "--include-path", str(TASK_DIR)]
+    assert cli.main(["eval", str(tmp_path / "model"), *tasks]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshlm eval: error: unknown lm-eval task(s) ['no_such_task']") and "\n" not in err
+
+    cfg = tiny_config(
+        dataset, tmp_path / "run", eval_tasks=["no_such_task"], eval_every=2, eval_include_path=str(TASK_DIR)
+    )
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert "unknown lm-eval task(s) ['no_such_task']" in run_cli_error(capsys, str(config), "--no-progress")
+    assert not (tmp_path / "run").exists()  # refused before the run began, not at its first evaluation

@@ -250,6 +250,7 @@ def first_step(run: Path) -> dict:
     return next(r for r in logged(run) if r.get("step") == 1 and "loss" in r)
 
 
+@pytest.mark.slow
 def test_a_fresh_dpo_run_recomputes_a_reference_of_changed_starting_weights_saying_why(preferences, tmp_path, capsys):
     """A DPO run killed after its reference pass and before its first checkpoint leaves reference_logps.npz
     and no checkpoint; the model at init_from is then replaced. The next run in that folder starts fresh: its
@@ -273,6 +274,25 @@ def test_a_fresh_dpo_run_recomputes_a_reference_of_changed_starting_weights_sayi
     assert not np.allclose(np.load(run / "reference_logps.npz")["train"], stored)
 
 
+@pytest.mark.slow
+def test_a_resume_that_must_rebuild_its_reference_refuses_changed_starting_weights(preferences, tmp_path, capsys):
+    """The run's checkpoints record its starting weights' fingerprint: its reference lost, a resume rebuilds it
+    from init_from only while that is still the same model."""
+    sft = tmp_path / "sft"
+    save_model(sft, seed=1)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, init_from=str(sft), total_steps=1, ckpt_every=1)
+    train.train(cfg, progress=False)
+    (run / "reference_logps.npz").unlink()
+    save_model(sft, seed=2)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.replace(total_steps=2).to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    assert f"init_from {sft}: not the starting model the run's checkpoints were trained from" in err
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == ["1"]
+
+
+@pytest.mark.slow
 def test_the_weights_fingerprint_is_the_same_on_any_mesh_and_tells_values_apart():
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -292,6 +312,7 @@ def test_the_weights_fingerprint_is_the_same_on_any_mesh_and_tells_values_apart(
     assert run_start.weights_fingerprint(nudged, make_mesh(None)) != one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 def test_a_corrupt_reference_file_is_computed_again_saying_so_and_the_run_goes_on_exactly(
     resumed, preferences, tmp_path, capsys

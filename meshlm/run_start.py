@@ -339,14 +339,22 @@ def _leaf_sums(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([sums(leaf) for leaf in leaves])
 
 
-def dataset_identity(ds: TokenDataset, sample: int = 16) -> dict[str, Any]:
-    """A split as values computed from it depend on it: its size, and a digest of its index and of a sample
-    of its rows, so that a folder prepared again from other records differs. Where it is only names it."""
+def dataset_identity(ds: TokenDataset, sample: int = 16, chunk: int = 4096) -> dict[str, Any]:
+    """A split as values computed from it depend on it: its size, a digest of its index and of a sample of
+    its rows (what files before `content` recorded), and `content`, a digest of every row, so that a folder
+    prepared again from other records differs wherever they differ. Reading every row costs a small share
+    of the pass over them that the values are. Where it is only names it."""
     digest = hashlib.sha256((ds.folder / "index.json").read_bytes())
     batch = ds[np.unique(np.linspace(0, ds.rows - 1, sample).astype(np.int64))]
     for array in (batch.tokens, batch.weights, batch.segments):
         digest.update(np.ascontiguousarray(array).tobytes())
-    return {"folder": str(ds.folder.absolute()), "split": ds.split, "rows": ds.rows, "digest": digest.hexdigest()}
+    content = hashlib.sha256()
+    for start in range(0, ds.rows, chunk):
+        batch = ds[np.arange(start, min(start + chunk, ds.rows))]
+        for array in (batch.tokens, batch.weights, batch.segments):
+            content.update(np.ascontiguousarray(array).tobytes())
+    return {"folder": str(ds.folder.absolute()), "split": ds.split, "rows": ds.rows, "digest": digest.hexdigest(),
+            "content": content.hexdigest()}  # fmt: skip
 
 
 def read_reference_logps(
@@ -391,7 +399,12 @@ def _difference(recorded: dict[str, Any], identity: dict[str, Any], ignore_weigh
         was = recorded["datasets"].get(name)
         if was is None:
             return f"the datasets {sorted(recorded['datasets'])}, not {name} ({ds['folder']})"
-        if {**was, "folder": None} != {**ds, "folder": None}:  # a dataset moved elsewhere is the same dataset
+        # a dataset moved elsewhere is the same dataset; one recorded before `content` is compared without it
+        wanted = {k: v for k, v in ds.items() if k != "folder" and (k != "content" or "content" in was)}
+        same = wanted == {k: v for k, v in was.items() if k != "folder"}
+        if not same:
+            if was["folder"] == ds["folder"] and was["split"] == ds["split"]:
+                return f"{ds['folder']} split {ds['split']!r} as it was before it changed"
             return f"{was['folder']} split {was['split']!r}, not {ds['folder']} split {ds['split']!r}"
     return None
 

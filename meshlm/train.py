@@ -147,12 +147,16 @@ def _make_folder(path: Path, key: str) -> None:
 
 @contextmanager
 def _removed_if_refused(folders: list[Path]) -> Iterator[None]:
-    """A run refused (a ConfigError) before it saved a checkpoint or logged a step leaves no folder behind:
-    the local folders it made (the outermost of each that did not exist) are removed again. A folder that
-    existed before the run is never touched."""
-    made = []
+    """A run refused (a ConfigError) before it saved a checkpoint or logged a step leaves no folder behind: the
+    local folders it made (the outermost of each that did not exist) are removed again, and so are the empty
+    folders it added to a folder that existed (orbax's checkpoints/). Nothing that was there before the run is
+    touched, nor a file that appeared in such a folder meanwhile."""
+    made, there = [], {}
     for folder in folders:
-        if is_url(folder) or folder.exists():
+        if is_url(folder):
+            continue
+        if folder.is_dir():
+            there[folder] = set(folder.iterdir())
             continue
         while not folder.parent.exists():
             folder = folder.parent
@@ -160,17 +164,26 @@ def _removed_if_refused(folders: list[Path]) -> Iterator[None]:
     try:
         yield
     except ConfigError:
-        if not any(_holds_results(folder) for folder in made):
-            for folder in dict.fromkeys(made):
-                shutil.rmtree(folder, ignore_errors=True)
+        empty = [entry for folder, old in there.items() for entry in set(folder.iterdir()) - old if _empty(entry)]
+        if not any(_holds_results(path) for path in made):
+            for path in dict.fromkeys(made + empty):
+                shutil.rmtree(path, ignore_errors=True)
         raise
 
 
-def _holds_results(folder: Path) -> bool:
-    """Whether a run folder holds what a run produced: a checkpoint, or a logged step."""
-    if any(folder.rglob(f"{RUN_CHECKPOINTS}/[0-9]*")):
-        return True
-    return any(path.stat().st_size for path in folder.rglob("metrics.jsonl"))
+def _empty(path: Path) -> bool:
+    """A folder (not a link to one) that holds folders at most."""
+    return path.is_dir() and not path.is_symlink() and all(p.is_dir() for p in path.rglob("*"))
+
+
+def _holds_results(path: Path) -> bool:
+    """Whether a path is or holds what a run produced: a checkpoint, or a logged step."""
+    for p in (path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else ())):
+        if p.parent.name == RUN_CHECKPOINTS and p.name.isdigit():
+            return True
+        if p.name == "metrics.jsonl" and p.is_file() and p.stat().st_size:
+            return True
+    return False
 
 
 def _stop_if_signalled(signals: list[int]) -> None:

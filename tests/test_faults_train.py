@@ -370,6 +370,7 @@ def test_a_refused_run_leaves_no_folder_it_made_and_keeps_those_that_were_there(
     (mine / "notes.txt").write_text("keep me")
     config.write_text(json.dumps(tiny_config(folder, mine).to_dict()))
     assert "beyond the model's vocab_size 256" in run_cli_error(capsys, str(config), "--no-progress")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no empty checkpoints/ left beside it
     assert (mine / "notes.txt").read_text() == "keep me"
 
 

@@ -416,6 +416,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if output.is_dir() or not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
             raise ConfigError(f"--output {output}: cannot write a file there (a folder, or no writable folder)")
     documents = evaluate.read_documents(args.perplexity, args.text_field) if args.perplexity else []
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if args.tasks:  # an unknown task name is refused before the model is loaded
+        evaluate.check_tasks(tasks, args.include_path)
     lm = _load(args)
     tok = lm.tokenizer
     if args.perplexity:
@@ -429,7 +432,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
         result = evaluate.run_tasks(
             lm,
-            [t.strip() for t in args.tasks.split(",") if t.strip()],
+            tasks,
             num_fewshot=args.num_fewshot,
             limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
             include_path=args.include_path,
@@ -476,7 +479,10 @@ def _train(args: argparse.Namespace) -> int:
     cfg = run_start.load_train_config(args.config, args.set or [], flags)
     evaluator = None
     if cfg.eval_tasks:  # lm-eval is an optional extra: imported only when a run asks for its tasks
+        from meshlm.evaluate import check_tasks
         from meshlm.evaluate import evaluate_tasks as evaluator
+
+        check_tasks(cfg.eval_tasks, cfg.eval_include_path)  # an unknown name is refused now, not at the first eval
     result = train.train(cfg, progress=not args.no_progress, evaluate_tasks=evaluator)
     if jax.process_index() == 0:
         print(f"meshlm train: step {result.step}; checkpoints in {result.out_dir / RUN_CHECKPOINTS}")

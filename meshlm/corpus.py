@@ -266,6 +266,10 @@ def _jsonl(path: Path, stream: io.BufferedIOBase) -> Iterator[tuple[str, Any]]:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}){cut}") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
+        except RecursionError:
+            raise DataError(
+                f"{path}:{lineno}: JSON nested too deeply to read (arrays or objects in one another)"
+            ) from None
         yield f"{path}:{lineno}", record
 
 

@@ -263,6 +263,14 @@ def task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
     return manager
 
 
+def check_tasks(tasks: Sequence[str], include_path: str | Path | None = None) -> Any:
+    """Refuse an empty or unknown task list in one line naming the tasks (before any model is loaded, where
+    the caller checks first); returns the TaskManager that knows them (`task_manager`, cached)."""
+    if not tasks:
+        raise ConfigError("no tasks given; name lm-eval tasks such as lambada_openai,piqa")
+    return task_manager(str(include_path) if include_path else None, tuple(tasks))
+
+
 def run_tasks(
     lm: LanguageModel | MeshLM,
     tasks: Sequence[str],
@@ -279,9 +287,7 @@ def run_tasks(
     import lm_eval
 
     tasks = tuple(tasks)
-    if not tasks:
-        raise ConfigError("no tasks given; name lm-eval tasks such as lambada_openai,piqa")
-    manager = task_manager(str(include_path) if include_path else None, tasks)
+    manager = check_tasks(tasks, include_path)
     model = lm if isinstance(lm, MeshLM) else MeshLM(lm, **model_args)
     with _pools_without_fork():
         return lm_eval.simple_evaluate(

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from meshlm import corpus
 from meshlm.chat import ChatTemplate, check_messages, common_prefix, load_chat_template
-from meshlm.config import GPT2_VOCAB, ConfigError, DataError
+from meshlm.config import GPT2_VOCAB, ConfigError, DataError, one_line
 from meshlm.data import DTYPES, INDEX, ShardWriter, write_index
 from meshlm.tokenizer import EOT_ID, EOT_TEXT, Tokenizer, load_tokenizer, pad_id, special_token_id
 
@@ -36,6 +36,8 @@ TRUNCATE = ("right", "left", "drop")
 OBJECTIVES = ("dpo", "orpo")
 RECORD_BATCH = 64  # records tokenized per work item
 PACK_BUFFER_ROWS = 1024  # examples of about this many rows are packed together (the memory bound of packing)
+WRITE_TOKENS = 1 << 24  # padded example rows are assembled and written once they hold about this many tokens
+MAX_SEQ_LEN = 1 << 20  # a row of 2^20 + 1 tokens; far beyond any GPT-J-class context, and a few MB a row
 
 
 def prepare(
@@ -85,7 +87,7 @@ def prepare(
     empty unless `overwrite`, which replaces the dataset's own entries there (index.json, train/, val/).
     """
     workers = (os.cpu_count() or 1) if workers is None else workers
-    _check_settings(seq_len, val_fraction, val_inputs, workers,
+    _check_settings(seq_len, val_fraction, val_inputs, workers, shard_rows,
                     format=record_format, train_on=train_on, truncate=truncate, objective=objective)  # fmt: skip
     out = Path(out_dir)
     target = out.resolve()  # a symlinked --out: the folder it names is the one replaced
@@ -103,13 +105,13 @@ def prepare(
     if partial.exists():  # left by a killed run: only reached with overwrite
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    outputs = {
-        name: _SplitOutput.open(ShardWriter(partial, name, seq_len, dtype, shard_rows), pack, truncate, pad)
-        for name in split_names
-    }
-    total_bytes = sum(path.stat().st_size for files in sources.values() for path, _ in files)
     start = time.perf_counter()
-    try:
+    try:  # whatever stops the run from here on, the unfinished folder goes with it
+        outputs = {
+            name: _SplitOutput.open(ShardWriter(partial, name, seq_len, dtype, shard_rows), pack, truncate, pad)
+            for name in split_names
+        }
+        total_bytes = sum(path.stat().st_size for files in sources.values() for path, _ in files)
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", smoothing=0.1) as bar:
             stream = _TokenStream(tok, tokenizer, dtype, eos, recipe, workers, bar.update)
             _route(stream, sources, outputs, val_fraction, seed)
@@ -131,11 +133,24 @@ def prepare(
 
 
 def _check_settings(
-    seq_len: int, val_fraction: float, val_inputs: list | None, workers: int, **choices: str | None
+    seq_len: int,
+    val_fraction: float,
+    val_inputs: list | None,
+    workers: int,
+    shard_rows: int | None,
+    **choices: str | None,
 ) -> None:
-    """Refuse bad settings before anything is read; `choices` are the named ones with a fixed set of values."""
+    """Refuse bad settings before anything is read or made; `choices` are the named ones with a fixed set of
+    values."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if seq_len > MAX_SEQ_LEN:
+        raise ConfigError(
+            f"seq_len {seq_len:,} is beyond {MAX_SEQ_LEN:,} tokens, longer than any model this data could train "
+            "(each row holds seq_len + 1 tokens)"
+        )
+    if shard_rows is not None and (not isinstance(shard_rows, int) or shard_rows <= 0):
+        raise ConfigError(f"shard_rows must be a positive integer, got {shard_rows!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction and val_inputs:
@@ -349,14 +364,15 @@ class RecordEncoder:
         self.bos_id = special_token_id(tok, "bos_token")
 
     @property
-    def template(self) -> ChatTemplate:
+    def template(self) -> _GuardedTemplate:
         if self._template is None:
-            self._template = load_chat_template(self.tok, self._template_file)
-            if self._template is None:
+            template = load_chat_template(self.tok, self._template_file)
+            if template is None:
                 raise DataError(
                     f"a chat record, but the tokenizer {self.tok.name} has no chat template (chat_template.jinja, "
                     "or chat_template in tokenizer_config.json beside it); give one with --chat-template FILE"
                 )
+            self._template = _GuardedTemplate(template)
         return self._template
 
     def __call__(self, fmt: str, record: dict[str, Any]) -> Sample:
@@ -438,6 +454,11 @@ def _fields(record: dict[str, Any], *answers: str) -> tuple[str | list, list[str
     return prompt, values
 
 
+# Template variables that the rendering sets itself (and the names of its own arguments): a record's
+# `chat_template_kwargs` may not set them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenizer", "self")
+
+
 def _chat_kwargs(record: dict[str, Any]) -> dict[str, Any]:
     """trl's per-record template arguments: `tools` (a list, or its JSON text) and `chat_template_kwargs`."""
     tools, extra = record.get("tools"), record.get("chat_template_kwargs") or {}
@@ -447,7 +468,39 @@ def _chat_kwargs(record: dict[str, Any]) -> dict[str, Any]:
         raise DataError("'tools' is a string that is not JSON") from None
     if not isinstance(extra, dict) or not isinstance(tools, list | None):
         raise DataError("'tools' must be a list and 'chat_template_kwargs' an object")
+    reserved = [key for key in RESERVED_TEMPLATE_KWARGS if key in extra]
+    if reserved:
+        raise DataError(
+            f"chat_template_kwargs sets {reserved[0]!r}, which the chat template is given by the record itself; "
+            "remove it"
+        )
     return {"tools": tools, **extra} if tools is not None else extra
+
+
+class _GuardedTemplate:
+    """A chat template whose every failure on a record is a DataError: its own `raise_exception` already is;
+    a runtime error in the template's code (`{{ 1 // 0 }}`, a filter given the wrong type, recursion without
+    end) becomes one too, so that the record is named in one line rather than in a traceback."""
+
+    def __init__(self, template: ChatTemplate):
+        self._template = template
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._template, name)
+        if not callable(method):
+            return method
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except DataError:
+                raise
+            except Exception as e:  # the template is the user's code: any error in it is the record's
+                raise DataError(
+                    f"the chat template failed on this record ({type(e).__name__}: {one_line(e)})"
+                ) from None
+
+        return guarded
 
 
 def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -510,10 +563,11 @@ class _ExamplePacker:
     examples), or one per row (`pack` False, and each sequence of a preference pair). Examples longer than a
     row are truncated or dropped; those left without a target are dropped."""
 
-    WRITE_ROWS = 1024  # rows gathered before they are assembled and written
+    WRITE_ROWS = 1024  # rows gathered before they are assembled and written (fewer where rows are long)
 
     def __init__(self, writer: ShardWriter, pack: bool, truncate: str, pad: int):
         self.writer, self.row, self.truncate, self.pad = writer, writer.row, truncate, pad
+        self.write_rows = max(1, min(self.WRITE_ROWS, WRITE_TOKENS // self.row))
         self._packing = BestFit(self.row, PACK_BUFFER_ROWS * self.row) if pack else None
         self._rows: list[list[Example]] = []  # each row's documents, not yet written
         self.examples = self.truncated = self.dropped = self.tokens = self.padding = 0
@@ -529,7 +583,7 @@ class _ExamplePacker:
             self._rows += [[seq] for seq in cut]
         else:
             self._rows += self._packing.add(cut[0], len(cut[0].ids))
-        if len(self._rows) >= self.WRITE_ROWS:
+        if len(self._rows) >= self.write_rows:
             self._write()
 
     def _fit(self, seq: Example) -> Example | None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshlm import api
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, apply_overrides, one_line
@@ -287,9 +288,10 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> OptimizerState:
 REFERENCE_LOGPS = "reference_logps.npz"
 
 
-def reference_identity(cfg: TrainConfig, datasets: dict[str, TokenDataset]) -> dict[str, Any]:
+def reference_identity(cfg: TrainConfig, datasets: dict[str, TokenDataset], weights: str | None) -> dict[str, Any]:
     """What precomputed reference log-probs are of: the starting model (`init_from`'s weights, else the
-    random model of the seed, run in the config's dtypes) and each dataset (`dataset_identity`)."""
+    random model of the seed, run in the config's dtypes; `weights` the `weights_fingerprint` of its values,
+    None where it is not known) and each dataset (`dataset_identity`)."""
     start = base_reference(cfg)
     starting_model = {
         "init_from": start["init_from"],
@@ -297,31 +299,82 @@ def reference_identity(cfg: TrainConfig, datasets: dict[str, TokenDataset]) -> d
         "param_dtype": cfg.param_dtype,
         "compute_dtype": cfg.compute_dtype,
         "model": cfg.model.to_dict(),
+        "weights": weights,
     }
     return {"model": starting_model, "datasets": {name: dataset_identity(ds) for name, ds in datasets.items()}}
 
 
-def dataset_identity(ds: TokenDataset, sample: int = 16) -> dict[str, Any]:
-    """A split as values computed from it depend on it: its size, and a digest of its index and of a sample
-    of its rows, so that a folder prepared again from other records differs. Where it is only names it."""
+def weights_fingerprint(params: Any, mesh: Mesh) -> str:
+    """A digest of parameter values that is cheap (one pass on the devices, where they lie) and the same on
+    every mesh: each leaf's bits, as unsigned integers, are summed with weights that depend on their position,
+    twice with different weights, in uint32 arithmetic, which is exact, so the sums do not depend on how
+    the leaf is split over devices nor in which order its parts are added. sha256 then joins each leaf's
+    name, shape, dtype and sums. A model saved again with other values (retrained, converted over) differs."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    replicated = NamedSharding(mesh, PartitionSpec())  # read from each process's own copy, on any number of hosts
+    sums = jax.jit(_leaf_sums, out_shardings=replicated)([leaf for _, leaf in leaves])
+    sums = np.asarray(sums.addressable_data(0))
+    digest = hashlib.sha256()
+    for (path, leaf), (a, b) in zip(leaves, sums.reshape(-1, 2), strict=True):
+        digest.update(f"{jax.tree_util.keystr(path)} {leaf.shape} {leaf.dtype} {a} {b};".encode())
+    return digest.hexdigest()
+
+
+def _leaf_sums(leaves: list[jax.Array]) -> jax.Array:
+    import jax.numpy as jnp
+
+    def sums(x: jax.Array) -> jax.Array:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+        if width is None:  # 64-bit values (never parameters here): their float32 rounding
+            x, width = x.astype(jnp.float32), jnp.uint32
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+        position = jnp.zeros(x.shape, jnp.uint32)  # the flat index, without reshaping (which would gather)
+        for axis, stride in enumerate(np.cumprod((1, *x.shape[::-1]))[-2::-1][: x.ndim]):
+            position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        first = (bits * (position * jnp.uint32(0x9E3779B1) | jnp.uint32(1))).sum(dtype=jnp.uint32)
+        mixed = (bits + position) * jnp.uint32(0x85EBCA6B)
+        second = (mixed ^ (mixed >> 13)).sum(dtype=jnp.uint32)
+        return jnp.stack([first, second])
+
+    return jnp.stack([sums(leaf) for leaf in leaves])
+
+
+def dataset_identity(ds: TokenDataset, sample: int = 16, chunk: int = 4096) -> dict[str, Any]:
+    """A split as values computed from it depend on it: its size, a digest of its index and of a sample of
+    its rows (what files before `content` recorded), and `content`, a digest of every row, so that a folder
+    prepared again from other records differs wherever they differ. Reading every row costs a small share
+    of the pass over them that the values are. Where it is only names it."""
     digest = hashlib.sha256((ds.folder / "index.json").read_bytes())
     batch = ds[np.unique(np.linspace(0, ds.rows - 1, sample).astype(np.int64))]
     for array in (batch.tokens, batch.weights, batch.segments):
         digest.update(np.ascontiguousarray(array).tobytes())
-    return {"folder": str(ds.folder.absolute()), "split": ds.split, "rows": ds.rows, "digest": digest.hexdigest()}
+    content = hashlib.sha256()
+    for start in range(0, ds.rows, chunk):
+        batch = ds[np.arange(start, min(start + chunk, ds.rows))]
+        for array in (batch.tokens, batch.weights, batch.segments):
+            content.update(np.ascontiguousarray(array).tobytes())
+    return {"folder": str(ds.folder.absolute()), "split": ds.split, "rows": ds.rows, "digest": digest.hexdigest(),
+            "content": content.hexdigest()}  # fmt: skip
 
 
-def read_reference_logps(out_dir: Path, identity: dict[str, Any], resumed: bool) -> dict[str, np.ndarray] | None:
+def read_reference_logps(
+    out_dir: Path, identity: dict[str, Any], resumed: bool, notice: Callable[[str], None]
+) -> dict[str, np.ndarray] | None:
     """The reference log-probs stored in `out_dir` when they are those of `identity`. None where there are
-    none, or in a fresh run where an earlier start in the folder left others. A resumed run refuses others:
-    its steps so far were trained against the ones it started with."""
+    none, where the file cannot be read, or in a fresh run where an earlier start in the folder left others
+    (its model or data changed since): `notice` then says why they are computed again. A resumed run refuses
+    others: its steps so far were trained against the ones it started with."""
     path = out_dir / REFERENCE_LOGPS
     if not path.exists():
         return None
-    with path.open("rb") as f, np.load(f) as stored:
-        values = {name: stored[name] for name in stored.files}
-    recorded = json.loads(str(values.pop("identity")))
-    difference = _difference(recorded, identity)
+    try:
+        with path.open("rb") as f, np.load(f) as stored:
+            values = {name: stored[name] for name in stored.files}
+        recorded = json.loads(str(values.pop("identity")))
+        difference = _difference(recorded, identity, ignore_weights=identity["model"]["weights"] is None)
+    except Exception as e:  # a file cut short or overwritten: computed again, as a missing one is
+        notice(f"{path}: unreadable ({type(e).__name__}: {one_line(e)}); computing the reference log-probs again")
+        return None
     if difference is None:
         return values
     if resumed:
@@ -329,19 +382,29 @@ def read_reference_logps(out_dir: Path, identity: dict[str, Any], resumed: bool)
             f"{path}: the run's reference log-probs are of {difference}; a resumed DPO run keeps the reference and "
             "data it started with (restore them, or train in a new out_dir)"
         )
+    notice(f"{path}: holds the reference log-probs of {difference}; computing them again")
     return None
 
 
-def _difference(recorded: dict[str, Any], identity: dict[str, Any]) -> str | None:
+def _difference(recorded: dict[str, Any], identity: dict[str, Any], ignore_weights: bool) -> str | None:
     """How stored reference log-probs differ from what the run needs, in words; None where they do not."""
-    if recorded["model"] != identity["model"]:
-        was = recorded["model"]["init_from"] or f"the random model of seed {recorded['model']['seed']}"
+    model, want = recorded["model"], identity["model"]
+    if {**model, "weights": None} != {**want, "weights": None}:
+        was = model["init_from"] or f"the random model of seed {model['seed']}"
         return f"another starting model ({was})"
+    if not ignore_weights and model.get("weights") != want["weights"]:
+        changed = model["init_from"] or "the starting model"
+        return f"other starting weights: {changed} has changed since they were computed"
     for name, ds in identity["datasets"].items():
         was = recorded["datasets"].get(name)
         if was is None:
             return f"the datasets {sorted(recorded['datasets'])}, not {name} ({ds['folder']})"
-        if {**was, "folder": None} != {**ds, "folder": None}:  # a dataset moved elsewhere is the same dataset
+        # a dataset moved elsewhere is the same dataset; one recorded before `content` is compared without it
+        wanted = {k: v for k, v in ds.items() if k != "folder" and (k != "content" or "content" in was)}
+        same = wanted == {k: v for k, v in was.items() if k != "folder"}
+        if not same:
+            if was["folder"] == ds["folder"] and was["split"] == ds["split"]:
+                return f"{ds['folder']} split {ds['split']!r} as it was before it changed"
             return f"{was['folder']} split {was['split']!r}, not {ds['folder']} split {ds['split']!r}"
     return None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -123,8 +124,8 @@ def train(
             "eval_tasks are run by an evaluator handed to train(): train(cfg, evaluate_tasks="
             "meshlm.evaluate.evaluate_tasks), as `meshlm train` does"
         )
-    with _stop_on_signals() as signals:
-        out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
+    out_dir = as_path(cfg.out_dir)  # a local folder, or a URL (gs://...) that checkpoints are written to
+    with _stop_on_signals() as signals, _removed_if_refused([out_dir, Path(cfg.metrics_dir)]):
         _make_folder(out_dir, "out_dir")
         _make_folder(Path(cfg.metrics_dir), "log_dir")
         mesh = make_mesh(cfg.mesh)
@@ -142,6 +143,47 @@ def _make_folder(path: Path, key: str) -> None:
     if not is_url(path) and path.exists() and not path.is_dir():
         raise ConfigError(f"{key} {path}: is a file, not a folder")
     path.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def _removed_if_refused(folders: list[Path]) -> Iterator[None]:
+    """A run refused (a ConfigError) before it saved a checkpoint or logged a step leaves no folder behind: the
+    local folders it made (the outermost of each that did not exist) are removed again, and so are the empty
+    folders it added to a folder that existed (orbax's checkpoints/). Nothing that was there before the run is
+    touched, nor a file that appeared in such a folder meanwhile."""
+    made, there = [], {}
+    for folder in folders:
+        if is_url(folder):
+            continue
+        if folder.is_dir():
+            there[folder] = set(folder.iterdir())
+            continue
+        while not folder.parent.exists():
+            folder = folder.parent
+        made.append(folder)
+    try:
+        yield
+    except ConfigError:
+        empty = [entry for folder, old in there.items() for entry in set(folder.iterdir()) - old if _empty(entry)]
+        if not any(_holds_results(path) for path in made):
+            for path in dict.fromkeys(made + empty):
+                shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _empty(path: Path) -> bool:
+    """A folder (not a link to one) that holds folders at most."""
+    return path.is_dir() and not path.is_symlink() and all(p.is_dir() for p in path.rglob("*"))
+
+
+def _holds_results(path: Path) -> bool:
+    """Whether a path is or holds what a run produced: a checkpoint, or a logged step."""
+    for p in (path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else ())):
+        if p.parent.name == RUN_CHECKPOINTS and p.name.isdigit():
+            return True
+        if p.name == "metrics.jsonl" and p.is_file() and p.stat().st_size:
+            return True
+    return False
 
 
 def _stop_if_signalled(signals: list[int]) -> None:
@@ -254,7 +296,12 @@ class Run:
         self.base_ref = start.base_ref
         self.base_lm = None if start.base_ref is None else run_start.load_base(start.base_ref, cfg.model, mesh, cfg)
         self.frozen = None if self.base_lm is None else jax.device_put(self.base_lm.params, program.frozen_shardings)
+        # a full DPO run's starting weights, by `weights_fingerprint`: what its reference is, recorded in its
+        # checkpoints, so that a resume that rebuilds the reference knows it for the same model
+        self.starting_weights: str | None = None
         self.state, loader_state, self.step = self._initial_state(program, start)
+        if OBJECTIVES[cfg.objective].reference and cfg.lora is None and not self.resumed:
+            self.starting_weights = run_start.weights_fingerprint(self.state.params, mesh)
         if frozen_model(cfg) == "reference":
             self.frozen = self._reference_model(copy=True)
         self.reference: dict[str, np.ndarray] | None = None  # precomputed reference log-probs (`prepare_reference`)
@@ -272,6 +319,7 @@ class Run:
             if start.latest is not None:
                 target = program.inputs[0]
                 params, opt_state, desc = self.ckpts.restore(start.latest, target.params, target.opt_state)
+                self.starting_weights = desc.get("starting_weights")  # None: a checkpoint from before it was recorded
                 step = jax.device_put(jnp.asarray(start.latest, jnp.int32), shardings.step)
                 return TrainState(step, params, opt_state), LoaderState.from_dict(desc["loader"]), start.latest
             if cfg.lora is not None:
@@ -302,7 +350,14 @@ class Run:
         (a `copy` where they must outlive the step, which donates them), on resume rebuilt as they were."""
         if self.resumed:
             with jax.set_mesh(self.mesh):
-                return self._starting_model()
+                params = self._starting_model()
+            if self.starting_weights not in (None, run_start.weights_fingerprint(params, self.mesh)):
+                raise ConfigError(
+                    f"init_from {self.cfg.init_from}: not the starting model the run's checkpoints were trained "
+                    "from (its weights changed since), so the run's DPO reference cannot be rebuilt; restore that "
+                    "model, or train in a new out_dir"
+                )
+            return params
         if not copy:
             return self.state.params
         return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.program.shardings.params)(
@@ -317,8 +372,8 @@ class Run:
             return
         cfg = self.cfg
         datasets = {"train": self.train_ds, **{f"val/{name}": ds for name, ds in self.val_sets.items()}}
-        identity = run_start.reference_identity(cfg, datasets)
-        self.reference = run_start.read_reference_logps(self.out_dir, identity, self.resumed)
+        identity = run_start.reference_identity(cfg, datasets, self.starting_weights)
+        self.reference = run_start.read_reference_logps(self.out_dir, identity, self.resumed, self.notice)
         if self.reference is not None:
             return
         began, params = time.perf_counter(), self._reference_model(copy=False)
@@ -401,10 +456,12 @@ class Run:
                 f"step {step}: the parameters are no longer finite; stopped without saving them, "
                 f"{self.last_good()} (lower lr, or check the data)"
             )
-        lora = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": self.base_ref}
+        extra = {} if cfg.lora is None else {"lora": cfg.lora.to_dict(), "base": self.base_ref}
+        if self.starting_weights is not None:
+            extra["starting_weights"] = self.starting_weights
         loader = self.loader.state.to_dict()
         desc = native.description(
-            cfg.model, self.state.params, step=step, loader=loader, train_config=_jsonable(cfg), **lora
+            cfg.model, self.state.params, step=step, loader=loader, train_config=_jsonable(cfg), **extra
         )
         self.ckpts.save(step, self.state.params, self.state.opt_state, desc)
         self.last_saved = step
@@ -446,6 +503,11 @@ class Run:
     def show(self, line: str) -> None:
         if self.main:
             print(line)
+
+    def notice(self, line: str) -> None:
+        """Something the run does otherwise than asked or than last time, and why (on stderr)."""
+        if self.main:
+            print(f"meshlm train: {line}", file=sys.stderr, flush=True)
 
 
 class StepLog:

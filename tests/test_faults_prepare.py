@@ -1,6 +1,7 @@
 """`meshlm prepare` faults: an output folder is never written over unasked nor left half-written, even by a
 killed run, and an input cut short is refused with one line naming the file rather than read up to the cut."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -179,3 +180,58 @@ def test_a_killed_prepare_leaves_nothing_at_out_and_a_rerun_says_so(prepare, doc
     assert prepare(*args, "--overwrite")[0] == 0
     np.testing.assert_array_equal(read_rows(out), expected)
     assert not unfinished(out).exists()
+
+
+# --- issue 42: bad settings and bad records are one line, and leave nothing behind ---
+
+
+def test_a_bad_shard_rows_is_refused_before_anything_is_made(prepare, docs, expected, tmp_path):
+    out = tmp_path / "out"
+    assert_refused(*prepare(docs, "--out", out, "--shard-rows", 0), "shard_rows must be a positive integer, got 0")
+    assert not out.exists() and not unfinished(out).exists()
+    assert prepare(docs, "--out", out)[0] == 0  # not refused as an unfinished run
+    np.testing.assert_array_equal(read_rows(out), expected)
+
+
+def test_an_absurd_seq_len_is_refused_in_one_line(docs, gpt2_bpe_file, capsys, tmp_path):
+    out = tmp_path / "out"
+    args = ["prepare", str(docs), "--out", str(out), "--workers", "1", "--tokenizer", gpt2_bpe_file]
+    code = cli.main([*args, "--seq-len", "2000000000"])  # a row of it would take 15 GiB to assemble
+    assert_refused(code, capsys.readouterr().err, "seq_len 2,000,000,000 is beyond 1,048,576 tokens")
+    assert not out.exists() and not unfinished(out).exists()
+
+
+PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize(
+    ("record", "template", "message"),
+    [
+        (CHAT, "{% for m in messages %}{{ m.content }}{{ 1 // 0 }}{% endfor %}",
+         "the chat template failed on this record (ZeroDivisionError: integer division or modulo by zero)"),
+        ({**CHAT, "chat_template_kwargs": {"messages": []}}, PLAIN,
+         "chat_template_kwargs sets 'messages', which the chat template is given by the record itself"),
+        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": True}}, PLAIN,
+         "chat_template_kwargs sets 'add_generation_prompt'"),
+        ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", None,
+         "JSON nested too deeply to read"),
+    ],
+    ids=["template-runtime-error", "kwargs-messages", "kwargs-add-generation-prompt", "deeply-nested-json"],
+)  # fmt: skip
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_record_that_cannot_be_encoded_is_one_line_naming_it(
+    record, template, message, workers, gpt2_bpe_file, capsys, tmp_path
+):
+    records = tmp_path / "records.jsonl"
+    line = record if isinstance(record, str) else json.dumps(record)
+    records.write_text(json.dumps(CHAT if template else {"text": "fine"}) + "\n" + line + "\n")
+    args = ["prepare", str(records), "--out", str(tmp_path / "out"), "--seq-len", str(SEQ)]
+    args += ["--workers", str(workers), "--tokenizer", gpt2_bpe_file]
+    if template:
+        (tmp_path / "chat.jinja").write_text(template)
+        args += ["--chat-template", str(tmp_path / "chat.jinja")]
+    code = cli.main(args)
+    where = f"{records}:1: " if template and "1 // 0" in template else f"{records}:2: "
+    assert_refused(code, capsys.readouterr().err, where + message)
+    assert not (tmp_path / "out").exists() and not unfinished(tmp_path / "out").exists()

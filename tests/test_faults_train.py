@@ -2,19 +2,25 @@
 one line and keeps the last good checkpoint, Ctrl-C at any moment exits 130 without a crash."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
-from meshlm import cli, data, train
+from meshlm import api, cli, data, model, run_start, train
 from meshlm.config import TrainConfig, TrainingStopped
 from meshlm.formats import native
-from tests.helpers.training import CFG8, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
+from tests.helpers.preferences import CFG as PREF_CFG
+from tests.helpers.preferences import logged, write_preferences
+from tests.helpers.preferences import run_config as pref_config
+from tests.helpers.training import CFG8, REPO, SEQ, metrics_losses, run_cli_error, start_run, tiny_config, write_dataset
 from tests.small_disk import tmpfs
 
 
@@ -228,3 +234,201 @@ def test_resuming_from_a_damaged_checkpoint_names_the_parameter_in_one_line(tmp_
     config.write_text(json.dumps(cfg.replace(total_steps=4).to_dict()))
     err = run_cli_error(capsys, str(config), "--no-progress")
     assert "error: parameter " in err and ": chunk missing or corrupt (" in err, err
+
+
+# --- issue 42: DPO's stored reference log-probs are those of the starting weights, never stale ones ---
+
+
+def save_model(path: Path, seed: int) -> None:
+    """A random model of the preference tests' config at `path`, written over what was there (as `meshlm
+    convert --overwrite` or a retrained SFT run does)."""
+    shutil.rmtree(path, ignore_errors=True)
+    api.from_config(PREF_CFG, seed=seed).save(path)
+
+
+def first_step(run: Path) -> dict:
+    return next(r for r in logged(run) if r.get("step") == 1 and "loss" in r)
+
+
+@pytest.mark.slow
+def test_a_fresh_dpo_run_recomputes_a_reference_of_changed_starting_weights_saying_why(preferences, tmp_path, capsys):
+    """A DPO run killed after its reference pass and before its first checkpoint leaves reference_logps.npz
+    and no checkpoint; the model at init_from is then replaced. The next run in that folder starts fresh: its
+    policy is the new model, and so must its reference be (step 1's rewards ~0), not the old file's."""
+    sft = tmp_path / "sft"
+    save_model(sft, seed=1)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, init_from=str(sft), total_steps=1)
+    train.train(cfg, progress=False)
+    shutil.rmtree(run / "checkpoints")  # as the kill leaves it: the reference stored, no step saved
+    stored = np.load(run / "reference_logps.npz")["train"]
+    capsys.readouterr()
+
+    save_model(sft, seed=2)
+    train.train(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert f"{run / 'reference_logps.npz'}: holds the reference log-probs of other starting weights: {sft}" in err
+    assert "computing them again" in err
+    assert first_step(run)["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
+    assert first_step(run)["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    assert not np.allclose(np.load(run / "reference_logps.npz")["train"], stored)
+
+
+@pytest.mark.slow
+def test_a_fresh_dpo_run_recomputes_a_reference_of_data_prepared_again_saying_why(tmp_path, capsys):
+    """The data folder prepared again between the two starts, differing in one row that the identity's sample
+    of rows does not read: the stored values are of the old rows."""
+    pairs = write_preferences(tmp_path / "pairs")
+    run = tmp_path / "run"
+    cfg = pref_config(pairs, run, total_steps=1)
+    train.train(cfg, progress=False)
+    shutil.rmtree(run / "checkpoints")  # killed before its first checkpoint
+    shard = pairs / "train" / "00000.bin"
+    tokens = np.memmap(shard, np.uint16, "r+").reshape(-1, SEQ + 1)
+    tokens[1, :4] = tokens[3, :4]  # pair 0's rejected row gets pair 1's prompt: same lengths, same index.json
+    tokens.flush()
+    capsys.readouterr()
+    train.train(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert f"{pairs} split 'train' as it was before it changed; computing them again" in err
+    assert first_step(run)["rewards/rejected"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_that_must_rebuild_its_reference_refuses_changed_starting_weights(preferences, tmp_path, capsys):
+    """The run's checkpoints record its starting weights' fingerprint: its reference lost, a resume rebuilds it
+    from init_from only while that is still the same model."""
+    sft = tmp_path / "sft"
+    save_model(sft, seed=1)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, init_from=str(sft), total_steps=1, ckpt_every=1)
+    train.train(cfg, progress=False)
+    (run / "reference_logps.npz").unlink()
+    save_model(sft, seed=2)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.replace(total_steps=2).to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    assert f"init_from {sft}: not the starting model the run's checkpoints were trained from" in err
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == ["1"]
+
+
+@pytest.mark.slow
+def test_the_weights_fingerprint_is_the_same_on_any_mesh_and_tells_values_apart():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from meshlm.sharding import make_mesh
+
+    params = model.init(PREF_CFG, jax.random.key(0))
+    one = run_start.weights_fingerprint(params, make_mesh(None))
+    mesh = make_mesh("model=8")
+
+    def split(x: jax.Array) -> jax.Array:  # each leaf split over 8 devices along its first axis that divides
+        axes = [None] * x.ndim
+        axes[next((i for i, n in enumerate(x.shape) if n % 8 == 0), 0)] = "model" if x.ndim else None
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*axes)))
+
+    assert run_start.weights_fingerprint(jax.tree.map(split, params), mesh) == one
+    nudged = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1e-3) if x.size == 64 else x, params)
+    assert run_start.weights_fingerprint(nudged, make_mesh(None)) != one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_corrupt_reference_file_is_computed_again_saying_so_and_the_run_goes_on_exactly(
+    resumed, preferences, tmp_path, capsys
+):
+    full = train.train(pref_config(preferences, tmp_path / "full", total_steps=2), progress=False)
+    run = tmp_path / "run"
+    cfg = pref_config(preferences, run, total_steps=1, ckpt_every=1)
+    train.train(cfg, progress=False)
+    if not resumed:
+        shutil.rmtree(run / "checkpoints")
+    (run / "reference_logps.npz").write_bytes((run / "reference_logps.npz").read_bytes()[:200])  # cut short
+    capsys.readouterr()
+    again = train.train(cfg.replace(total_steps=2), progress=False)
+    err = capsys.readouterr().err
+    assert f"{run / 'reference_logps.npz'}: unreadable (" in err and "computing the reference log-probs again" in err
+    assert "Traceback" not in err
+    assert again.losses == {s: v for s, v in full.losses.items() if s in again.losses}
+
+
+# --- issue 42: a refused run prints its one line, waits for orbax, and leaves no folder it made ---
+
+
+def test_a_refused_run_leaves_no_folder_it_made_and_keeps_those_that_were_there(tmp_path, capsys):
+    rows = np.random.default_rng(1).integers(0, 250, (16, SEQ + 1))
+    rows[3, 3] = CFG8.vocab_size + 44  # refused once the model is known, after the run folder was made
+    folder = write_dataset(tmp_path / "data", rows)
+    new = tmp_path / "new" / "run"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(folder, new, log_dir=str(tmp_path / "logs")).to_dict()))
+    assert "beyond the model's vocab_size 256" in run_cli_error(capsys, str(config), "--no-progress")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "logs").exists()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    config.write_text(json.dumps(tiny_config(folder, mine).to_dict()))
+    assert "beyond the model's vocab_size 256" in run_cli_error(capsys, str(config), "--no-progress")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no empty checkpoints/ left beside it
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+SLOW_ORBAX_CLEANUP = """
+import asyncio, sys
+from orbax.checkpoint._src.path import temporary_paths
+from meshlm import cli
+
+cleanup = temporary_paths.cleanup_temporary_paths
+
+
+async def slow_cleanup(*args, **kwargs):  # a slow filesystem (a bucket): the listing takes a moment
+    await asyncio.sleep(0.5)
+    return await cleanup(*args, **kwargs)
+
+
+temporary_paths.cleanup_temporary_paths = slow_cleanup
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_refused_run_prints_one_line_even_while_orbax_is_cleaning_up(tmp_path):
+    """Orbax lists a run's folder for a crashed save's leftovers on a thread of its own; a run refused before
+    that listing ended exited under it, and the thread's traceback followed the one-line error."""
+    rows = np.random.default_rng(1).integers(0, 250, (16, SEQ + 1))
+    rows[3, 3] = CFG8.vocab_size + 44
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(write_dataset(tmp_path / "data", rows), tmp_path / "run").to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", SLOW_ORBAX_CLEANUP, "train", str(config), "--no-progress"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("meshlm") or "Traceback" in line]
+    assert lines == [f"meshlm train: error: {tmp_path / 'data'}: split 'train' holds token id 300, beyond the "
+                     "model's vocab_size 256; the data was tokenized for another vocabulary"], done.stderr  # fmt: skip
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # lm-eval indexes its ~15,000 task files to know that a name is none of them
+def test_unknown_lm_eval_tasks_are_refused_in_one_line_before_any_model_is_loaded(
+    tmp_path, capsys, monkeypatch, dataset
+):
+    from tests.helpers.harness import TASK_DIR
+
+    def no_load(*_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    tasks = ["--tasks", "meshlm_test_lambada,no_such_task", "--include-path", str(TASK_DIR)]
+    assert cli.main(["eval", str(tmp_path / "model"), *tasks]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshlm eval: error: unknown lm-eval task(s) ['no_such_task']") and "\n" not in err
+
+    cfg = tiny_config(
+        dataset, tmp_path / "run", eval_tasks=["no_such_task"], eval_every=2, eval_include_path=str(TASK_DIR)
+    )
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert "unknown lm-eval task(s) ['no_such_task']" in run_cli_error(capsys, str(config), "--no-progress")
+    assert not (tmp_path / "run").exists()  # refused before the run began, not at its first evaluation

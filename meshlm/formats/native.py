@@ -490,6 +490,11 @@ class TrainCheckpoints:
             enable_async_checkpointing=True,
         )
         self._manager = ocp.CheckpointManager(self.folder, options=options)
+        # Orbax removes a crashed save's leftovers on a thread of its own, which close() does not wait for: one
+        # still running when a refused run exits printed a traceback. It is a listing of one folder: wait here.
+        await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight
         self._failed = False
         self._hide = _HideOrbaxErrors()

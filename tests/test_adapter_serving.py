@@ -63,6 +63,7 @@ def alone(engine, prompt: list[int], adapter: str | None):
     return engine.generate([prompt], [greedy(NEW)], adapters=[adapter])[0]
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft_gives(base, folders, lm, engine):
     names = [None, "qv", "mlp", "all"]
     mixed = lm.generate_tokens(PROMPTS, greedy(NEW), adapters=names)
@@ -135,6 +136,7 @@ def test_bad_adapters_are_refused_in_one_line(base, folders, engine, tmp_path):
     assert list(engine.adapter_sources()) == ["qv", "mlp", "all"]  # nothing half-registered
 
 
+@pytest.mark.slow
 def test_mixed_adapters_on_a_mesh_with_an_nf4_base(tmp_path):
     """data=2, fsdp=2, model=2 and a 4-bit base: each row of a mixed batch gives what its adapter gives alone,
     and the adapter touching every projection gives what the single-adapter path (`load(..., adapter=)`)

@@ -40,6 +40,7 @@ def sampled(engine, lm, constraint: Constraint, n: int = SAMPLES, max_new: int =
     return engine.generate([prompt] * n, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_sampled_completions_validate_against_the_schema(engine, lm, name):
     schema = SCHEMAS[name]

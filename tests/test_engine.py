@@ -32,6 +32,7 @@ def shared_prompts():
     return [opening + t for t in tails] + [rng.integers(1, 512, n).tolist() for n in (5, 21)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared_prompts, prefix_caching):
     """Two slots for six prompts of different lengths and budgets: rows wait, join as others leave, and
@@ -50,6 +51,7 @@ def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared
     assert engine.scheduler.pool.used == 0 and not engine.has_work()
 
 
+@pytest.mark.slow
 def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, shared_prompts):
     """Four rows open with the same three pages (a multiple-choice task's continuations): the first writes
     them, the other three wait one prefill and find them cached; each row still equals transformers."""
@@ -60,6 +62,7 @@ def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, sha
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 3)[0]
 
 
+@pytest.mark.slow
 def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf_tiny, monkeypatch):
     """Four short prompts and a long one admitted together run as two prefill calls: the short ones padded
     to their own bucket and attending over a narrow table, the long one alone; each row equals transformers."""
@@ -82,6 +85,7 @@ def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
 
 
+@pytest.mark.slow
 def test_a_row_holds_pages_only_for_its_tokens(lm):
     engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
     prompts = [[7 + i] * n for i, n in enumerate((3, 10, 17))]  # nothing shared: all three in one prefill
@@ -95,6 +99,7 @@ def test_a_row_holds_pages_only_for_its_tokens(lm):
     assert engine.scheduler.pool.used == 0
 
 
+@pytest.mark.slow
 def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypatch):
     engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=128)
     stream = engine.run([[1, 2, 3, 4, 5]], [greedy(40)], chunk=2)
@@ -152,6 +157,7 @@ def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
     assert 0 not in fresh + pool.free  # page 0 belongs to padding
 
 
+@pytest.mark.slow
 def test_every_shape_is_compiled_by_warm_up(lm, monkeypatch):
     monkeypatch.setattr(runner, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow and whole tables at this small context
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
@@ -251,6 +257,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup([1, 1], ngram=2, k=0) == []
 
 
+@pytest.mark.slow
 def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, shared_prompts):
     """Prompt lookup proposes 4 tokens per step; greedy rows keep the ones the model agrees with, so
     the output equals transformers' greedy generate while steps emit several tokens."""
@@ -275,6 +282,7 @@ def neox_draft(tmp_path_factory):
     return meshlm.load(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["itself", "neox"])
 def test_a_draft_model_leaves_greedy_output_token_identical(lm, hf_tiny, shared_prompts, neox_draft, draft):
     """The draft proposes 3 tokens per step and the target verifies them in one pass: with the target
@@ -308,6 +316,7 @@ def test_a_draft_model_must_share_the_vocabulary_and_context(lm, hf_tiny_gpt2_vo
         lm.engine(draft=meshlm.load(lm.folder, mesh="data=2"))
 
 
+@pytest.mark.slow
 def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
     """A row without a seed draws one on each host; in a multi-process job the engine broadcasts process
     0's, so every process feeds the devices the same settings (here two processes are simulated: the
@@ -333,6 +342,7 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
     assert got.tokens == seeded.tokens
 
 
+@pytest.mark.slow
 def test_decode_steps_by_the_paged_kernel_on_a_mesh_equal_transformers(hf_tiny, shared_prompts):
     """The Pallas paged-attention kernel (interpreted on CPU) reads the pool in decode steps, per shard of
     a mesh that splits rows over `data` x `fsdp` and heads over `model`; rows join mid-flight as before. The

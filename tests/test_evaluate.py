@@ -50,6 +50,7 @@ def meshlm_results(hf_model):
     return harness("meshlm", f"pretrained={hf_model.path},mesh=data=2,fsdp=2,model=2", batch_size=4)
 
 
+@pytest.mark.slow
 def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):
     expected = evaluate.flatten_metrics(hf_results)
     got = evaluate.flatten_metrics(meshlm_results)
@@ -177,6 +178,7 @@ def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_model, hf_resul
         assert value == pytest.approx(expected[key], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_file, tmp_path, monkeypatch):
     """`eval_tasks`/`eval_every` in the train config: the logged metrics are those of the weights at that step."""
     from meshlm import data, train
@@ -202,6 +204,7 @@ def test_training_logs_harness_metrics_of_its_current_weights(hf_gptj, gpt2_bpe_
     assert logged == {f"eval/{k}": pytest.approx(v, rel=1e-6) for k, v in expected.items()}
 
 
+@pytest.mark.slow
 def test_an_adapter_gives_the_hf_backends_metrics_with_peft(hf_gptj, tmp_path):
     """`adapter=` against lm-eval's hf backend with `peft=`, on the same random LoRA adapter, unmerged."""
     from peft import LoraConfig, get_peft_model

@@ -65,6 +65,7 @@ def test_logits_match_transformers(ref, mesh):
     np.testing.assert_allclose(meshlm.load(ref.path, mesh=mesh).logits(tokens), ref.logits(tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(ref, lm):
     """A batch of prompts of different lengths (left-padded together) against each prompt alone in
     transformers, far past GPT-Neo's local window."""
@@ -124,6 +125,7 @@ def dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("family_data"), rows)
 
 
+@pytest.mark.slow
 def test_a_training_step_on_a_mesh_equals_one_device(lm, dataset, tmp_path):
     cfg = smooth(tiny_config(dataset, tmp_path, model=lm.config))
     init = jax.tree.map(np.asarray, lm.params)

@@ -128,6 +128,7 @@ def test_the_default_pool_takes_a_share_of_the_free_memory_not_of_the_physical(l
         lm.engine(max_batch=2**17)  # its [rows, vocab] logits alone take 256 MiB
 
 
+@pytest.mark.slow
 def test_a_compiled_step_larger_than_the_free_memory_is_refused_before_it_runs(lm, monkeypatch):
     engine = lm.engine(max_batch=1, max_len=16, kv_tokens=16)
     monkeypatch.setattr(runner, "free_memory", lambda device: 1024)
@@ -211,6 +212,7 @@ def test_ctrl_c_while_compiling_ends_at_once(hf_tiny, neox_style_tokenizer):
     assert "compiled" not in interrupt(proc)
 
 
+@pytest.mark.slow
 def test_port_0_listens_on_a_free_port_it_names_and_ctrl_c_ends_serving(hf_tiny, neox_style_tokenizer):
     proc = start(hf_tiny.path, neox_style_tokenizer, "--port", "0", "--max-len", "16", "--max-batch", "1")
     lines = [proc.stdout.readline() for _ in range(3)]

@@ -87,6 +87,7 @@ def poison_loss(monkeypatch, at: int) -> None:
     monkeypatch.setattr(train, "compile_step", compile_poisoned)
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_its_last_checkpoint_resumes_exactly(
     tmp_path, capsys, monkeypatch, dataset
 ):
@@ -105,6 +106,7 @@ def test_a_non_finite_loss_stops_the_run_and_its_last_checkpoint_resumes_exactly
     assert [s for s, _ in metrics_losses(tmp_path / "run")] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_a_diverging_learning_rate_stops_the_run_in_one_line(tmp_path, capsys, dataset):
     # lr 0 at step 1 (warm-up), then 1e30: the weights overflow and the loss turns non-finite a few steps on
     cfg = tiny_config(dataset, tmp_path / "run", total_steps=12, lr=1e30, end_lr=1e30, warmup_steps=2, ckpt_every=1)
@@ -124,6 +126,7 @@ def disk_bytes(folder: Path) -> int:
     return sum(-(-p.stat().st_size // 4096) * 4096 for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noticed", ["before-the-save", "in-the-background-save"])
 def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(noticed, tmp_path, monkeypatch, dataset):
     settings = dict(total_steps=16, ckpt_every=4, keep_last=2)
@@ -178,6 +181,7 @@ def interrupt(proc: subprocess.Popen, run: Path, when: str, rng: np.random.Gener
     proc.send_signal(signal.SIGINT)
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_moment_exits_130_without_a_crash(tmp_path, dataset):
     rng = np.random.default_rng()
     for trial, when in enumerate(["start-up", "after-compile", "stepping", "stepping"]):

@@ -92,6 +92,7 @@ def test_a_frozen_head_passes_gradients_to_the_hidden_states_alone():
     assert_close(values_and_gradients(fused, head, 0), values_and_gradients(plain, head, 0))
 
 
+@pytest.mark.slow
 def test_values_and_gradients_on_a_data_fsdp_model_mesh_equal_one_device():
     mesh = make_mesh("data=2,fsdp=2,model=2")
     head, targets, mask, cotangents = head_inputs(False, True, seed=1)
@@ -170,6 +171,7 @@ def step_gradients(cfg: TrainConfig, params, frozen, batch):
     return jax.jit(jax.value_and_grad(weighted))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "changes,mesh",
     [

@@ -31,6 +31,7 @@ def prompts():
     return [rng.integers(1, 512, n).tolist() for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_for_one_prompt_and_a_padded_batch(lm, hf_tiny, prompts):
     penalties = (1.0, 1.0, 1.5)  # per-row settings: the last row also checks the repetition penalty
     expected = [hf_greedy(hf_tiny, p, NEW, repetition_penalty=r) for p, r in zip(prompts, penalties, strict=True)]
@@ -47,6 +48,7 @@ def test_greedy_matches_transformers_for_one_prompt_and_a_padded_batch(lm, hf_ti
         np.testing.assert_allclose(got.logprobs, want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_on_a_multi_device_mesh_matches_one_device(lm, hf_tiny, prompts):
     sharded = meshlm.load(hf_tiny.path, mesh="data=2,fsdp=2,model=2")
     params = [greedy(24)] * len(prompts)
@@ -226,6 +228,7 @@ def text_lm(hf_tiny_gpt2_vocab, gpt2_bpe_file):
 TEXTS = ["Hello world, this is", "The quick brown fox"]
 
 
+@pytest.mark.slow
 def test_generate_text_and_stop_strings(text_lm):
     free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop_token_ids=[])
     assert all(len(t) > 10 for t in free)
@@ -308,6 +311,7 @@ def inverse_cdf(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[-1] - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
     [
@@ -429,6 +433,7 @@ def test_a_draft_models_proposals_leave_the_distribution_unchanged():
     assert stats.binomtest(kept, n, (p * q).sum()).pvalue < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 @pytest.mark.parametrize("mesh", [None, "data=2,fsdp=2,model=2"])
 def test_the_paged_kernels_equal_the_gather_path(kernel, mesh):

@@ -51,6 +51,7 @@ def report(out) -> dict:
     return run_script(out, "--optimizer-state", "bfloat16", "--attention", "xla")
 
 
+@pytest.mark.slow
 def test_every_section_runs_and_reports_numbers(report):
     sections = report["sections"]
     assert tuple(sections) == SECTIONS
@@ -89,6 +90,7 @@ def test_spent_budget_skips_sections_but_still_reports(tmp_path):
     assert json.loads((tmp_path / "gpu.json").read_text())["sections"] == report["sections"]
 
 
+@pytest.mark.slow
 def test_the_attention_flag_reaches_the_model_through_the_policy(tmp_path):
     """A forced cuDNN attention cannot run on a CPU: the model sections fail, so the flag got to the model."""
     report = gpu.run(gpu.parse(["--tiny", "--attention", "cudnn", "--out", str(tmp_path)]))

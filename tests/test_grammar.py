@@ -98,6 +98,7 @@ SCHEMAS = {
 # Walks: what the masks allow is what the constraint says
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schema", SCHEMAS.values(), ids=SCHEMAS.keys())
 def test_walks_through_a_json_schema_end_in_json_valid_against_it(grammars, schema):
     for text in walks(grammars, Constraint.json_schema(schema)):

@@ -82,6 +82,7 @@ def _peft_grads(m: PeftModel, tokens: np.ndarray) -> dict[str, np.ndarray]:
     return {name.replace(".default", ""): p.grad.float().numpy() for name, p in m.named_parameters() if "lora_" in name}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_adapter_gradients_match_torch_autograd_through_peft(arch, tmp_path):
     """Against torch's float64 gradients, on a base drawn at the family's initializer_range (0.02): at
@@ -139,6 +140,7 @@ def _random_adapter(lm: api.LanguageModel, lora: LoraConfig, seed: int) -> model
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gptj", "neox", "codegen"])
 def test_meshlm_adapter_to_peft_folder_gives_meshlm_logits(arch, bases, tmp_path):
     """meshlm's adapters (separate q/k/v, some of them) through a PEFT folder, which peft loads as is."""
@@ -155,6 +157,7 @@ def test_meshlm_adapter_to_peft_folder_gives_meshlm_logits(arch, bases, tmp_path
     np.testing.assert_allclose(meshlm.load(bases[arch], adapter=tmp_path / "out").logits(TOKENS), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fresh_adapter_changes_nothing(bases):
     lm = meshlm.load(bases["gptj"])
     lora = LoraConfig(targets=("q", "k", "v", "out", "fc_in", "fc_out"))
@@ -264,6 +267,7 @@ def test_int8_is_per_output_channel_absmax():
     assert np.abs(back - w).max() <= np.abs(w).max(axis=1, keepdims=True).max() / 254 + 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_quantized_forward_equals_the_dequantized_model(kind, bases):
     lm = meshlm.load(bases["neox"], quantize=kind)
@@ -275,6 +279,7 @@ def test_quantized_forward_equals_the_dequantized_model(kind, bases):
     assert 0 < np.abs(reference - exact).max()  # the only error is the quantization's own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_quantized_base_on_a_mesh_with_an_adapter(kind, tmp_path):
     """NF4 blocks run along the inputs, 64 at a time, so its mesh needs d_model and heads x d_head of 128."""
@@ -289,6 +294,7 @@ def test_quantized_base_on_a_mesh_with_an_adapter(kind, tmp_path):
         lm.save(tmp_path / "never")
 
 
+@pytest.mark.slow
 def test_nf4_needs_whole_blocks(tmp_path):
     cfg = meshlm.preset("gptj-demo").replace(d_model=48, n_head=4, d_ff=96, rotary_dim=4)
     with pytest.raises(ConfigError, match="nf4 quantizes blocks of 64"):
@@ -299,6 +305,7 @@ def test_nf4_needs_whole_blocks(tmp_path):
 # Running with an adapter, and the command line
 
 
+@pytest.mark.slow
 def test_greedy_generation_with_an_adapter_matches_peft(bases, saved_adapters):
     """Decoding with the KV cache runs the adapter too: token for token what peft's model generates."""
     folder, _ = saved_adapters["neo"]
@@ -320,6 +327,7 @@ def test_merge_and_export_on_the_command_line(bases, saved_adapters, tmp_path):
     assert cli.main(["export-adapter", str(bases["codegen"]), str(tmp_path / "x")]) == 1
 
 
+@pytest.mark.slow
 def test_a_trained_adapter_exported_for_peft_gives_meshlm_logits(bases, tmp_path):
     """`meshlm train` with a lora section on a transformers base, `meshlm export-adapter`, then peft."""
     from meshlm import train

@@ -60,6 +60,7 @@ def lora_run(rows, tmp_path_factory) -> train.TrainResult:
     return train.train(cfg, progress=False)
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_the_adapter_and_leaves_the_base_bit_identical(lora_run):
     assert_base_unchanged(lora_run.lm, meshlm.from_config(CFG, MESH, "float32", seed=3))
     adapter = lora_run.lm.params["lora"]
@@ -116,6 +117,7 @@ def saved_base(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_quantized_bases_train_and_stay_unchanged(kind, rows, saved_base, tmp_path):
     cfg = lora_config(rows, tmp_path / "run", base_dtype=kind, total_steps=2, init_from=str(saved_base))
@@ -133,6 +135,7 @@ def test_quantized_bases_train_and_stay_unchanged(kind, rows, saved_base, tmp_pa
     np.testing.assert_allclose(loaded.logits(tokens), result.lm.logits(tokens), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_killed_mid_way_resumes_to_the_uninterrupted_adapter(lora_run, tmp_path):
     run_dir = tmp_path / "run"
     config = tmp_path / "run.json"

@@ -55,6 +55,7 @@ def test_an_explicit_tokenizer_wins_and_gpt2_stays_the_default(folder, hf_tiny, 
     assert tokenizer_json(folder) == folder / "tokenizer.json"  # a model folder names its tokenizer
 
 
+@pytest.mark.slow
 def test_generation_encodes_decodes_and_stops_with_the_models_tokenizer(folder, hf_tiny, reference):
     lm = meshlm.load(folder)
     assert lm.sampling().stop_token_ids == (0,)
@@ -152,6 +153,7 @@ def test_prepare_tokenizes_with_a_model_folders_tokenizer(folder, reference, tmp
     np.testing.assert_array_equal(rows.reshape(-1), stream[: rows.size])
 
 
+@pytest.mark.slow
 def test_fine_tuning_uses_and_keeps_the_init_models_tokenizer(folder, reference, tmp_path):
     cfg = TrainConfig(
         init_from=str(folder), out_dir=str(tmp_path / "run"), seq_len=32, batch_size=8, total_steps=1,

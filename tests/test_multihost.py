@@ -75,6 +75,7 @@ def runs(tmp_path_factory, bucket) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_single_process_gradients(runs):
     one, two = np.load(runs / "one" / "grads.npz"), np.load(runs / "two" / "grads.npz")
     assert set(one.files) == set(two.files) and len(one.files) > 10

@@ -182,6 +182,7 @@ def test_a_policy_equal_to_its_reference_has_zero_rewards_and_the_losss_starting
 # The step: lm's loss over the whole batch, whatever micro_batches is
 
 
+@pytest.mark.slow
 def test_lm_loss_is_normalised_by_the_loss_tokens_of_the_whole_batch_whatever_micro_batches_is():
     """Rows with very different numbers of loss tokens (and two packed documents in one): the step's loss is
     sum(nll * w) / sum(w) over the batch, and its update the same, in one micro-batch or four."""
@@ -227,6 +228,7 @@ def dpo_run(preferences, tmp_path_factory):
     return train.train(run_config(preferences, out, val_every=3), progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "changes",
     [
@@ -295,6 +297,7 @@ def test_validation_on_preference_data_reports_trls_names(dpo_run):
     assert values["val/val/rewards/margins"] > dpo_run.val_losses[3]["val/val/rewards/margins"]
 
 
+@pytest.mark.slow
 def test_precomputed_reference_logps_equal_the_frozen_copys_in_the_step(dpo_run, preferences, tmp_path):
     """Stored once before training, looked up by row: the same numbers as the reference copy computes in each
     step (here sharded ZeRO-3 and tensor-parallel), so the two runs log the same values."""

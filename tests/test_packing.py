@@ -65,6 +65,7 @@ def run(params, tokens, segments, cfg):
     return tuple(np.asarray(a) for a in jax.jit(outputs, static_argnums=3)(params, tokens, segments, cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_packed_document_computes_what_it_computes_alone(name):
     cfg = CONFIGS[name]
@@ -96,6 +97,7 @@ def test_changing_one_document_leaves_the_next_bit_identical(name):
     assert not np.allclose(after[segments[:, :-1] == 1], before[segments[:, :-1] == 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gptj", "neox", "neo", "seed-fixed"])
 def test_packing_on_a_sharded_mesh_gives_the_single_device_numbers(name):
     cfg = CONFIGS[name]

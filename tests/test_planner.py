@@ -35,6 +35,7 @@ def tiny_train(dataset, tmp_path):
     return make
 
 
+@pytest.mark.slow
 def test_plan_figures_are_those_of_the_step_train_compiles(tiny_train, tmp_path):
     cfg = tiny_train(mesh="data=2,fsdp=2,model=2", remat="full", compute_dtype="bfloat16")
     result = train.train(cfg, progress=False, sample=False)
@@ -56,6 +57,7 @@ def test_largest_is_exact_for_every_threshold():
         assert len(calls) <= 2 * limit.bit_length() + 2
 
 
+@pytest.mark.slow
 def test_search_returns_largest_micro_batch_against_a_stated_capacity(tiny_train):
     cfg = tiny_train(batch_size=1)
     tgt, mesh = planner.target("cpu"), make_one_device_mesh()
@@ -77,6 +79,7 @@ CALIBRATION = ModelConfig(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "remat,changes",
     [
@@ -115,6 +118,7 @@ def test_over_budget_estimate_suggests_a_change():
     assert plan.suggestion and "LoRA" in plan.suggestion
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="TPU targets compile with libtpu (pip install 'meshlm[tpu]')")
 def test_tpu_target_compiles_ahead_of_time(tiny_train):
     cfg = tiny_train(compute_dtype="bfloat16", remat="full")
@@ -146,6 +150,7 @@ def test_bad_targets_and_meshes_fail_in_one_line(tiny_train, tmp_path, capsys):
     assert err.startswith("meshlm plan: error: unknown target") and "\n" not in err
 
 
+@pytest.mark.slow
 def test_train_refuses_a_step_over_the_device_memory(tiny_train, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(footprint, "device_capacity", lambda device: 1 << 20)
     cfg = tiny_train()
@@ -160,6 +165,7 @@ def test_train_refuses_a_step_over_the_device_memory(tiny_train, tmp_path, monke
     assert err[-1].startswith("meshlm train: error: the train step needs")
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_the_breakdown(capsys):
     args = ["plan", "--set", "model=test-tiny", "--set", "seq_len=32", "--target", "cpu", "--memory", "0.5"]
     assert cli.main([*args, "--no-search"]) == 0
@@ -168,6 +174,7 @@ def test_cli_plan_prints_the_breakdown(capsys):
         assert part in out
 
 
+@pytest.mark.slow
 def test_serve_plan_finds_the_most_rows():
     tgt, mesh = planner.target("cpu"), make_one_device_mesh()
     one = planner.fit_serve(TINY, tgt, mesh, 1, 128, "float32", None)
@@ -182,6 +189,7 @@ def test_serve_plan_finds_the_most_rows():
     assert np.isclose(plan.config.weights, four.weights)
 
 
+@pytest.mark.slow
 def test_serve_plan_holds_the_adapter_slots():
     """`--max-adapters` slots (and the base's zero slot) of every projection's A and B, compiled into the step."""
     tgt, mesh = planner.target("cpu"), make_one_device_mesh()
@@ -193,6 +201,7 @@ def test_serve_plan_holds_the_adapter_slots():
     assert slots.weights == plain.weights and slots.total >= plain.total + slots.adapters
 
 
+@pytest.mark.slow
 def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
     wide = ModelConfig(
         n_layer=2, d_model=256, n_head=4, d_ff=512, rotary_dim=8, vocab_size=512, n_vocab_used=512, max_seq_len=128

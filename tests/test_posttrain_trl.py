@@ -119,6 +119,7 @@ def assert_steps_equal(got: list[dict], want: list[dict], keys: tuple[str, ...],
 # SFT
 
 
+@pytest.mark.slow
 def test_sft_completion_only_losses_equal_trls_sft_trainer(hf_folder, sft_data, work):
     records = T.sft_records()
     want = T.sft_logs(hf_folder, records, steps=STEPS, batch_size=len(records), lr=LR, completion_only=True)
@@ -148,6 +149,7 @@ def dpo_copy(hf_folder, dpo_data, work) -> list[dict]:
     )
 
 
+@pytest.mark.slow
 def test_dpo_sigmoid_equals_trls_dpo_trainer(hf_folder, dpo_copy):
     records = T.preference_records()
     want = T.dpo_metrics(hf_folder, records, steps=STEPS, batch_size=len(records), lr=LR, beta=0.1)
@@ -156,6 +158,7 @@ def test_dpo_sigmoid_equals_trls_dpo_trainer(hf_folder, dpo_copy):
     assert dpo_copy[-1]["rewards/margins"] > 0
 
 
+@pytest.mark.slow
 def test_dpo_with_precomputed_reference_logps_equals_trls_precomputed_run(hf_folder, dpo_precompute, work):
     records = T.preference_records()
     want = T.dpo_metrics(
@@ -174,6 +177,7 @@ def test_precomputed_reference_logps_equal_those_computed_on_the_fly(dpo_precomp
             assert pre[key] == pytest.approx(copy[key], rel=1e-6, abs=1e-6), (pre["step"], key)
 
 
+@pytest.mark.slow
 def test_dpo_ipo_equals_trls_dpo_trainer(hf_folder, dpo_data, work):
     records = T.preference_records()
     want = T.dpo_metrics(hf_folder, records, steps=STEPS, batch_size=len(records), lr=LR, beta=0.1, loss_type="ipo")
@@ -187,6 +191,7 @@ def test_dpo_ipo_equals_trls_dpo_trainer(hf_folder, dpo_data, work):
 # DPO with LoRA: peft's initial adapter on the trl side, the same adapter on meshlm's
 
 
+@pytest.mark.slow
 def test_dpo_lora_equals_trls_dpo_trainer_with_peft(hf_folder, dpo_data, work, monkeypatch):
     """trl wraps the model with peft (A kaiming-uniform from torch's RNG, B = 0) and uses the base with the adapter
     switched off as the reference. meshlm has no setting to start a LoRA run from a given adapter, so the run's
@@ -225,6 +230,7 @@ def test_dpo_lora_equals_trls_dpo_trainer_with_peft(hf_folder, dpo_data, work, m
 # ORPO
 
 
+@pytest.mark.slow
 def test_orpo_equals_trls_orpo_trainer(hf_folder, orpo_data, work):
     records = T.preference_records()
     want = T.orpo_metrics(hf_folder, records, steps=STEPS, batch_size=len(records), lr=LR, beta=0.1)

@@ -6,12 +6,14 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from meshlm import train
 from tests.helpers.preferences import TRL_DPO_METRICS, logged, run_config
 from tests.helpers.training import metrics_losses, start_run, wait_for_steps
 
 
+@pytest.mark.slow
 def test_a_dpo_run_stopped_by_sigterm_and_sigkill_resumes_to_the_uninterrupted_numbers(preferences, tmp_path):
     """A full DPO fine-tune with precomputed reference log-probs, run as `meshlm train` in a subprocess,
     stopped by SIGTERM, resumed, killed (kill -9) at an arbitrary moment and resumed to the end: every step's

@@ -3,12 +3,14 @@ emulator (gcp-storage-emulator: no network, no credentials). Orbax writes the ar
 tensorstore's GCS driver and meshlm the rest through etils.epath (gcsfs), both pointed at the emulator."""
 
 import numpy as np
+import pytest
 
 import meshlm
 from meshlm import data, train
 from meshlm.config import TrainConfig
 
 
+@pytest.mark.slow
 def test_a_run_in_a_bucket_saves_resumes_and_loads(bucket, tmp_path):
     rows = np.random.default_rng(0).integers(0, 500, (32, 17))
     data.write_index(

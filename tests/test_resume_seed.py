@@ -41,6 +41,7 @@ def hf_params(m, folder: Path) -> dict:
     return jax.tree.map(np.asarray, meshlm.load(folder).params)
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, tmp_path):
     cfg = tiny_config(dataset, tmp_path / "run", total_steps=seed_run.step + 1, mesh="fsdp=2,model=2")
     cfg = cfg.replace(lr=LR, end_lr=END_LR, anneal_steps=ANNEAL, weight_decay=WD, eps=EPS)

@@ -367,6 +367,7 @@ def sampling_of(d: dict) -> SamplingParams:
     )
 
 
+@pytest.mark.slow
 def test_greedy_rows_with_the_new_settings_match_transformers_in_one_batch(lm, hf_tiny, rows):
     """Each row of one batch has its own settings, and each equals transformers' greedy generate with the
     same processors; the rows without a setting are untouched by the others'."""
@@ -425,6 +426,7 @@ def test_top_alternatives_are_computed_for_the_rows_that_want_them(lm, hf_tiny, 
         SamplingParams(logprobs=6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculation", ["ngram", "draft"])
 def test_speculative_decoding_applies_the_settings_to_the_target(lm, rows, speculation):
     """Prompt lookup and a draft model (the model itself) verify their proposals against the penalised

@@ -240,6 +240,7 @@ def test_folded_desync_moments_are_refused_in_one_line(seed):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_full_variant_run_continues_with_its_adam_state(seed, tmp_path):
     from tests.helpers.seed_adam import ANNEAL, END_LR, EPS, LR, WD, adamw_step, saved_opt_state
     from tests.helpers.training import SEQ, tiny_config, write_dataset

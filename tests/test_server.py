@@ -43,6 +43,7 @@ def reference(hf_tiny_gpt2_vocab, gpt2_bpe_file):
     return meshlm.load(hf_tiny_gpt2_vocab.path, tokenizer=gpt2_bpe_file)
 
 
+@pytest.mark.slow
 def test_a_cold_burst_of_assorted_requests_compiles_nothing(server, reference):
     """The first requests a fresh server sees (prompts of 1 to 120 tokens, several rows, greedy and
     sampled together) run on shapes compiled before /health answered; greedy rows equal `generate`."""
@@ -213,6 +214,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
     from fastapi.testclient import TestClient
 
@@ -235,6 +237,7 @@ def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
         create_app(reference, engine, "tiny", request_timeout=0)
 
 
+@pytest.mark.slow
 def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
     """The model as its own draft: greedy text as `generate` gives it, every proposal kept, and the
     counts in the response's usage and in /health."""

@@ -38,12 +38,14 @@ def results(served, hf_gptj):
     }
 
 
+@pytest.mark.slow
 def test_lm_eval_uses_the_servers_own_tokenizer(served):
     info = httpx.get(f"{served}/tokenizer_info").json()
     ids = httpx.post(f"{served}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     assert info and ids == [15496, 995]  # GPT-2 BPE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["meshlm", "hf"])
 @pytest.mark.parametrize("task", TASKS)
 def test_every_requests_loglikelihood_equals_the_in_process_backends(results, task, peer):
@@ -59,6 +61,7 @@ def test_every_requests_loglikelihood_equals_the_in_process_backends(results, ta
                 assert got_req[1] == exp_req[1]
 
 
+@pytest.mark.slow
 def test_the_served_metrics_are_the_in_process_ones(results):
     served = evaluate.flatten_metrics(results["server"])
     for peer in ("meshlm", "hf"):

@@ -129,6 +129,7 @@ def events(response: httpx.Response) -> list:
 # The defects of issue 25
 
 
+@pytest.mark.slow
 def test_stream_options_include_usage_sends_a_final_usage_chunk(server):
     for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
         payload = {**body, "max_tokens": 5, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -544,6 +545,7 @@ def test_lm_eval_local_completions_loglikelihood(server, reference, monkeypatch)
 # `meshlm sample --chat`
 
 
+@pytest.mark.slow
 def test_sample_chat_keeps_the_history(hf_tiny_gpt2_vocab, gpt2_bpe_file, template_file, reference, template):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHLM_TOKENIZER": gpt2_bpe_file}
     cmd = [sys.executable, "-m", "meshlm", "sample", str(hf_tiny_gpt2_vocab.path), "--chat", "--chat-template",
@@ -581,6 +583,7 @@ def test_chat_flags_that_cannot_work_are_refused_before_the_model_loads(capsys):
 # LoRA adapters served by name (vLLM's --lora-modules and /v1/load_lora_adapter)
 
 
+@pytest.mark.slow
 def test_an_adapter_is_served_by_name_as_the_single_adapter_path_runs_it(server, client, adapters, gpt2_bpe_file,
                                                                          hf_tiny_gpt2_vocab):  # fmt: skip
     cards = httpx.get(f"{server}/v1/models", headers=AUTH).json()["data"]
@@ -713,6 +716,7 @@ def test_a_forced_tool_call_returns_tool_calls_whose_arguments_follow_the_schema
                 jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
+@pytest.mark.slow
 def test_an_invalid_constraint_is_a_400(server, client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError, match="invalid json"):

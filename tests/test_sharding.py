@@ -36,6 +36,7 @@ def single_device():
     return logits_and_grads(None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", MESHES)
 def test_mesh_gives_single_device_logits_and_gradients(mesh_spec, single_device):
     _, ref_logits, ref_grads = single_device
@@ -82,6 +83,7 @@ def test_the_rule_sets_differ_only_where_parameters_lie():
     assert not batch & set(jax.tree.leaves(tuple(sharding.spec_for(params, sharding.SERVING))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_an_engine_on_an_fsdp_mesh_holds_its_weights_whole_over_the_batch_axes(quantize):
     """The model is laid out for training (ZeRO-3 over fsdp); its engine lays the weights out by the

@@ -65,6 +65,7 @@ def test_weight_decay_applies_to_matrices_only():
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
     """A hand-written AdamW in numpy (b1 .9, b2 .999, eps 1e-8, clip 1.0, wd on matrices) is the oracle."""
     cfg = TrainConfig(lr=0.01, warmup_steps=0, anneal_steps=10, weight_decay=0.3)
@@ -124,6 +125,7 @@ def single_device_run(dataset, tmp_path_factory, init_params):
     return run_steps(smooth(tiny_config(dataset, tmp_path_factory.mktemp("ref"))), None, 3, dataset, init_params)
 
 
+@pytest.mark.slow
 def test_k_micro_batches_equal_one_batch_k_times_larger(dataset, single_device_run, init_params, tmp_path):
     losses_1, params_1, _ = single_device_run
     cfg = smooth(tiny_config(dataset, tmp_path, micro_batches=4))
@@ -133,6 +135,7 @@ def test_k_micro_batches_equal_one_batch_k_times_larger(dataset, single_device_r
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=2,model=2", "fsdp=8", "model=8"])
 def test_training_on_a_mesh_tracks_the_single_device_run(mesh_spec, dataset, single_device_run, init_params, tmp_path):
     ref_losses, ref_params, _ = single_device_run
@@ -166,6 +169,7 @@ def memorised(tmp_path_factory):
     return train.train(cfg, progress=False)
 
 
+@pytest.mark.slow
 def test_a_training_run_converts_to_hf_with_its_latest_weights(memorised, tmp_path):
     meshlm.convert(memorised.out_dir, tmp_path / "hf", to="hf")
     tokens = np.arange(2 * SEQ).reshape(2, SEQ)
@@ -183,6 +187,7 @@ def test_loss_falls_to_near_zero_when_memorising(memorised):
     assert list((memorised.out_dir / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_on_one_mesh_gives_the_same_logits_on_another(memorised, tmp_path):
     tokens = np.random.default_rng(1).integers(0, 250, (2, SEQ))
     want = memorised.lm.logits(tokens)
@@ -199,6 +204,7 @@ def test_checkpoint_saved_on_one_mesh_gives_the_same_logits_on_another(memorised
     )
 
 
+@pytest.mark.slow
 def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorised, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(memorised.out_dir, run)
@@ -214,6 +220,7 @@ def test_training_resumes_on_another_mesh_from_the_saved_batch_position(memorise
     assert tuple(fc_in.sharding.spec) == (None, "fsdp", "model")
 
 
+@pytest.mark.slow
 def test_loss_in_chunks_equals_torch_cross_entropy_and_its_gradients(hf_tiny, monkeypatch):
     monkeypatch.setattr(fused_ce, "CHUNK_TOKENS", 8)  # 2 rows x 16 positions: the LM head runs on 4 chunks
     rng = np.random.default_rng(5)
@@ -233,6 +240,7 @@ def test_loss_in_chunks_equals_torch_cross_entropy_and_its_gradients(hf_tiny, mo
     np.testing.assert_allclose(grads["embed"]["w"], torch_model.transformer.wte.weight.grad.numpy(), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_hf_model_with_its_loss(hf_tiny, tmp_path):
     rows = np.random.default_rng(2).integers(0, 500, (16, SEQ + 1))
     folder = write_dataset(tmp_path / "data", rows)
@@ -284,6 +292,7 @@ def test_built_in_chats_and_pairs_carry_loss_on_the_answers_only(name, gpt2_bpe_
 # Interrupted runs
 
 
+@pytest.mark.slow
 def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(dataset, tmp_path):
     values = dict(
         model=CFG8.to_dict(), data=str(dataset), batch_size=8, total_steps=60, lr=1e-2, end_lr=1e-3,

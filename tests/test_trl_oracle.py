@@ -121,6 +121,7 @@ def test_dpo_step1(folder, model, tok, loss_type):
     assert logs[0]["logps/rejected"] == pytest.approx(logps[:, 1].mean(), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_dpo_moves_and_is_deterministic(folder):
     records = T.preference_records()
     a = T.dpo_metrics(folder, records, steps=3, batch_size=2, lr=1e-3)
@@ -131,12 +132,14 @@ def test_dpo_moves_and_is_deterministic(folder):
     assert set(T.DPO_KEYS) <= set(a[0])
 
 
+@pytest.mark.slow
 def test_sft_is_deterministic(folder):
     a = T.sft_losses(folder, T.sft_records(), steps=3, batch_size=2)
     assert a == T.sft_losses(folder, T.sft_records(), steps=3, batch_size=2)
     assert len(a) == 3 and a[2] < a[0]
 
 
+@pytest.mark.slow
 def test_dpo_precomputed_reference_equals_on_the_fly(folder):
     records = T.preference_records()
     on_the_fly = T.dpo_metrics(folder, records, steps=3, batch_size=2, loss_type="ipo")

@@ -49,6 +49,7 @@ def run_config(tmp_path, monkeypatch):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_holds_the_logged_metrics_and_resumes(run_config):
     out = Path(run_config.out_dir)
     train.train(run_config, progress=False, sample=False)

@@ -1,8 +1,8 @@
 """The TPU tier: the chip against the CPU, on the programs users run there (docs/testing.md).
 
-Every test needs a TPU chip and is skipped anywhere else. The chip's run and the CPU's run are the same
-`meshlm train` command on the same config and data, in two processes (`JAX_PLATFORMS=tpu` and `cpu`), both at
-the highest matmul precision so that the chip's float32 is float32 and only rounding order differs.
+Every test needs a TPU chip and is skipped anywhere else. The chip's run and the CPU's run train the same config
+on the same data, the chip's in this process and the CPU's as `meshlm train` in another, both at the highest
+matmul precision so that the chip's float32 is float32 and only the order of rounding differs.
 """
 
 import json
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from meshlm import api
+from meshlm import api, train
 from meshlm.sharding import make_mesh
 from tests.helpers import preferences
 from tests.helpers.training import CFG8, REPO, SEQ, tiny_config, write_dataset
@@ -25,18 +25,24 @@ pytestmark = pytest.mark.tpu
 
 
 def train_on(platform: str, cfg, folder: Path) -> list[dict]:
-    """`meshlm train` of `cfg` on one platform, in its own process; returns its logged metrics."""
+    """A training run of `cfg` on one platform; returns its logged metrics. The chip's runs in this process
+    (one process at a time holds a TPU), the CPU's as `meshlm train` in its own (`JAX_PLATFORMS=cpu`)."""
     out = folder / platform
-    config = folder / f"{platform}.yaml"
-    folder.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(cfg.replace(out_dir=str(out)).to_dict()))
-    env = {**os.environ, "JAX_PLATFORMS": platform, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    cfg = cfg.replace(out_dir=str(out))
+    if platform == "tpu":
+        with jax.default_matmul_precision("highest"):
+            train.train(cfg, progress=False)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        config = folder / f"{platform}.yaml"
+        config.write_text(yaml.safe_dump(cfg.to_dict()))
+        env = {**os.environ, "JAX_PLATFORMS": platform, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -496,9 +496,7 @@ class _GuardedTemplate:
             except DataError:
                 raise
             except Exception as e:  # the template is the user's code: any error in it is the record's
-                raise DataError(
-                    f"the chat template failed on this record ({type(e).__name__}: {one_line(e)})"
-                ) from None
+                raise DataError(f"the chat template failed on this chat: {type(e).__name__}: {one_line(e)}") from None
 
         return guarded
 

@@ -86,6 +86,7 @@ def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft
         lm.generate_tokens([PROMPTS[0]], greedy(NEW), adapters=["nope"])
 
 
+@pytest.mark.slow
 def test_prefix_caching_keys_on_the_adapter(engine):
     """Rows of different adapters with one prompt never share pages; rows of one adapter do."""
     prompt = list(range(10, 50))  # two full pages of 16
@@ -98,6 +99,7 @@ def test_prefix_caching_keys_on_the_adapter(engine):
     assert other.logprobs != first.logprobs
 
 
+@pytest.mark.slow
 def test_full_slots_swap_idle_adapters_and_refuse_busy_ones(folders, engine):
     """Three slots, four adapters: an idle one gives its slot up (and comes back when asked for); when every
     slot runs live requests, the fourth adapter is refused."""

@@ -51,6 +51,7 @@ def test_sampled_completions_validate_against_the_schema(engine, lm, name):
     assert len({out.text for out in outputs}) > SAMPLES // 4  # sampled, not one answer
 
 
+@pytest.mark.slow
 def test_regex_and_choice_outputs_match(engine, lm):
     pattern = r"(yes|no), [0-9]{2,3}!"
     for out in sampled(engine, lm, Constraint.regex(pattern), n=50, max_new=16):

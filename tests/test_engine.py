@@ -212,6 +212,7 @@ def reference_scores(lm, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndar
     return logp[np.arange(len(prompt) - 1), prompt[1:]], top, np.take_along_axis(logp, top, axis=-1)
 
 
+@pytest.mark.slow
 def test_scored_prompts_give_each_tokens_logprob_through_the_prefix_cache(lm, shared_prompts):
     """Prompt scoring (echo with logprobs): every prompt token's logprob and top alternatives equal the full
     forward pass's, for rows scored alone, batched, with 0 or more new tokens, and again once the shared

@@ -59,6 +59,7 @@ def test_meshlm_gives_the_hf_backends_metrics(hf_results, meshlm_results):
         assert got[key] == pytest.approx(value, rel=1e-5), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["meshlm_test_mc", "meshlm_test_lambada", "meshlm_test_wikitext"])
 def test_per_request_loglikelihoods_match_the_hf_backend(hf_results, meshlm_results, task):
     expected, got = responses(hf_results, task), responses(meshlm_results, task)
@@ -75,6 +76,7 @@ def test_per_request_loglikelihoods_match_the_hf_backend(hf_results, meshlm_resu
                 assert got_req[1] == exp_req[1]
 
 
+@pytest.mark.slow
 def test_generate_until_matches_the_hf_backends_greedy_text(hf_results, meshlm_results):
     expected = responses(hf_results, "meshlm_test_gen")
     got = responses(meshlm_results, "meshlm_test_gen")
@@ -137,6 +139,7 @@ def test_strided_perplexity_over_jsonl_documents(hf_gptj, gpt2_bpe_file, tmp_pat
     assert result["perplexity"] == pytest.approx(math.exp(nlls.mean()), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_cli_prints_the_table_and_writes_the_harness_json(hf_model, hf_results, tmp_path, capsys):
     out = tmp_path / "results.json"
     with in_repo_root():
@@ -168,6 +171,7 @@ def test_eval_cli_errors_are_one_line(hf_gptj, tmp_path, capsys):
         assert f"--output {output}: cannot write a file there" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_evaluate_tasks_gives_flat_metrics_for_a_loaded_model(hf_model, hf_results):
     lm = meshlm.load(hf_model.path, mesh=MESH)
     with in_repo_root():

@@ -209,7 +209,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
     ("record", "template", "message"),
     [
         (CHAT, "{% for m in messages %}{{ m.content }}{{ 1 // 0 }}{% endfor %}",
-         "the chat template failed on this record (ZeroDivisionError: integer division or modulo by zero)"),
+         "the chat template failed on this chat: ZeroDivisionError: integer division or modulo by zero"),
         ({**CHAT, "chat_template_kwargs": {"messages": []}}, PLAIN,
          "chat_template_kwargs sets 'messages', which the chat template is given by the record itself"),
         ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": True}}, PLAIN,

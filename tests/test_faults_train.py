@@ -151,6 +151,7 @@ def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(noticed,
     assert resumed.losses == {s: loss for s, loss in reference.losses.items() if s > 4}
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_on_the_command_line(tmp_path, capsys, dataset):
     with tmpfs(tmp_path / "disk", "1000k") as disk:  # less than one checkpoint (1.2 MB)
         config = tmp_path / "run.json"

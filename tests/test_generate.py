@@ -88,6 +88,7 @@ def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm, attentio
         np.testing.assert_allclose(logits[:, 0], expected[:, pos], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_by_seed_whatever_the_batch(lm, prompts):
     sampled = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95, seed=7)
     (alone,) = lm.generate_tokens([prompts[0]], sampled)
@@ -240,6 +241,7 @@ def test_generate_text_and_stop_strings(text_lm):
     assert "".join(text_lm.stream(TEXTS[0], max_new_tokens=24, temperature=0, stop_token_ids=[])) == free[0]
 
 
+@pytest.mark.slow
 def test_sample_command_streams_and_reads_prompts_from_stdin(
     text_lm, hf_tiny_gpt2_vocab, gpt2_bpe_file, capsys, monkeypatch
 ):

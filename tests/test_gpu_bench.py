@@ -76,6 +76,7 @@ def test_every_section_runs_and_reports_numbers(report):
             assert d["bytes_per_step_gb"] > gen["weight_gb"]  # the KV cache is read on top of the weights
 
 
+@pytest.mark.slow
 def test_summary_names_every_section(report, out):
     md = (out / "gpu.md").read_text()
     assert report["machine"]["jax"] in md
@@ -99,6 +100,7 @@ def test_the_attention_flag_reaches_the_model_through_the_policy(tmp_path):
         assert "cudnn" in report["sections"][name]["error"].lower(), report["sections"][name]["error"]
 
 
+@pytest.mark.slow
 def test_models_sections_micro_batches_and_param_dtype_reach_the_run(tmp_path):
     """Only the sections and models asked for run; the step accumulates over the micro-batches asked for,
     on weights stored in the dtype asked for."""

@@ -76,6 +76,7 @@ def test_a_lora_run_trains_the_adapter_and_leaves_the_base_bit_identical(lora_ru
     assert np.isfinite(records[0]["mfu"]) and records[0]["mfu"] > 0
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_the_adapter_and_its_optimizer_state_only(lora_run):
     step = lora_run.out_dir / "checkpoints" / str(STEPS)
     tree = json.loads((step / "params" / "_METADATA").read_text())["tree_metadata"]
@@ -190,6 +191,7 @@ def test_bad_lora_configs_give_one_clear_line(rows, tmp_path):
     assert "a LoRA run trains a new adapter" in one_line_error(ConfigError, train.train, cfg)
 
 
+@pytest.mark.slow
 def test_resuming_a_lora_run_with_other_settings_is_refused(lora_run, rows, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(lora_run.out_dir, run)
@@ -211,6 +213,7 @@ def test_resuming_a_lora_run_with_other_settings_is_refused(lora_run, rows, tmp_
     assert "is a full training run's checkpoint, but the config has a lora section" in err
 
 
+@pytest.mark.slow
 def test_a_lora_run_loads_as_its_base_with_its_adapter(lora_run):
     """The run folder alone: the seed's random base rebuilt, the adapter of the last step on it."""
     loaded = meshlm.load(lora_run.out_dir, MESH)

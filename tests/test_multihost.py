@@ -13,6 +13,9 @@ import pytest
 
 from meshlm import data
 
+# Every test here shares a live server (or processes) started by a module fixture: the whole file is slow.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

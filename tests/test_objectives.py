@@ -290,6 +290,7 @@ def test_preference_runs_log_trls_metrics_and_raise_the_reward_margin(changes, d
         assert margins[0] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_validation_on_preference_data_reports_trls_names(dpo_run):
     assert set(dpo_run.val_losses) == {3, 6}
     values = dpo_run.val_losses[6]
@@ -329,6 +330,7 @@ def test_precomputed_reference_logps_equal_the_frozen_copys_in_the_step(dpo_run,
     assert copy.step == 6
 
 
+@pytest.mark.slow
 def test_a_resumed_dpo_run_continues_exactly_with_its_stored_reference_and_refuses_other_data(
     dpo_run, preferences, tmp_path
 ):

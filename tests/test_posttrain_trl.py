@@ -168,6 +168,7 @@ def test_dpo_with_precomputed_reference_logps_equals_trls_precomputed_run(hf_fol
     assert (work / "run_dpo_pre" / "reference_logps.npz").is_file()
 
 
+@pytest.mark.slow
 def test_precomputed_reference_logps_equal_those_computed_on_the_fly(dpo_precompute, dpo_copy, work):
     """`reference: precompute` (stored once before the first step) and `reference: copy` (a frozen copy of the
     starting model run inside every step) log the same numbers."""

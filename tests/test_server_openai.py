@@ -29,6 +29,9 @@ from tests.helpers.lora import peft_model
 from tests.helpers.schemas import SCHEMAS
 from tests.helpers.serving import serving
 
+# Every test here shares a live server (or processes) started by a module fixture: the whole file is slow.
+pytestmark = pytest.mark.slow
+
 MAX_BATCH, MAX_QUEUE, MAX_LEN = 4, 32, 128
 PROMPT = "Hello world, this is"
 API_KEY = "sk-test"

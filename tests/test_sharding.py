@@ -130,6 +130,7 @@ def test_omitted_data_axis_takes_the_remaining_devices():
     assert dict(sharding.make_mesh("model=2").shape) == {"data": 4, "fsdp": 1, "model": 2}
 
 
+@pytest.mark.slow
 def test_bf16_compute_is_close_to_fp32():
     lm = meshlm.from_config(CFG, seed=3)
     fp32 = lm.logits(TOKENS)

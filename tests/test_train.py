@@ -84,6 +84,7 @@ def test_one_optimizer_step_is_clipped_adamw_with_masked_decay():
         np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bf16_adam_moments_are_stored_in_bf16_and_update_like_fp32_ones():
     """`adam_dtype: bfloat16` keeps both moments in bf16 between steps and computes the update in fp32."""
     params = model.init(CFG8, jax.random.key(0))
@@ -177,6 +178,7 @@ def test_a_training_run_converts_to_hf_with_its_latest_weights(memorised, tmp_pa
     np.testing.assert_allclose(oracle.open_hf(tmp_path / "hf").logits(tokens), want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_loss_falls_to_near_zero_when_memorising(memorised):
     assert memorised.losses[1] > 5.0  # ln(256) = 5.5 at initialisation
     assert memorised.losses[120] < 0.05

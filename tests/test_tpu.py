@@ -19,7 +19,7 @@ import yaml
 from meshlm import api, train
 from meshlm.sharding import make_mesh
 from tests.helpers import preferences
-from tests.helpers.training import CFG8, REPO, SEQ, tiny_config, write_dataset
+from tests.helpers.training import CFG8, REPO, SEQ, smooth, tiny_config, write_dataset
 
 pytestmark = pytest.mark.tpu
 
@@ -75,12 +75,12 @@ def test_logits_on_the_chip_match_the_cpu():
 @pytest.mark.parametrize("changes", [{}, {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "out"]}}],
                          ids=["full", "lora"])  # fmt: skip
 def test_a_training_run_on_the_chip_matches_the_cpu(tokens, tmp_path, changes):
-    cfg = tiny_config(tokens, tmp_path, total_steps=6, log_every=1, **changes)
+    cfg = smooth(tiny_config(tokens, tmp_path, total_steps=6, log_every=1, **changes))
     assert_runs_agree(train_on("tpu", cfg, tmp_path), train_on("cpu", cfg, tmp_path), ("loss", "grad_norm"))
 
 
 def test_a_dpo_run_on_the_chip_matches_the_cpu(tmp_path):
     data = preferences.write_preferences(tmp_path / "prefs")
-    cfg = preferences.run_config(data, tmp_path, log_every=1)
+    cfg = smooth(preferences.run_config(data, tmp_path, log_every=1))
     names = ("loss", *preferences.TRL_DPO_METRICS)
     assert_runs_agree(train_on("tpu", cfg, tmp_path), train_on("cpu", cfg, tmp_path), names)

@@ -18,9 +18,10 @@ from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype
 from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import native, registry
-from meshlm.formats.slices import Placed, place, projection_quantizers
+from meshlm.formats.slices import Placed, place, projection_streams
 from meshlm.generate import TOP_LOGPROBS, Completion, SamplingParams
 from meshlm.grammar import Constraint
+from meshlm.param import Param, init_layer, init_leaf, is_param, leaf_keys
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
@@ -486,12 +487,26 @@ def from_config(
     tokenizer: TokenizerSpec = None,
     quantize: str | None = None,
 ) -> LanguageModel:
-    """A randomly initialised model, created shard by shard directly on `mesh` (`quantize` as in `load`)."""
+    """A randomly initialised model, created shard by shard directly on `mesh` (`quantize` as in `load`).
+    Quantized, it is made one parameter at a time and each projection one layer at a time
+    (`param.init_layer`), so the devices hold the quantized model plus one layer of one projection in
+    float: GPT-J-6B in NF4 starts on a 16 GiB chip. Either way the values are `model.init`'s."""
     device_mesh = make_mesh(mesh)
+    key = jax.random.key(seed)
+    if not quantize:
+        shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
+        params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(key)
+        return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
+    streams = projection_streams(cfg, quantize, device_mesh, dtype)
+    table = model.param_table(cfg)
     shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
-    params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
-    if quantize:
-        quantizers = projection_quantizers(cfg, quantize, device_mesh, dtype)
-        quantized = lambda path, x: quantizers.get(model.param_name(path), lambda x: x)(x)
-        params = jax.tree_util.tree_map_with_path(quantized, params)
+    flat_shardings = {model.param_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+    def build(path: tuple[Any, ...], p: Param, k: jax.Array) -> Any:
+        name = model.param_name(path)
+        if name in streams:
+            return streams[name](lambda k, i: init_layer(p, k, i, dtype), lambda i: (k,))
+        return jax.jit(lambda k: init_leaf(p, k, dtype), out_shardings=flat_shardings[name])(k)
+
+    params = jax.tree_util.tree_map_with_path(build, table, leaf_keys(table, key), is_leaf=is_param)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, quantized=quantize)

@@ -224,3 +224,16 @@ def test_the_tpu_paged_attention_kernel_compiles_for_a_tpu():
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in arrays]
     compiled = jax.jit(lambda *a: paged_attention(*a, kernel="tpu")).lower(*args).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("changes", [{"param_dtype": "bfloat16"}, {}])
+def test_the_breakdown_parts_are_non_negative_and_sum_to_the_compiled_total(changes):
+    """With bfloat16 weights the gradients are bfloat16 too (the accumulator is `zeros_like(params)`):
+    counting them as float32 made "activations, other temps" negative where the weights dominate (here
+    -14.5 MB of a 53 MB total) and the breakdown not sum to the total."""
+    cfg = TrainConfig(**(dict(model=CALIBRATION, batch_size=1, seq_len=64, remat="full") | changes))
+    fit, _ = planner.fit_train(cfg, planner.target("cpu"), make_one_device_mesh(), cfg.seq_len)
+    assert fit.gradients == 2 * fit.params  # the micro-batch's gradient and the sum, in the parameters' dtype
+    parts = [fit.params, fit.optimizer, fit.base, fit.batch, fit.held_gradients, fit.activations]
+    assert all(part >= 0 for part in parts), parts
+    assert sum(parts) == fit.total

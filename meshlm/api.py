@@ -498,15 +498,24 @@ def from_config(
         params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(key)
         return LanguageModel(cfg, params, device_mesh, dtype, tokenizer)
     streams = projection_streams(cfg, quantize, device_mesh, dtype)
-    table = model.param_table(cfg)
+    table, keys = model.param_table(cfg), leaf_keys(model.param_table(cfg), key)
     shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
-    flat_shardings = {model.param_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    is_projection = lambda path, _: model.param_name(path) in streams
+    # the rest (embedding, head, norms, biases) in one program: small beside the projections
+    rest = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: None if is_projection(path, x) else x, tree, is_leaf=is_param
+    )
+    init_rest = lambda keys: jax.tree.map(lambda p, k: init_leaf(p, k, dtype), rest(table), keys, is_leaf=is_param)
+    params = jax.jit(init_rest, out_shardings=rest(shardings))(rest(keys))
 
-    def build(path: tuple[Any, ...], p: Param, k: jax.Array) -> Any:
+    def build(path: tuple[Any, ...], p: Param, k: jax.Array, made: Any) -> Any:
         name = model.param_name(path)
-        if name in streams:
-            return streams[name](lambda k, i: init_layer(p, k, i, dtype), lambda i: (k,))
-        return jax.jit(lambda k: init_leaf(p, k, dtype), out_shardings=flat_shardings[name])(k)
+        return streams[name](_layer_maker(p, dtype), lambda i: (k,)) if name in streams else made
 
-    params = jax.tree_util.tree_map_with_path(build, table, leaf_keys(table, key), is_leaf=is_param)
+    params = jax.tree_util.tree_map_with_path(build, table, keys, params, is_leaf=is_param)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, quantized=quantize)
+
+
+@functools.cache  # one maker per declaration, so equal projections share one compiled program
+def _layer_maker(p: Param, dtype: str) -> Callable[[jax.Array, Any], jax.Array]:
+    return lambda key, layer: init_layer(p, key, layer, dtype)

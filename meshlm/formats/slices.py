@@ -10,6 +10,7 @@ same writers its placed parameters as a source (`Placed`), so each format has on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,14 +79,19 @@ def place(
             at = lambda index: read((slice(i, i + 1), *index))[0]
             return jax.make_array_from_callback(leaf.shape[1:], one, at)
 
-        return streams[name](lambda w, i: w, lambda i: (layer(i),))
+        return streams[name](_as_given, lambda i: (layer(i),))
 
     return jax.tree_util.tree_map_with_path(build, abstract, shardings)
 
 
-Make = Callable[..., jax.Array]  # make(*args, layer) -> one layer's float weight, inside the jitted step
+Make = Callable[..., jax.Array]
 
 
+def _as_given(w: jax.Array, layer: Any) -> jax.Array:
+    return w  # make(*args, layer) -> one layer's float weight, inside the jitted step
+
+
+@functools.cache  # one program for q, k and v, and for every model of the same shapes
 def layer_step(kind: str, n_in: int, sharding: Any, make: Make) -> Callable[..., Any]:
     """The jitted program that fills one layer of a quantized stack: step(stack, layer, *args) quantizes
     make(*args, layer) into the stack, which it donates (so the stack is updated in place)."""
@@ -94,6 +100,11 @@ def layer_step(kind: str, n_in: int, sharding: Any, make: Make) -> Callable[...,
         donate_argnums=0,
         out_shardings=sharding,
     )
+
+
+@functools.cache
+def _zeros(abstract: Any, sharding: Any) -> Callable[[], Any]:
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=sharding)
 
 
 def projection_streams(
@@ -108,10 +119,9 @@ def projection_streams(
 
     def stream(role: str, n_in: int) -> Callable[..., Any]:
         abstract, sharding = model.projection(quantized, role), model.projection(targets, role)
-        zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=sharding)
 
         def run(make: Make, args_of: Callable[[int], tuple[Any, ...]]) -> Any:
-            stack, step = zeros(), layer_step(kind, n_in, sharding, make)
+            stack, step = _zeros(abstract, sharding)(), layer_step(kind, n_in, sharding, make)
             for i in range(cfg.n_layer):
                 stack = step(stack, i, *args_of(i))
             return stack

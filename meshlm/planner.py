@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm import footprint, fused_ce, metrics, model, runner, train_step
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
+from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
 from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
@@ -284,6 +284,17 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
     trained = adapter_size(model.projections(m), cfg.lora) if cfg.lora else model.count_params(m)
     return tokens * (m.n_layer * saved + block) + head + adam * trained // math.prod(sizes.values())
+
+
+def stream_layer_bytes(cfg: ModelConfig, devices: int) -> int:
+    """What loading a quantized base holds beside it, per device: one layer of its largest projection in
+    float32 (`meshlm.formats.slices.projection_streams` makes and quantizes one layer at a time), split
+    over the devices at best. XLA's temporaries for that layer's quantization come to a few times it on a
+    CPU (tests/test_stream_quant.py); the bound here is the layer itself."""
+    largest = max(
+        math.prod(model.projection(model.param_table(cfg), role).shape[1:]) for role in model.PROJECTION_PATHS
+    )
+    return 4 * largest // devices
 
 
 def plan_train(
@@ -556,6 +567,9 @@ def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
     ]
     if fit.base:
         lines.append(f"  frozen base                 {gib(fit.base)}")
+        if cfg.frozen_dtype in QUANTIZED:
+            peak = fit.base + stream_layer_bytes(cfg.model, math.prod(_sizes_of(p.mesh)))
+            lines.append(f"    loading it (streamed)     {gib(peak)} at the peak: the base and one layer in float32")
     lines.append(f"  batch                       {gib(fit.batch)}")
     if fit.total is not None and not fit.refused:
         lines.append(f"  gradients (x2)              {gib(fit.held_gradients)}")

@@ -205,6 +205,9 @@ def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
     assert plan.config.params < 4 * adapter  # the adapter's shards, fp32
     assert 0 < plan.config.base < full.config.params  # NF4 projections: smaller than the fp32 model
     assert plan.config.optimizer < full.config.optimizer / 10
+    fc_in_layer = 256 * 512 * 4 // 4  # one layer of fc_in in float32, over the 4 devices
+    assert planner.stream_layer_bytes(wide, 4) == fc_in_layer
+    assert "loading it (streamed)" in planner.describe_train(plan, cfg)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="TPU targets compile with libtpu (pip install 'meshlm[tpu]')")

@@ -97,3 +97,19 @@ def test_the_program_that_fills_one_layer_needs_temporaries_of_one_layer_whateve
     shallow, deep = _fill_one_layer_temp_bytes(4, kind), _fill_one_layer_temp_bytes(32, kind)
     assert deep == shallow
     assert deep <= 8 * layer_bytes < 32 * layer_bytes
+
+
+@pytest.mark.slow  # four train steps compiled on a tiny model: about a minute on a CPU
+def test_the_gptj6b_benchmark_runs_its_cases_on_a_tiny_model(tmp_path):
+    import json
+
+    from benchmarks import gptj6b_tpu
+
+    argv = ["--model", "test-tiny", "--seq-len", "32", "--batches", "2", "--steps", "1", "--out", str(tmp_path)]
+    report = gptj6b_tpu.main(argv)
+    assert set(report["cases"]) == set(gptj6b_tpu.CASES)
+    for name, case in report["cases"].items():
+        assert case["status"] == "ok", (name, case)
+        assert case["tokens_per_s"] > 0 and 0 < case["mfu"] and case["step_s"] > 0
+    assert json.loads((tmp_path / "gptj6b.json").read_text())["machine"]["jax"] == jax.__version__
+    assert "JAX" in (tmp_path / "gptj6b.md").read_text()

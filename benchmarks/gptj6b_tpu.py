@@ -163,10 +163,11 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"- **{name}**: {r.get('status')} {r.get('error', '')}")
             continue
         lines.append(
-            f"- **{name}** ({r['objective']}, {r['base']} base {r['base_gb']:.2f} GB made in {r['base_init_s']:.0f} s): "
-            f"batch {r['batch']} ({r['rows_per_step']} rows) x {report['seq_len']}, remat full: "
-            f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, MFU {100 * r['mfu']:.1f}% of the spec peak, "
-            f"compiled {r['compiled_gb']:.2f} GB, compile {r['compile_s']:.0f} s, loss {r['first_loss']:.3f} -> {r['loss']:.3f}"
+            f"- **{name}** ({r['objective']}, {r['base']} base {r['base_gb']:.2f} GB made in "
+            f"{r['base_init_s']:.0f} s): batch {r['batch']} ({r['rows_per_step']} rows) x {report['seq_len']}, "
+            f"remat full: {r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
+            f"MFU {100 * r['mfu']:.1f}% of the spec peak, compiled {r['compiled_gb']:.2f} GB, "
+            f"compile {r['compile_s']:.0f} s, loss {r['first_loss']:.3f} -> {r['loss']:.3f}"
         )
     return "\n".join(lines) + "\n"
 

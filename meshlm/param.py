@@ -4,6 +4,7 @@ axes) and its initialiser. The model's parameters and a LoRA adapter's are both 
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -17,6 +18,10 @@ class Param(NamedTuple):
     axes: tuple[str | None, ...]  # one logical axis name per dimension
     init: str  # "normal", "uniform", "zeros" or "constant"
     value: float = 0.0  # the normal's standard deviation, the uniform's bound, or the constant
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
 
 
 def is_param(x: Any) -> bool:

@@ -56,6 +56,16 @@ def test_a_streamed_quantized_init_equals_the_float_init_quantized(kind):
     assert "model" in q.sharding.spec  # laid out on the mesh as the quantized axes say
 
 
+def test_a_float_model_made_stack_by_stack_equals_the_one_program_init(monkeypatch):
+    """Stacks over `STREAM_BYTES` in float32 (GPT-J-6B's, in bf16 on a 16 GiB chip) are made layer by layer."""
+    from meshlm import api
+
+    full = jax.jit(lambda k: model.init(CFG, k, "bfloat16"))(jax.random.key(4))
+    monkeypatch.setattr(api, "STREAM_BYTES", 0)
+    streamed = meshlm.from_config(CFG, mesh="data=-1,model=2", dtype="bfloat16", seed=4)
+    _equal_trees(streamed.params, full)
+
+
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_placing_a_quantized_base_from_slices_streams_layers_and_equals_quantizing_it_whole(kind):
     full = jax.tree.map(np.asarray, model.init(CFG, jax.random.key(2), "float32"))

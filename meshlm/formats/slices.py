@@ -92,11 +92,18 @@ def _as_given(w: jax.Array, layer: Any) -> jax.Array:
 
 
 @functools.cache  # one program for q, k and v, and for every model of the same shapes
-def layer_step(kind: str, n_in: int, sharding: Any, make: Make) -> Callable[..., Any]:
-    """The jitted program that fills one layer of a quantized stack: step(stack, layer, *args) quantizes
-    make(*args, layer) into the stack, which it donates (so the stack is updated in place)."""
+def layer_step(kind: str | None, n_in: int, sharding: Any, make: Make) -> Callable[..., Any]:
+    """The jitted program that fills one layer of a quantized stack (a float one, `kind` None): step(stack,
+    layer, *args) quantizes make(*args, layer) into the stack, which it donates (updated in place)."""
+
+    def fill(stack: Any, layer: Any, *args: Any) -> Any:
+        w = make(*args, layer)
+        if kind is None:  # a float stack: the layer as it is made
+            return jax.lax.dynamic_update_slice_in_dim(stack, w[None].astype(stack.dtype), layer, 0)
+        return quant.quantize_into(stack, w, layer, kind, n_in)
+
     return jax.jit(
-        lambda stack, layer, *args: quant.quantize_into(stack, make(*args, layer), layer, kind, n_in),
+        fill,
         donate_argnums=0,
         out_shardings=sharding,
     )
@@ -117,18 +124,27 @@ def projection_streams(
     quantized = model.abstract_params(cfg, dtype, kind)
     targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
 
-    def stream(role: str, n_in: int) -> Callable[..., Any]:
-        abstract, sharding = model.projection(quantized, role), model.projection(targets, role)
+    return {
+        model.projection_name(role): stack_stream(
+            kind, n_in, model.projection(quantized, role), model.projection(targets, role), cfg.n_layer
+        )
+        for role, (_, n_in) in model.PROJECTION_PATHS.items()
+    }
 
-        def run(make: Make, args_of: Callable[[int], tuple[Any, ...]]) -> Any:
-            stack, step = _zeros(abstract, sharding)(), layer_step(kind, n_in, sharding, make)
-            for i in range(cfg.n_layer):
-                stack = step(stack, i, *args_of(i))
-            return stack
 
-        return run
+def stack_stream(
+    kind: str | None, n_in: int, abstract: Any, sharding: Any, layers: int
+) -> Callable[[Make, Callable[[int], tuple[Any, ...]]], Any]:
+    """stream(make, args_of): a stack (`abstract`, laid out as `sharding`; quantized to `kind`, or float
+    where `kind` is None) filled on the devices one layer at a time, layer i from make(*args_of(i), i)."""
 
-    return {model.projection_name(role): stream(role, n_in) for role, (_, n_in) in model.PROJECTION_PATHS.items()}
+    def run(make: Make, args_of: Callable[[int], tuple[Any, ...]]) -> Any:
+        stack, step = _zeros(abstract, sharding)(), layer_step(kind, n_in, sharding, make)
+        for i in range(layers):
+            stack = step(stack, i, *args_of(i))
+        return stack
+
+    return run
 
 
 @dataclass

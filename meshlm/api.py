@@ -13,17 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import model
+from meshlm import model, quant
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
 from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import native, registry
-from meshlm.formats.slices import Placed, place, projection_quantizers
+from meshlm.formats.slices import Placed, place, projection_streams, stack_stream
 from meshlm.generate import TOP_LOGPROBS, Completion, SamplingParams
 from meshlm.grammar import Constraint
+from meshlm.param import Param, init_layer, init_leaf, is_param, is_stacked, leaf_keys
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
+STREAM_BYTES = 1 << 30  # from_config makes a float stack larger than this (in float32) layer by layer
 SEQ_BUCKET = 64  # logits() pads sequence lengths up to a multiple of this, so few shapes compile
 GENERATE_BATCH = 32  # rows `generate` decodes at once; more prompts wait for free rows
 COMPILED_FUNCTIONS = 16  # jitted forward and scoring closures kept: two per (config, policy) a process uses
@@ -486,12 +488,38 @@ def from_config(
     tokenizer: TokenizerSpec = None,
     quantize: str | None = None,
 ) -> LanguageModel:
-    """A randomly initialised model, created shard by shard directly on `mesh` (`quantize` as in `load`)."""
+    """A randomly initialised model, created shard by shard directly on `mesh` (`quantize` as in `load`).
+    Each projection (quantized) and each stacked weight over `STREAM_BYTES` in float32 is made one layer at
+    a time (`param.init_layer`) into its stack, the rest in one program, so the devices hold the model as
+    stored plus one layer in float32: GPT-J-6B in NF4 (or bf16) starts on a 16 GiB chip. Either way the
+    values are `model.init`'s."""
     device_mesh = make_mesh(mesh)
-    shardings = plan(model.abstract_params(cfg, dtype), model.logical_axes(cfg), device_mesh)
-    params = jax.jit(lambda k: model.init(cfg, k, dtype), out_shardings=shardings)(jax.random.key(seed))
-    if quantize:
-        quantizers = projection_quantizers(cfg, quantize, device_mesh, dtype)
-        quantized = lambda path, x: quantizers.get(model.param_name(path), lambda x: x)(x)
-        params = jax.tree_util.tree_map_with_path(quantized, params)
+    key = jax.random.key(seed)
+    table, keys = model.param_table(cfg), leaf_keys(model.param_table(cfg), key)
+    abstract = model.abstract_params(cfg, dtype)
+    shardings = plan(abstract, model.logical_axes(cfg), device_mesh)
+    streams = projection_streams(cfg, quantize, device_mesh, dtype) if quantize else {}
+    for path, p in jax.tree_util.tree_flatten_with_path(table, is_leaf=is_param)[0]:
+        name = model.param_name(path)
+        if name not in streams and is_stacked(p) and p.init in ("normal", "uniform") and 4 * p.size > STREAM_BYTES:
+            at = tuple(str(k.key) for k in path)
+            streams[name] = stack_stream(None, 0, quant.weight(abstract, at), quant.weight(shardings, at), p.shape[0])
+    is_streamed = lambda path, _: model.param_name(path) in streams
+    # the rest (embedding, head, norms, biases) in one program: small beside the stacks
+    rest = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: None if is_streamed(path, x) else x, tree, is_leaf=is_param
+    )
+    init_rest = lambda keys: jax.tree.map(lambda p, k: init_leaf(p, k, dtype), rest(table), keys, is_leaf=is_param)
+    params = jax.jit(init_rest, out_shardings=rest(shardings))(rest(keys))
+
+    def build(path: tuple[Any, ...], p: Param, k: jax.Array, made: Any) -> Any:
+        name = model.param_name(path)
+        return streams[name](_layer_maker(p, dtype), lambda i: (k,)) if name in streams else made
+
+    params = jax.tree_util.tree_map_with_path(build, table, keys, params, is_leaf=is_param)
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, quantized=quantize)
+
+
+@functools.cache  # one maker per declaration, so equal projections share one compiled program
+def _layer_maker(p: Param, dtype: str) -> Callable[[jax.Array, Any], jax.Array]:
+    return lambda key, layer: init_layer(p, key, layer, dtype)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm import footprint, fused_ce, metrics, model, runner, train_step
-from meshlm.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
+from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
 from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
@@ -159,11 +159,26 @@ class TrainFit:
         return within(self.total, self.capacity, self.refused)
 
     @property
-    def activations(self) -> int | None:
-        """Activations and every other temporary: the rest of the total."""
+    def temporaries(self) -> int | None:
+        """What the step holds beyond its arguments (trained parameters, optimizer state, frozen base,
+        batch): the gradients, the activations and every other temporary."""
         if self.total is None:
             return None
-        return self.total - self.params - self.optimizer - self.gradients - self.base - self.batch
+        return max(self.total - self.params - self.optimizer - self.base - self.batch, 0)
+
+    @property
+    def held_gradients(self) -> int:
+        """The gradients' share of the temporaries: the count from the shapes, but never more than the
+        compiler's temporaries (XLA may fuse the accumulation into the update, holding fewer)."""
+        temporaries = self.temporaries
+        return self.gradients if temporaries is None else min(self.gradients, temporaries)
+
+    @property
+    def activations(self) -> int | None:
+        """Activations and every other temporary: the rest of the temporaries, so that the parts of the
+        breakdown are non-negative and sum to the total."""
+        temporaries = self.temporaries
+        return None if temporaries is None else temporaries - self.held_gradients
 
 
 @dataclass
@@ -205,7 +220,7 @@ def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len:
         micro_batch=cfg.micro_batch_size,
         params=shard_bytes(state.params),
         optimizer=shard_bytes(state.opt_state) + shard_bytes(state.step),
-        gradients=2 * shard_bytes(state.params, itemsize=4),  # the micro-batch's and their sum, float32
+        gradients=2 * shard_bytes(state.params),  # the micro-batch's and their sum, in the parameters' dtype
         base=shard_bytes(program.inputs[2]) if cfg.lora is not None else 0,
         batch=shard_bytes(batch),
         capacity=tgt.capacity,
@@ -224,9 +239,11 @@ def estimate_train(cfg: TrainConfig, mesh: Any, seq_len: int, **parts: int) -> i
     """Bytes per device of `cfg`'s train step where no compiler can say (a GPU): the arguments exactly
     (from the shardings), then the temporaries. The summed gradient lives through the whole step; the
     micro-batch's gradient is produced layer by layer while the activations are freed, so the two share
-    memory: temporaries = one gradient + max(one gradient, activations)."""
+    memory: temporaries = one gradient + max(one gradient, activations). A gradient is counted in float32
+    whatever the parameters' dtype, as the compiled figures it is checked against hold it (XLA widens
+    bfloat16 sums in flight)."""
     arguments = parts["params"] + parts["optimizer"] + parts["base"] + parts["batch"]
-    one_gradient = parts["gradients"] // 2
+    one_gradient = parts["gradients"] // 2 * 4 // jnp.dtype(dtype_of(cfg.param_dtype)).itemsize
     return arguments + one_gradient + max(one_gradient, activation_bytes(cfg, dict(mesh.shape), seq_len))
 
 
@@ -267,6 +284,17 @@ def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> i
     adam = 2 if cfg.adam_dtype == "bfloat16" else 0  # moments widened to float32 in flight
     trained = adapter_size(model.projections(m), cfg.lora) if cfg.lora else model.count_params(m)
     return tokens * (m.n_layer * saved + block) + head + adam * trained // math.prod(sizes.values())
+
+
+def stream_layer_bytes(cfg: ModelConfig, devices: int) -> int:
+    """What loading a quantized base holds beside it, per device: one layer of its largest projection in
+    float32 (`meshlm.formats.slices.projection_streams` makes and quantizes one layer at a time), split
+    over the devices at best. XLA's temporaries for that layer's quantization come to a few times it on a
+    CPU (tests/test_stream_quant.py); the bound here is the layer itself."""
+    largest = max(
+        math.prod(model.projection(model.param_table(cfg), role).shape[1:]) for role in model.PROJECTION_PATHS
+    )
+    return 4 * largest // devices
 
 
 def plan_train(
@@ -539,9 +567,12 @@ def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
     ]
     if fit.base:
         lines.append(f"  frozen base                 {gib(fit.base)}")
+        if cfg.frozen_dtype in QUANTIZED:
+            peak = fit.base + stream_layer_bytes(cfg.model, math.prod(_sizes_of(p.mesh)))
+            lines.append(f"    loading it (streamed)     {gib(peak)} at the peak: the base and one layer in float32")
     lines.append(f"  batch                       {gib(fit.batch)}")
     if fit.total is not None and not fit.refused:
-        lines.append(f"  gradients (float32, x2)     {gib(fit.gradients)}")
+        lines.append(f"  gradients (x2)              {gib(fit.held_gradients)}")
         lines.append(f"  activations, other temps    {gib(fit.activations)}")
     verdict = "fits" if fit.fits else "does NOT fit"
     lines.append(f"  total                       {gib(fit.total)} of {gib(fit.capacity)}: {verdict}")

@@ -120,6 +120,17 @@ def quantize(w: jax.Array, kind: str, n_in: int) -> QuantizedWeight:
     raise ConfigError(f"unknown quantization {kind!r}; choose one of {list(QUANTIZED)}")
 
 
+def quantize_into(
+    stack: QuantizedWeight, w: jax.Array, layer: int | jax.Array, kind: str, n_in: int
+) -> QuantizedWeight:
+    """`stack` (a quantized [layers, ...] weight) with layer `layer` replaced by `w`, one layer's float
+    weight [in..., out...], quantized. Both kinds quantize within one layer (int8's scales are per output
+    channel, NF4's blocks run along one layer's inputs), so a stack filled layer by layer equals the
+    stack quantized whole; a loader needs only one layer in float at a time."""
+    one = quantize(w[None], kind, n_in)
+    return jax.tree.map(lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, layer, 0), stack, one)
+
+
 def check(kind: str, name: str, shape: tuple[int, ...], n_in: int) -> None:
     """A ConfigError if weights of `shape` (stacked) cannot be quantized to `kind`."""
     if kind not in QUANTIZED:

@@ -214,6 +214,9 @@ def test_lora_plan_holds_the_quantized_base_and_the_adapter_alone(tiny_train):
     assert plan.config.params < 4 * adapter  # the adapter's shards, fp32
     assert 0 < plan.config.base < full.config.params  # NF4 projections: smaller than the fp32 model
     assert plan.config.optimizer < full.config.optimizer / 10
+    fc_in_layer = 256 * 512 * 4 // 4  # one layer of fc_in in float32, over the 4 devices
+    assert planner.stream_layer_bytes(wide, 4) == fc_in_layer
+    assert "loading it (streamed)" in planner.describe_train(plan, cfg)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="TPU targets compile with libtpu (pip install 'meshlm[tpu]')")
@@ -233,3 +236,16 @@ def test_the_tpu_paged_attention_kernel_compiles_for_a_tpu():
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in arrays]
     compiled = jax.jit(lambda *a: paged_attention(*a, kernel="tpu")).lower(*args).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("changes", [{"param_dtype": "bfloat16"}, {}])
+def test_the_breakdown_parts_are_non_negative_and_sum_to_the_compiled_total(changes):
+    """With bfloat16 weights the gradients are bfloat16 too (the accumulator is `zeros_like(params)`):
+    counting them as float32 made "activations, other temps" negative where the weights dominate (here
+    -14.5 MB of a 53 MB total) and the breakdown not sum to the total."""
+    cfg = TrainConfig(**(dict(model=CALIBRATION, batch_size=1, seq_len=64, remat="full") | changes))
+    fit, _ = planner.fit_train(cfg, planner.target("cpu"), make_one_device_mesh(), cfg.seq_len)
+    assert fit.gradients == 2 * fit.params  # the micro-batch's gradient and the sum, in the parameters' dtype
+    parts = [fit.params, fit.optimizer, fit.base, fit.batch, fit.held_gradients, fit.activations]
+    assert all(part >= 0 for part in parts), parts
+    assert sum(parts) == fit.total

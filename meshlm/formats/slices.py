@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshlm import model, quant
@@ -59,35 +60,91 @@ def place(
     """The parameters of `cfg` from `source`, as global arrays sharded over `mesh` by the logical-axis
     rules: each device's shard is read from the source directly, so no host holds the whole model.
 
-    With `quantize` ("int8" or "nf4") the six projections are quantized on the devices as each is
-    placed, so the devices never hold more than one of them unquantized."""
+    With `quantize` ("int8" or "nf4") the six projections are read and quantized one layer at a time
+    into their quantized stacks (`quantize_stream`), so the devices hold the quantized model plus one
+    layer of one projection in float, never a whole float projection."""
     abstract = model.abstract_params(cfg, dtype)
     shardings = plan(abstract, model.logical_axes(cfg), mesh)
-    quantizers = projection_quantizers(cfg, quantize, mesh, dtype) if quantize else {}
+    streams = projection_streams(cfg, quantize, mesh, dtype) if quantize else {}
 
     def build(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, sharding: Any) -> Any:
         name = model.param_name(path)
-        array = jax.make_array_from_callback(leaf.shape, sharding, source(name, leaf.shape))
-        return quantizers[name](array) if name in quantizers else array
+        read = source(name, leaf.shape)
+        if name not in streams:
+            return jax.make_array_from_callback(leaf.shape, sharding, read)
+        one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+
+        def layer(i: int) -> jax.Array:
+            # the reader is asked for [i:i+1, ...] of the whole parameter; the device gets layer i's shard
+            at = lambda index: read((slice(i, i + 1), *index))[0]
+            return jax.make_array_from_callback(leaf.shape[1:], one, at)
+
+        return streams[name](_as_given, lambda i: (layer(i),))
 
     return jax.tree_util.tree_map_with_path(build, abstract, shardings)
 
 
-def projection_quantizers(
+Make = Callable[..., jax.Array]
+
+
+def _as_given(w: jax.Array, layer: Any) -> jax.Array:
+    return w  # make(*args, layer) -> one layer's float weight, inside the jitted step
+
+
+@functools.cache  # one program for q, k and v, and for every model of the same shapes
+def layer_step(kind: str | None, n_in: int, sharding: Any, make: Make) -> Callable[..., Any]:
+    """The jitted program that fills one layer of a quantized stack (a float one, `kind` None): step(stack,
+    layer, *args) quantizes make(*args, layer) into the stack, which it donates (updated in place)."""
+
+    def fill(stack: Any, layer: Any, *args: Any) -> Any:
+        w = make(*args, layer)
+        if kind is None:  # a float stack: the layer as it is made
+            return jax.lax.dynamic_update_slice_in_dim(stack, w[None].astype(stack.dtype), layer, 0)
+        return quant.quantize_into(stack, w, layer, kind, n_in)
+
+    return jax.jit(
+        fill,
+        donate_argnums=0,
+        out_shardings=sharding,
+    )
+
+
+@functools.cache
+def _zeros(abstract: Any, sharding: Any) -> Callable[[], Any]:
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=sharding)
+
+
+def projection_streams(
     cfg: ModelConfig, kind: str, mesh: jax.sharding.Mesh, dtype: str = "float32"
-) -> dict[str, Callable[[jax.Array], Any]]:
-    """Parameter name -> a jitted function that quantizes that placed projection weight to `kind` on the
-    devices, its output laid out by `model.logical_axes(cfg, quantize=kind)`: one projection at a time."""
+) -> dict[str, Callable[[Make, Callable[[int], tuple[Any, ...]]], Any]]:
+    """Parameter name -> stream(make, args_of): that projection's quantized stack, built on the devices
+    one layer at a time (layer i from make(*args_of(i), i)) and laid out by `model.logical_axes(cfg,
+    quantize=kind)`. The peak is the quantized stack plus one layer in float and its quantization."""
     quant.check_projections(model.param_table(cfg), model.PROJECTION_PATHS, kind)
     quantized = model.abstract_params(cfg, dtype, kind)
     targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
+
     return {
-        model.projection_name(role): jax.jit(
-            functools.partial(quant.quantize, kind=kind, n_in=n_in),
-            out_shardings=model.projection(targets, role),
+        model.projection_name(role): stack_stream(
+            kind, n_in, model.projection(quantized, role), model.projection(targets, role), cfg.n_layer
         )
         for role, (_, n_in) in model.PROJECTION_PATHS.items()
     }
+
+
+def stack_stream(
+    kind: str | None, n_in: int, abstract: Any, sharding: Any, layers: int
+) -> Callable[[Make, Callable[[int], tuple[Any, ...]]], Any]:
+    """stream(make, args_of): a stack (`abstract`, laid out as `sharding`; quantized to `kind`, or float
+    where `kind` is None) filled on the devices one layer at a time, layer i from make(*args_of(i), i)."""
+
+    def run(make: Make, args_of: Callable[[int], tuple[Any, ...]]) -> Any:
+        stack, step = _zeros(abstract, sharding)(), layer_step(kind, n_in, sharding, make)
+        for i in range(layers):
+            stack = step(stack, i, *args_of(i))
+        return stack
+
+    return run
 
 
 @dataclass

@@ -1,0 +1,126 @@
+"""Does a decode step's cost grow with its rows? One greedy decode step over the paged KV pool, timed at
+each row count, against the bandwidth roofline measured in the same run.
+
+A decode step reads every weight once and each row's cached keys and values once, so until the chip is
+compute-bound it should cost about the same at 1 row as at 16 or 64 (issue 38). Each row holds
+`--context` tokens in its own pages (of a pool sized for `--context + 2 * --steps` slots a row, as in
+`benchmarks/gpu.py`), and `--steps` greedy steps run on the device in one call (no host round-trip).
+The roofline is (weight bytes + the KV bytes the rows hold) / the GB/s of a large array copy timed here;
+on a TPU with a bfloat16 pool the attention reads the pages in place (the paged kernel), elsewhere it
+gathers the rows' pages (see `meshlm.attention.resolve`). Best of `--repeats` calls per row count.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/decode_rows.py --preset gptj-tiny --rows 1,4,16
+    PYTHONPATH=. python benchmarks/decode_rows.py --preset gptj-1b --rows 1,16,64      # on a TPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from meshlm import config, kv_cache, model
+from meshlm.attention import resolve
+from meshlm.runner import PAGE_SIZE
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def best_of(fn: Any, repeats: int) -> float:
+    """The fastest of `repeats` calls (seconds), after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_gbs(megabytes: int, repeats: int) -> float:
+    """Achievable device memory bandwidth: bytes read plus written by copying a large array, per second."""
+    x = jnp.ones((megabytes << 20) // 4, jnp.float32)
+    copy = jax.jit(lambda x: x + 1)  # one read and one write of every byte; a plain copy may be elided
+    return 2 * x.nbytes / best_of(lambda: copy(x), repeats) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gptj-tiny")
+    parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts")
+    parser.add_argument("--context", type=int, default=512, help="tokens each row already holds")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed device call")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per row count (best kept)")
+    parser.add_argument("--dtype", default="bfloat16", help="weights, compute and the pool")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--copy-mb", type=int, default=1024, help="size of the array whose copy gives the GB/s")
+    args = parser.parse_args()
+
+    cfg = config.preset(args.preset)
+    policy = config.Policy(param_dtype=args.dtype, compute_dtype=args.dtype, attention=args.attention)
+    device = jax.devices()[0]
+    kernel = resolve(
+        phase="decode",
+        kind="global",
+        impl=args.attention,
+        q_len=1,
+        kv_len=args.context,
+        heads=cfg.n_head,
+        head_dim=cfg.d_head,
+        dtype=args.dtype,
+    )
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    print(f"jax {jax.__version__}; device {device.device_kind} ({device.platform}) x {jax.device_count()}")
+    print(
+        f"preset {args.preset}, {args.dtype}, context {args.context}, {args.steps} steps a call, best of "
+        f"{args.repeats}; decode attention {kernel.name}; load average before: {load}"
+    )
+    gbs = copy_gbs(args.copy_mb, args.repeats)
+    print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB)")
+
+    params = jax.jit(lambda key: model.init(cfg, key, args.dtype))(jax.random.key(0))
+    weight_bytes = tree_bytes(params)
+    per_token = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * jnp.dtype(args.dtype).itemsize  # K and V
+
+    def steps(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
+        def body(_: int, carry: tuple) -> tuple:
+            cache, token, length = carry
+            logits, cache = model.decode(params, token[:, None], cache, table, length, cfg, policy)
+            return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32), length + 1
+
+        return jax.lax.fori_loop(0, args.steps, body, (cache, token, length))
+
+    steps = jax.jit(steps, donate_argnums=1)
+    slots = args.context + 2 * args.steps
+    per_row = -(-slots // PAGE_SIZE)
+    print(f"{'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
+    first = None
+    for rows in (int(r) for r in args.rows.split(",")):
+        table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
+        state = [kv_cache.init_cache(cfg, rows * per_row + 1, PAGE_SIZE, args.dtype)]
+        start = jnp.full((rows,), args.context, jnp.int32)
+        token = jnp.zeros((rows,), jnp.int32)
+
+        def call(
+            state: list = state, table: jax.Array = table, start: jax.Array = start, token: jax.Array = token
+        ) -> jax.Array:
+            state[0], out, _ = steps(params, state[0], table, token, start)  # every call the same steps
+            return out
+
+        step_s = best_of(call, args.repeats) / args.steps
+        first = first or step_s
+        read = weight_bytes + rows * (args.context + args.steps / 2) * per_token
+        print(
+            f"{rows:>5} {1e3 * step_s:>9.2f} {step_s / first:>6.2f} {rows / step_s:>9.0f} {read / 1e9:>8.3f} "
+            f"{100 * read / (gbs * 1e9) / step_s:>8.1f}%"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A decode step writes its keys and values into the paged pool in place (issue 38).
+
+A step that copied the pool would cost in proportion to the pool, so to its rows. These tests read the
+program XLA compiles, not a timing: the pool is donated and aliased to the step's output, and where a
+decode step writes row by row (on a TPU, see `CacheView.write`), it writes with dynamic-update-slices,
+no scatter; both ways store the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm import config, kv_cache, model
+
+CFG = config.preset("test-tiny")
+ROWS, PAGES_PER_ROW, PAGE = 4, 4, 16
+
+
+def step(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
+    return model.decode(params, token[:, None], cache, table, length, CFG)
+
+
+def jitted(**options) -> Any:
+    """A decode step traced afresh: the write path is chosen when it is traced."""
+    return jax.jit(lambda *args: step(*args), **options)
+
+
+def arguments() -> tuple:
+    params = jax.jit(model.init, static_argnums=0)(CFG, jax.random.key(0))
+    cache = kv_cache.init_cache(CFG, ROWS * PAGES_PER_ROW + 1, PAGE)
+    cache = kv_cache.KVCache(*(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(cache)))
+    table = 1 + jnp.arange(ROWS * PAGES_PER_ROW, dtype=jnp.int32).reshape(ROWS, PAGES_PER_ROW)
+    token = jnp.array([3, 1, 4, 1], jnp.int32)
+    length = jnp.array([0, 7, 16, 40], jnp.int32)  # a first token, mid-page, a page boundary, a later page
+    return params, cache, table, token, length
+
+
+@pytest.fixture
+def row_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write a decode step row by row here, as on a TPU."""
+    monkeypatch.setattr(kv_cache, "ROW_WRITE_BACKENDS", (jax.default_backend(),))
+
+
+def test_a_decode_step_donates_the_pool_and_aliases_it_to_its_output():
+    args = arguments()
+    compiled = jitted(donate_argnums=1).lower(*args).compile()
+    pool_bytes = sum(x.nbytes for x in args[1])
+    assert compiled.memory_analysis().alias_size_in_bytes >= pool_bytes
+
+
+def test_a_row_by_row_decode_step_writes_without_a_scatter(row_writes: None):
+    lowered = jitted(donate_argnums=1).lower(*arguments())
+    text = lowered.as_text()
+    assert "scatter" not in text  # the layout a TPU gives a scatter into the pool copies it every layer
+    assert text.count("dynamic_update_slice") == 2 * ROWS  # keys and values of each row, in the layer scan
+    pool_bytes = sum(x.nbytes for x in arguments()[1])
+    assert lowered.compile().memory_analysis().alias_size_in_bytes >= pool_bytes
+
+
+def test_row_by_row_writes_store_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch):
+    logits, cache = jitted()(*arguments())
+    monkeypatch.setattr(kv_cache, "ROW_WRITE_BACKENDS", (jax.default_backend(),))
+    row_logits, row_cache = jitted()(*arguments())
+    np.testing.assert_array_equal(row_logits, logits)
+    for row_pool, pool in zip(row_cache, cache, strict=True):
+        np.testing.assert_array_equal(row_pool, pool)

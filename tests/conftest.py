@@ -23,13 +23,6 @@ SESSION_FOLDERS = {"MESHLM_CACHE": "meshlm-cache-", "JAX_COMPILATION_CACHE_DIR":
 if not IS_WORKER:
     for var, prefix in SESSION_FOLDERS.items():
         os.environ[var] = tempfile.mkdtemp(prefix=prefix)
-    # 64 MiB stacks for the workers and every process they start (threads take the same default): late in a
-    # whole run, XLA:CPU has died of SIGSEGV while compiling and serializing the engine's largest programs,
-    # which looks like its recursion outgrowing the usual 8 MiB.
-    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
-    want = 64 << 20
-    if soft != resource.RLIM_INFINITY and soft < want and (hard == resource.RLIM_INFINITY or hard >= want):
-        resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import httpx  # noqa: E402 (after the environment above)

@@ -361,6 +361,7 @@ class Engine:
         check_chunk(chunk)
         with self._device:
             self.scheduler.drop_finished()
+            self.scheduler.pool.recycle(self.runner.zero_pages)
             for work in self.scheduler.schedule_prefill():
                 self.scheduler.update(work, self.runner.run(work.batch))
             if (work := self.scheduler.schedule_decode(chunk)) is not None:

@@ -25,8 +25,10 @@ class KVCache(NamedTuple):
 
     A row holds pages only for the tokens it has; its page table lists them in order, so its token at
     position p lives in slot p % page_size of page table[p // page_size]. Rows that share a prompt
-    prefix can share its (full) pages. Page 0 is never handed to a row: padding tokens are written
-    there, and a table's unused entries point at it (what they read is masked out).
+    prefix can share its (full) pages. Page 0 is never handed to a row and never written: a table's
+    unused entries point at it. What a row reads past its length is zeroed before it is used (see
+    `CacheView.read`): a page's earlier holder may have left NaN there (a row that failed), and a masked
+    score's zero weight times NaN is NaN.
     """
 
     # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
@@ -40,6 +42,7 @@ class KVCache(NamedTuple):
 
 
 CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
+NOT_WRITTEN = -1  # a `CacheView.slots` entry of a token that is not stored
 ROW_WRITE_BACKENDS = ("tpu",)  # where a decode step writes row by row (see `CacheView.write`)
 
 
@@ -51,8 +54,8 @@ def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float
 
 class CacheView(NamedTuple):
     """The pool as one call of `decode` sees it: rows' page tables [B, n], where each new token of [B, T]
-    is written (a flat slot, page * page_size + offset; padding goes to page 0) and how many tokens each
-    row holds once the last of them is written."""
+    is written (a flat slot, page * page_size + offset; `NOT_WRITTEN` for padding and tokens already
+    cached) and how many tokens each row holds once the last of them is written."""
 
     cache: KVCache
     table: jax.Array  # [B, n] int32
@@ -70,16 +73,20 @@ class CacheView(NamedTuple):
         7.1 / 102 / 396 ms a step; row by row 4.2 / 15.2 / 48.9). On a CPU the scatter of a float32
         pool is in place; a bfloat16 one XLA widens to float32 and back around the scatter, and the
         same around row-by-row writes (which measured slower still). A prompt goes in one scatter."""
+        written = self.slots != NOT_WRITTEN
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
         B, T = self.slots.shape
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
             if T > 1 or jax.default_backend() not in ROW_WRITE_BACKENDS:
-                return pool.at[:, layer, pages, offsets].set(jnp.moveaxis(new, 2, 0))
+                dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
+                return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
             for b in range(B):
-                at = (0, layer, pages[b, 0], offsets[b, 0], 0)
-                pool = jax.lax.dynamic_update_slice(pool, new[b, 0][:, None, None, None, :], at)
+                at = (0, layer, jnp.maximum(pages[b, 0], 0), offsets[b, 0], 0)
+                value = new[b, 0][:, None, None, None, :]
+                value = jnp.where(written[b, 0], value, jax.lax.dynamic_slice(pool, at, value.shape))
+                pool = jax.lax.dynamic_update_slice(pool, value, at)
             return pool
 
         return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
@@ -91,7 +98,8 @@ class CacheView(NamedTuple):
             pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
             H, B, n, size, K = pages.shape
             pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
-            return constrain(pages, ("batch", "cache_seq", "act_heads", None))
+            held = jnp.arange(n * size)[None, :, None, None] < self.lengths[:, None, None, None]
+            return constrain(jnp.where(held, pages, 0), ("batch", "cache_seq", "act_heads", None))
 
         return gather(self.cache.k), gather(self.cache.v)
 

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshlm import fused_ce, lora, quant
 from meshlm.attention import Kernel, dense, mesh_shards, resolve, splash
 from meshlm.config import PROJECTIONS, REMAT_NAMES, ModelConfig, Policy, dtype_of, remat_names
-from meshlm.kv_cache import CacheView, KVCache
+from meshlm.kv_cache import NOT_WRITTEN, CacheView, KVCache
 from meshlm.param import Param, axes_of, init_table
 from meshlm.sharding import constrain, embedding_lookup
 
@@ -556,10 +556,11 @@ def decode(
     pool with the new keys and values written.
 
     The same blocks as `forward`; a prompt is one call (prefill), each new token another. `mask` [B, T]
-    marks real tokens, which come first in a row (right padding): padding is written to page 0 and
-    its outputs mean nothing. The caller gives each row pages for positions up to length + T. A row's
-    tokens before index `write_from[b]` are run but not written: they are in the cache already (a
-    cached prefix's last token, run again for the logits that follow it), in pages other rows may share.
+    marks real tokens, which come first in a row (right padding): padding is not stored and its
+    outputs mean nothing; nor is a token past the row's pages (its table's page 0). The caller gives
+    each row pages for positions up to length + T. A row's tokens before index `write_from[b]` are run
+    but not written: they are in the cache already (a cached prefix's last token, run again for the
+    logits that follow it), in pages other rows may share.
     `adapter_rows` [B]: each row's adapter slot, with adapter slots in `params["adapters"]`.
     """
     B, T = tokens.shape
@@ -568,13 +569,13 @@ def decode(
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     positions = length[:, None] + jnp.arange(T, dtype=jnp.int32)
     page = jnp.take_along_axis(table, jnp.minimum(positions // size, table.shape[1] - 1), axis=1)
-    write = mask & (positions < S)  # past the table: page 0
+    write = mask & (positions < S) & (page != 0)  # past the row's pages (page 0): not stored
     if write_from is not None:
         write &= jnp.arange(T) >= write_from[:, None]
-    slots = jnp.where(write, page * size + positions % size, 0)
+    slots = jnp.where(write, page * size + positions % size, NOT_WRITTEN)
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
-    view = CacheView(cache, table, slots, positions[:, -1] + 1)
+    view = CacheView(cache, table, slots, length + mask.sum(axis=1, dtype=jnp.int32))  # padding is not held
     x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view, None, adapter_rows)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)

@@ -5,12 +5,16 @@ reference-counted: a full page of prompt tokens is published under the hash of t
 that ends with it, so a later row whose prompt starts the same way takes the same page instead of
 recomputing it. A published page that no row holds stays cached (idle) until a new page is needed
 and nothing is free; then the least recently used idle page is evicted.
+
+The pages of a row that failed may hold NaN (a diverged adapter's keys and values). They leave the
+prefix cache, and once no row holds them they are zeroed before anyone takes them again (`recycle`):
+attention weighs what it reads past a row's length by zero, and zero times NaN is NaN.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PAD_PAGE = 0  # written by padding, never given to a row
@@ -25,14 +29,20 @@ class PagePool:
 
     def __init__(self, n_pages: int, page_size: int, prefix_caching: bool = True):
         self.n_pages, self.page_size, self.prefix_caching = n_pages, page_size, prefix_caching
-        self.free = list(range(n_pages - 1, PAD_PAGE, -1))  # popped from the end: low pages first
-        self.refs = [0] * n_pages
+        self.lookups = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of which found cached
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free and nothing cached, for a fresh pool on the device (the counts stay)."""
+        self.free = list(range(self.n_pages - 1, PAD_PAGE, -1))  # popped from the end: low pages first
+        self.refs = [0] * self.n_pages
         self.by_prefix: dict[tuple, int] = {}  # prefix key -> page
         self.prefix_of: dict[int, tuple] = {}  # page -> prefix key
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no row holds, oldest first
-        self.lookups = 0  # prompt tokens looked up in the prefix cache
-        self.hits = 0  # of which found cached
         self.scores: dict[int, Any] = {}  # page -> its tokens' scores (logprobs), when a scoring row computed them
+        self.spoiled: set[int] = set()  # pages a failed row held: zeroed once no row holds them
+        self.to_zero: list[int] = []  # spoiled pages no row holds, waiting for `recycle`
 
     @property
     def capacity(self) -> int:
@@ -64,14 +74,30 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def release(self, pages: Sequence[int]) -> None:
+    def release(self, pages: Sequence[int], failed: bool = False) -> None:
+        """A row gives its pages back; `failed`: the row failed, so they are spoiled (see the module's doc)."""
         for page in pages:
+            if failed:
+                self.spoiled.add(page)
+                if page in self.prefix_of:
+                    del self.by_prefix[self.prefix_of.pop(page)]
+                    self.scores.pop(page, None)
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                if page in self.prefix_of:
+                if page in self.spoiled:
+                    self.to_zero.append(page)
+                elif page in self.prefix_of:
                     self.idle[page] = None
                 else:
                     self.free.append(page)
+
+    def recycle(self, zero: Callable[[list[int]], None]) -> None:
+        """Free the spoiled pages no row holds once `zero(pages)` has zeroed them on the device."""
+        if self.to_zero:
+            zero(self.to_zero)
+            self.spoiled.difference_update(self.to_zero)
+            self.free += self.to_zero
+            self.to_zero = []
 
     def keys(self, tokens: Sequence[int], n_pages: int, salt: int = 0) -> list[tuple]:
         """The prefix key of each of the first `n_pages` full pages: the previous key and the page's tokens.

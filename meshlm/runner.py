@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -727,6 +728,16 @@ class Runner:
                     zeros)  # fmt: skip
         self.rows = jax.tree.map(self._from_host, host)
 
+    def zero_pages(self, pages: Sequence[int]) -> None:
+        """Zero `pages` of the pool (and of the draft's) in place: a failed row's, which may hold NaN. One
+        program serves any pages: their ids are padded with an out-of-range one, which is dropped."""
+        ids = np.full(self.n_pages, self.n_pages, np.int32)
+        ids[: len(pages)] = pages
+        with jax.set_mesh(self.mesh):
+            self.cache = _zero_pages(self.cache, ids)
+            if self.draft_cache is not None:
+                self.draft_cache = _zero_pages(self.draft_cache, ids)
+
     def _from_host(self, x: np.ndarray) -> jax.Array:
         """A host array split over the batch axes (the same on every process when there are several)."""
         return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
@@ -749,8 +760,8 @@ class Runner:
 
     def warm_up(self) -> tuple[int, float]:
         """Compile every prefill and decode shape the engine can use (on as many threads as there are CPU
-        cores: XLA compiles outside Python's lock), then run each once on padding rows, which write only
-        to the padding page, so the first requests find every program loaded; (shapes, seconds)."""
+        cores: XLA compiles outside Python's lock), then run each once on padding rows, which write
+        nothing, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
         programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, w)) for b, t, w in self.shapes.prefill_shapes()]
         for b in self.shapes.decode_batches():
@@ -777,6 +788,7 @@ class Runner:
                 raise
         for fn, args in programs:
             jax.block_until_ready(self._call(fn, *self._padding(args)))
+        self.zero_pages([])  # compiles it
         if "adapters" in self.params:  # slot 0 (the base's) is zeros: writing zeros there compiles the write
             self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
         seconds = time.perf_counter() - began
@@ -825,6 +837,11 @@ class Runner:
 
     def verify(self, batch: Speculate) -> Step:
         return _on_host(self._call(_speculate, *map(self._from_host, batch)))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _zero_pages(cache: kv_cache.KVCache, pages: jax.Array) -> kv_cache.KVCache:
+    return kv_cache.KVCache(*(pool.at[:, :, pages].set(0, mode="drop") for pool in cache))
 
 
 def _on_host(out: tuple[jax.Array | None, ...]) -> Step:

@@ -210,13 +210,16 @@ class Scheduler:
         return bool(self.queue) or bool(self.running)
 
     def fail_all(self, error: str) -> None:
-        """Fail every queued and running row and free their slots and pages (after a device failure)."""
+        """Fail every queued and running row and free their slots and every page (after a device failure,
+        when the engine starts from a fresh pool: nothing cached survives it)."""
         for r in [*self.queue, *self.running]:
             r.error = error
             _notify(r)
         self.queue.clear()
         for r in self.running:
-            self._release(r)
+            r.pages = []
+            self.slots[r.slot] = None
+        self.pool.reset()
 
     def drop_finished(self) -> None:
         for r in self.running:
@@ -225,7 +228,7 @@ class Scheduler:
         self.queue = deque(r for r in self.queue if not r.cancelled)
 
     def _release(self, r: Request) -> None:
-        self.pool.release(r.pages)
+        self.pool.release(r.pages, failed=r.error is not None)
         r.pages = []
         self.slots[r.slot] = None
 

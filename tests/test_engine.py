@@ -111,6 +111,8 @@ def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
+    cached = list(range(7, 7 + 2 * PAGE + 3))  # its two full pages go into the prefix cache
+    engine.generate([cached], [greedy(2)])
     monkeypatch.setattr(runner, "_decode", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate([[1, 2, 3]] * 3, [greedy(10)] * 3)
@@ -118,6 +120,8 @@ def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypa
     monkeypatch.undo()
     (after,) = engine.generate([[1, 2, 3]], [greedy(10)])  # the engine still works, from a fresh pool
     assert after.tokens == lm.generate_tokens([[1, 2, 3]], greedy(10))[0].tokens
+    (again,) = engine.generate([cached], [greedy(10)])  # the fresh pool holds no cached prefix
+    assert again.tokens == lm.generate_tokens([cached], greedy(10))[0].tokens
 
 
 def test_requests_that_can_never_run_are_refused_in_one_line(lm):

@@ -185,6 +185,11 @@ def bench_train(
                 state, stats = compiled(state, batch)
             loss = float(stats["loss"])
             step_s = (time.perf_counter() - start) / shapes.train_steps
+            if args.profile:  # two more steps under JAX's profiler, for xprof's op statistics
+                with jax.profiler.trace(args.profile):
+                    for _ in range(2):
+                        state, stats = compiled(state, batch)
+                    jax.block_until_ready(stats)
         except Exception as err:  # an OOM tries the next batch; anything else is the section's error
             if not is_out_of_memory(err):
                 raise
@@ -463,6 +468,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
     )
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches (gradient accumulation) per step")
+    p.add_argument("--profile", default="", help="a folder for a profile of two training steps (xprof reads it)")
     p.add_argument(
         "--param-dtype", default="float32", choices=list(config.DTYPES), help="the trained weights' storage dtype"
     )

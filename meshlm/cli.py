@@ -810,9 +810,9 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
     _add_tokenizer(p, default="default: GPT-2 BPE; give the model you will train, e.g. a Pythia folder")
     p.add_argument(
         "--format",
-        choices=["text", "prompt-completion", "messages", "preference"],
+        choices=["text", "prompt-completion", "messages", "preference", "prompt"],
         help="the records' format (default: told from each file's first record: text, prompt+completion, messages,"
-        " or prompt+chosen+rejected)",
+        " prompt+chosen+rejected, or a prompt alone)",
     )
     p.add_argument(
         "--chat-template",
@@ -838,8 +838,9 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--objective",
-        choices=["dpo", "orpo"],
-        help="preference pairs are tokenized as trl's DPOTrainer (default) or ORPOTrainer does",
+        choices=["dpo", "orpo", "grpo"],
+        help="preference pairs are tokenized as trl's DPOTrainer (default) or ORPOTrainer does; grpo: every record"
+        " is a prompt for reinforcement learning (its other fields go to the rewards), tokenized as trl's GRPOTrainer",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the validation draw (default 0)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")

@@ -38,8 +38,9 @@ RECORD_FILES = ("jsonl", "jsonl.zst", "parquet")  # file kinds whose records may
 NOT_TEXT = (".json", ".zst", ".gz", ".xz", ".bz2", ".zip", ".tar", ".7z", ".arrow", ".npy", ".npz",
             ".bin", ".pkl", ".pt", ".safetensors", ".pdf")  # fmt: skip
 # Record formats, each with the keys that make it (a record with keys of several is the first listed here).
+# "prompt": a prompt alone (with any other columns), for reinforcement learning (`meshlm prepare --objective grpo`).
 FORMATS = {"preference": ("prompt", "chosen", "rejected"), "messages": ("messages",),
-           "prompt-completion": ("prompt", "completion"), "text": ()}  # fmt: skip
+           "prompt-completion": ("prompt", "completion"), "prompt": ("prompt",), "text": ()}  # fmt: skip
 # A cut before a space or newline that sits between two non-whitespace characters is a boundary of GPT-2's
 # pre-tokenizer regex whatever surrounds it, so tokenizing the pieces separately gives the same ids as the whole.
 _SAFE_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
@@ -135,7 +136,7 @@ def detect_format(where: str, record: Any, text_field: str = "text") -> str:
     if found is None:
         raise DataError(
             f"{where}: no {text_field!r} field (choose the field with --text-field), nor the fields of "
-            "another record format (prompt/completion, messages, prompt/chosen/rejected)"
+            "another record format (prompt/completion, messages, prompt/chosen/rejected, prompt)"
         )
     return found
 
@@ -145,7 +146,8 @@ def check_record(where: str, record: Any, fmt: str, forced: bool, text_field: st
     --format): keys missing, or those of another format (a file holds one format). A text record's text
     must be a string; the other formats' fields are checked where they are tokenized."""
     found = record_format(_object(where, record), text_field)
-    if not forced and found not in (None, fmt):
+    partial = found is not None and 0 < len(FORMATS[found]) and set(FORMATS[found]) < set(FORMATS[fmt])
+    if not forced and found not in (None, fmt) and not partial:  # a record lacking some of fmt's keys: named below
         raise DataError(f"{where}: a {found} record in a file of {fmt} records (its first record's); a file "
                         "holds records of one format")  # fmt: skip
     missing = [k for k in FORMATS[fmt] or (text_field,) if k not in record]

@@ -3,7 +3,7 @@
 
 Layout of a prepared dataset folder (version 2):
 
-    index.json                {"format": "meshlm-tokens", "version": 2, "kind": "lm" | "preference",
+    index.json                {"format": "meshlm-tokens", "version": 2, "kind": "lm" | "preference" | "prompts",
                                "seq_len": S, "dtype": "uint16", "eos_id": 50256, "pad_id": 50256,
                                "splits": {"train": {"files": [...], "sequences": [...], "max_token": 50256}, ...}}
     train/00000.bin           tokens: raw little-endian uint16 (or uint32), row-major [n, S + 1]
@@ -15,8 +15,11 @@ padding and 1..k are the k documents packed in the row, in order: attention and 
 document. `weights[i, t]` is 1 exactly when token t of row i is a training target predicted from token
 t - 1 of the same document: column 0, the first token of every document and padding are always 0. Kind
 "preference" holds pairs: rows 2j and 2j + 1 are pair j's chosen and rejected sequences, their weights the
-completion tokens. `max_token` (the largest id in the split) lets training refuse data of another
-vocabulary before its first step; folders written before it existed are scanned instead.
+completion tokens. Kind "prompts" holds one prompt per row (segment 1, then padding), for reinforcement
+learning; `train/prompts.jsonl` gives row i's prompt as the record had it (text or messages) and the record's
+other columns, which the reward functions read (`read_prompt_records`). `max_token` (the largest id in the
+split) lets training refuse data of another vocabulary before its first step; folders written before it
+existed are scanned instead.
 
 Version-1 folders (tokens only) still load: every row one document (segments 1), weights 1 but in column 0.
 """
@@ -37,7 +40,8 @@ FORMAT_VERSION = 2
 READS = (1, 2)  # index versions this meshlm reads
 INDEX = "index.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-KINDS = ("lm", "preference")
+KINDS = ("lm", "preference", "prompts")
+PROMPT_RECORDS = "prompts.jsonl"  # beside a "prompts" split's shards: each row's prompt and its record's columns
 WEIGHTS_DTYPE, SEGMENTS_DTYPE = np.dtype("u1"), np.dtype("<u2")
 MAX_SEGMENTS = np.iinfo(SEGMENTS_DTYPE).max  # documents one row can hold
 
@@ -74,6 +78,15 @@ def read_index(folder: str | Path) -> dict[str, Any]:
     if index.get("kind", "lm") not in KINDS:
         raise DataError(f"{path}: unknown dataset kind {index.get('kind')!r}; expected one of {list(KINDS)}")
     return index
+
+
+def read_prompt_records(folder: str | Path, split: str = "train") -> list[dict[str, Any]]:
+    """A "prompts" split's records, one per row: {"prompt": text or messages, "columns": {name: value}}."""
+    path = Path(folder) / split / PROMPT_RECORDS
+    if not path.is_file():
+        raise DataError(f"{folder}: split {split!r} has no {PROMPT_RECORDS}; is it a prompts dataset?")
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 class TokenDataset:

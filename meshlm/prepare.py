@@ -26,14 +26,14 @@ from tqdm import tqdm
 from meshlm import corpus
 from meshlm.chat import ChatTemplate, check_messages, common_prefix, load_chat_template
 from meshlm.config import GPT2_VOCAB, ConfigError, DataError, one_line
-from meshlm.data import DTYPES, INDEX, ShardWriter, write_index
+from meshlm.data import DTYPES, INDEX, PROMPT_RECORDS, ShardWriter, write_index
 from meshlm.tokenizer import EOT_ID, EOT_TEXT, Tokenizer, load_tokenizer, pad_id, special_token_id
 
 SHARD_BYTES = 128 << 20  # a new shard file starts after about this many bytes
 SPLITS = ("train", "val")
 TRAIN_ON = ("completion", "all")
 TRUNCATE = ("right", "left", "drop")
-OBJECTIVES = ("dpo", "orpo")
+OBJECTIVES = ("dpo", "orpo", "grpo")
 RECORD_BATCH = 64  # records tokenized per work item
 PACK_BUFFER_ROWS = 1024  # examples of about this many rows are packed together (the memory bound of packing)
 WRITE_TOKENS = 1 << 24  # padded example rows are assembled and written once they hold about this many tokens
@@ -75,7 +75,9 @@ def prepare(
     row is cut (`truncate` "right" keeps its start, "left" its end) or dropped ("drop"), and one left
     without a completion token is dropped. Preference files make a preference dataset (kind "preference",
     no other formats with them): each pair is two padded rows, chosen then rejected, tokenized as trl's
-    DPOTrainer does or, with `objective="orpo"`, its ORPOTrainer.
+    DPOTrainer does or, with `objective="orpo"`, its ORPOTrainer. With `objective="grpo"` every record is a
+    prompt for reinforcement learning (`{"prompt": ...}` and the columns its rewards read): a prompts dataset,
+    one prompt per row tokenized as trl's GRPOTrainer does, and each row's record in `<split>/prompts.jsonl`.
 
     `val_fraction` sends each document or record to the validation split with that probability (drawn
     from `seed` in input order); `val_inputs` gives the validation split its own files instead. Memory
@@ -94,8 +96,11 @@ def prepare(
     partial = target.with_name(target.name + ".prepare-unfinished")
     _check_out(out, target, partial, overwrite)
     sources = _sources(inputs, val_inputs)
+    if objective == "grpo":  # every record is a prompt, whatever else it holds (its other columns go to the rewards)
+        record_format = record_format or "prompt"
     formats = _file_formats([f for files in sources.values() for f in files], record_format, text_field)
     kind = _dataset_kind(formats, train_on, objective)
+    pack = pack and kind != "prompts"  # a prompt is generated from alone
     tok, eos, pad, dtype = _vocabulary(sources, tokenizer)
     if shard_rows is None:
         shard_rows = max(1, SHARD_BYTES // ((seq_len + 1) * DTYPES[dtype].itemsize))
@@ -123,7 +128,7 @@ def prepare(
             inputs={name: [str(p) for p, _ in files] for name, files in sources.items()},
             formats={str(p): f for p, (f, _) in formats.items()}, val_fraction=val_fraction, seed=seed,
             train_on=train_on, pack=pack, truncate=truncate,
-            objective=recipe.objective if kind == "preference" else None,
+            objective=recipe.objective if kind != "lm" else None,
         )  # fmt: skip
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -176,11 +181,18 @@ def _sources(inputs: str | Path | list[str | Path], val_inputs: list[str | Path]
 
 
 def _dataset_kind(formats: dict[Path, tuple[str, str]], train_on: str, objective: str | None) -> str:
-    """ "preference" when the inputs are preference pairs, else "lm"; settings that do not fit the kind are refused."""
-    kind = "preference" if any(fmt == "preference" for fmt, _ in formats.values()) else "lm"
+    """ "preference" when the inputs are preference pairs, "prompts" when they are prompts alone, else "lm";
+    settings that do not fit the kind are refused."""
+    found = {fmt for fmt, _ in formats.values()}
+    kind = "preference" if "preference" in found else "prompts" if "prompt" in found else "lm"
+    if kind == "prompts" and objective != "grpo":
+        raise ConfigError("prompt records without a completion are prompts for reinforcement learning: "
+                          "prepare them with objective grpo")  # fmt: skip
+    if kind == "prompts" and found != {"prompt"}:
+        raise DataError(f"objective grpo reads prompt records only, not {sorted(found - {'prompt'})} files")
     if kind == "preference" and train_on == "all":
         raise ConfigError("train_on 'all' is for prompt/completion and chat data; DPO and ORPO weigh the completions")
-    if objective and kind != "preference":
+    if objective in ("dpo", "orpo") and kind != "preference":
         raise ConfigError(f"objective {objective!r} chooses how preference pairs are tokenized; the input has none")
     return kind
 
@@ -321,9 +333,11 @@ class Example(NamedTuple):
 
 
 class Sample(NamedTuple):
-    """What one record becomes: one example, or a preference pair's (chosen, rejected)."""
+    """What one record becomes: one example, or a preference pair's (chosen, rejected); a prompt's example
+    comes with what the rewards read of its record (`RecordEncoder._prompt`)."""
 
     sequences: tuple[Example, ...]
+    record: dict[str, Any] | None = None
 
 
 class RecordEncoder:
@@ -385,6 +399,8 @@ class RecordEncoder:
             if not any(mask):
                 raise DataError("the chat template renders no assistant tokens for this chat")
             return Sample((self._example(ids, mask),))
+        if fmt == "prompt":
+            return self._prompt(record, chat_kwargs)
         if fmt == "prompt-completion":
             prompt, (completion,) = _fields(record, "completion")
             ids, start = self._with_prompt(prompt, [completion], chat_kwargs)
@@ -394,6 +410,24 @@ class RecordEncoder:
             return Sample(tuple(self._orpo(prompt, answers, chat_kwargs)))
         ids, start = self._with_prompt(prompt, answers, chat_kwargs)
         return Sample(tuple(self._example(seq, start) for seq in ids))
+
+    def _prompt(self, record: dict[str, Any], chat_kwargs: dict) -> Sample:
+        """trl's GRPOTrainer: a text prompt is tokenized with the tokenizer's special tokens, a chat rendered by
+        the template with the generation prompt. The record's prompt and other columns ride along for the
+        rewards (trl passes every column but the prompt to its reward functions)."""
+        prompt = record["prompt"]
+        if isinstance(prompt, list):
+            messages = check_messages(prompt, "prompt")
+            ids = self.template.encode(messages, self.tok, add_generation_prompt=True, **chat_kwargs)
+        elif isinstance(prompt, str):
+            ids = self.tok.encode(prompt, add_special_tokens=True)
+        else:
+            raise DataError(f"field 'prompt' is {type(prompt).__name__}, expected a string or a list of messages")
+        if not ids:
+            raise DataError("the prompt is empty")
+        columns = {k: v for k, v in record.items() if k != "prompt"}
+        example = Example(np.asarray(ids, np.int64), np.ones(len(ids), bool))
+        return Sample((example,), {"prompt": prompt, "columns": columns})
 
     def _with_prompt(self, prompt: str | list, answers: list, chat_kwargs: dict) -> tuple[list[list[int]], int]:
         """trl's SFT and DPO tokenization: the ids of each prompt + answer, and where the answers start."""
@@ -568,13 +602,16 @@ class _ExamplePacker:
         self.write_rows = max(1, min(self.WRITE_ROWS, WRITE_TOKENS // self.row))
         self._packing = BestFit(self.row, PACK_BUFFER_ROWS * self.row) if pack else None
         self._rows: list[list[Example]] = []  # each row's documents, not yet written
+        self._records: list[dict[str, Any]] = []  # a prompt row's record, for each of `_rows` (prompts only)
         self.examples = self.truncated = self.dropped = self.tokens = self.padding = 0
 
     def add(self, sample: Sample) -> None:
         cut = [self._fit(seq) for seq in sample.sequences]
-        if any(seq is None or not seq.mask[1:].any() for seq in cut):
-            self.dropped += 1
+        if any(seq is None or (sample.record is None and not seq.mask[1:].any()) for seq in cut):
+            self.dropped += 1  # too long with truncate "drop", or nothing left to train on (a prompt needs no target)
             return
+        if sample.record is not None:
+            self._records.append(sample.record)
         self.examples += 1
         self.truncated += any(len(seq.ids) > self.row for seq in sample.sequences)
         if self._packing is None or len(cut) > 1:
@@ -609,6 +646,10 @@ class _ExamplePacker:
             self.padding += self.row - t
         self.writer.write(tokens, weights, segments)
         self._rows = []
+        if self._records:
+            with open(self.writer.folder / self.writer.split / PROMPT_RECORDS, "a") as f:
+                f.writelines(json.dumps(record, default=str) + "\n" for record in self._records)
+            self._records = []
 
     def close(self) -> dict:
         if self._packing is not None:

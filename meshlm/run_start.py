@@ -129,6 +129,11 @@ def check_kind(cfg: TrainConfig, ds: TokenDataset) -> None:
                 file=sys.stderr,
             )
         return
+    if ds.kind == "prompts":
+        raise ConfigError(
+            f"{ds.folder}: split {ds.split!r} holds prompts for reinforcement learning (objective grpo), but "
+            f"objective is {cfg.objective}"
+        )
     if ds.kind == "preference":
         raise ConfigError(
             f"{ds.folder}: split {ds.split!r} holds preference pairs, but objective is {cfg.objective}; "

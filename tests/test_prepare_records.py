@@ -570,3 +570,65 @@ def test_cli_flags_and_report(folders, tmp_path, capsys):
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["prepare"].format_help()
     for flag in ("--format", "--chat-template", "--train-on", "--no-pack", "--truncate", "--objective"):
         assert flag in help_text
+
+
+# --- prompts for reinforcement learning (issue 41) ---
+
+
+def trl_grpo_prompts(folder: Path, prompts: list) -> list[list[int]]:
+    """The prompt ids GRPOTrainer 1.16 generates from: its own `_tokenize_prompts`, on the same tokenizer."""
+    from trl import GRPOTrainer
+
+    trainer = types.SimpleNamespace(processing_class=hf(folder), _is_vlm=False, environment_factories=None,
+                                    tools=None, chat_template=None, chat_template_kwargs={})  # fmt: skip
+    return [list(ids) for ids in GRPOTrainer._tokenize_prompts(trainer, prompts)[0]]
+
+
+def prompt_records(conversational: bool) -> list[dict]:
+    if conversational:
+        return [{"prompt": r["messages"][:-1], "answer": r["messages"][-1]["content"], "n": i}
+                for i, r in enumerate(chat_records())]  # fmt: skip
+    return [{"prompt": r["prompt"], "answer": r["completion"].strip(), "n": i} for i, r in enumerate(text_records())]
+
+
+@pytest.mark.parametrize("folder, conversational", [("chatml", False), ("llama", False), ("chatml", True)])
+def test_prompts_equal_trl_grpo_and_keep_their_records_columns(folders, prepare, folder, conversational):
+    """One prompt per row, its ids those trl's GRPOTrainer generates from (text with the tokenizer's own BOS, chats
+    by the template with the generation prompt); each row's record (prompt and other columns) beside the rows."""
+    records = prompt_records(conversational)
+    summary, out = prepare(records, folders[folder], objective="grpo")
+    assert summary["kind"] == "prompts" and data.read_index(out)["objective"] == "grpo"
+    batch = all_rows(out)
+    want = trl_grpo_prompts(folders[folder], [r["prompt"] for r in records])
+    assert [unpadded(batch, i)[0] for i in range(len(records))] == want
+    want_records = [{"prompt": r["prompt"], "columns": {k: v for k, v in r.items() if k != "prompt"}} for r in records]
+    assert data.read_prompt_records(out) == want_records
+
+
+def test_dropped_prompts_take_their_records_with_them_in_each_split(folders, prepare):
+    records = prompt_records(False)
+    lengths = [len(ids) for ids in trl_grpo_prompts(folders["chatml"], [r["prompt"] for r in records])]
+    seq_len = sorted(lengths)[len(lengths) // 2] - 1  # a row holds seq_len + 1 tokens: the longer half is dropped
+    summary, out = prepare(records, folders["chatml"], objective="grpo", truncate="drop", seq_len=seq_len,
+                           val_fraction=0.4, seed=3)  # fmt: skip
+    kept = 0
+    for split in ("train", "val"):
+        batch, rows = all_rows(out, split), data.read_prompt_records(out, split)
+        assert len(rows) == len(batch.tokens) == summary["splits"][split]["examples"]
+        for i, row in enumerate(rows):
+            n = row["columns"]["n"]
+            assert (
+                lengths[n] <= seq_len + 1
+                and unpadded(batch, i)[0] == trl_grpo_prompts(folders["chatml"], [records[n]["prompt"]])[0]
+            )
+        kept += len(rows)
+    assert kept == sum(n <= seq_len + 1 for n in lengths) and 0 < kept < len(records)
+
+
+def test_prompt_records_need_objective_grpo_and_grpo_needs_records(folders, prepare, tmp_path):
+    with pytest.raises(ConfigError, match="prompts for reinforcement learning: prepare them with objective grpo"):
+        prepare([{"prompt": "What is 2 + 2?", "answer": "4"}], folders["chatml"])
+    text = tmp_path / "plain.txt"
+    text.write_text("some text")
+    with pytest.raises(ConfigError, match="--format prompt reads records"):
+        prepare([text], folders["chatml"], objective="grpo")

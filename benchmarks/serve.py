@@ -73,19 +73,21 @@ def workload(n: int, max_len: int, seed: int = 0) -> list[tuple[list[int], int]]
 
 
 class Server:
-    """`meshlm serve` from a source tree, as its own process."""
+    """`meshlm serve` from a source tree, as its own process, on a free loopback port or on the unix socket
+    `uds` (a host that forbids TCP)."""
 
-    def __init__(self, checkpoint: str, source: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, checkpoint: str, source: Path, *args: str, uds: str | None = None):
+        self.uds = uds
+        self.url = "http://meshlm" if uds else f"http://127.0.0.1:{free_port()}"
+        where = ["--uds", uds] if uds else ["--port", self.url.rsplit(":", 1)[1]]
         env = {**os.environ, "PYTHONPATH": str(source)}
-        cmd = [sys.executable, "-m", "meshlm", "serve", checkpoint, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "meshlm", "serve", checkpoint, *where, *args]
         began = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if self.get("/health", timeout=1).status_code == 200:
                     self.start_seconds = time.perf_counter() - began
                     return
             except httpx.HTTPError:
@@ -93,8 +95,17 @@ class Server:
         self.proc.kill()
         raise SystemExit(f"the server did not start:\n{self.proc.stdout.read()}")
 
+    def get(self, path: str, timeout: float) -> httpx.Response:
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        with httpx.Client(transport=transport, timeout=timeout) as c:
+            return c.get(f"{self.url}{path}")
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.AsyncClient(transport=transport, timeout=timeout)
+
     def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=30).json()
+        return self.get("/health", timeout=30).json()
 
     def close(self) -> None:
         self.proc.terminate()
@@ -129,14 +140,14 @@ async def poisson(
     start = time.perf_counter()
 
     async def watch() -> None:
-        async with httpx.AsyncClient(timeout=30) as c:
+        async with server.client(30) as c:
             while True:
                 h = (await c.get(f"{server.url}/health")).json()
                 if h.get("kv_live_tokens"):
                     samples.append(h)
                 await asyncio.sleep(0.2)
 
-    async with httpx.AsyncClient(timeout=time_limit + 600) as c:
+    async with server.client(time_limit + 600) as c:
         watcher = asyncio.create_task(watch())
         tasks = []
         for prompt, new in requests:
@@ -164,7 +175,7 @@ async def burst(server: Server, max_len: int, seed: int) -> float:
     burst sends new prompts, so prefix caching does not flatter it)."""
     rng = np.random.default_rng(seed)
     lengths = (3, 9, 17, 30, 60, 100, 200, 400)
-    async with httpx.AsyncClient(timeout=600) as c:
+    async with server.client(600) as c:
         results = await asyncio.gather(
             *(one(c, server.url, rng.integers(1, 50000, min(n, max_len - 16)).tolist(), 16) for n in lengths)
         )
@@ -175,7 +186,7 @@ async def shared_prefix(server: Server) -> float:
     """Mean time to first token of 8 requests sharing a 1,000-token prefix, after one has written it."""
     rng = np.random.default_rng(3)
     prefix = rng.integers(1, 50000, 1000).tolist()
-    async with httpx.AsyncClient(timeout=600) as c:
+    async with server.client(600) as c:
         await one(c, server.url, prefix + rng.integers(1, 50000, 16).tolist(), 1)
         ttft = [(await one(c, server.url, prefix + rng.integers(1, 50000, 16).tolist(), 1))["ttft"] for _ in range(8)]
     return float(np.mean(ttft))
@@ -242,8 +253,9 @@ def main() -> None:
         help="git ref of the engine to compare with (default: the last commit before the paged engine)",
     )
     ap.add_argument("--skip", default="", help="comma-separated: old, transformers, prefix")
+    ap.add_argument("--uds", metavar="PATH", help="serve on a unix socket (a host without TCP); skips the old engine")
     args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
+    skip = set(filter(None, args.skip.split(","))) | ({"old"} if args.uds else set())
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs", flush=True)
 
@@ -260,7 +272,7 @@ def main() -> None:
         started: dict[str, float] = {}
         try:
             for name, source in engines.items():
-                server = Server(checkpoint, source, *sizes)
+                server = Server(checkpoint, source, *sizes, uds=args.uds)
                 started[name] = server.start_seconds
                 try:
                     cold[name] = tuple(asyncio.run(burst(server, args.max_len, seed)) for seed in (2, 3))
@@ -277,7 +289,7 @@ def main() -> None:
             prefix = {}
             if "prefix" not in skip:
                 for label, extra in (("on", []), ("off", ["--no-prefix-caching"])):
-                    server = Server(checkpoint, REPO, "--max-batch", "2", "--max-len", "1152", *extra)
+                    server = Server(checkpoint, REPO, "--max-batch", "2", "--max-len", "1152", *extra, uds=args.uds)
                     try:
                         prefix[label] = asyncio.run(shared_prefix(server))
                     finally:
@@ -290,7 +302,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"random GPT-J d_model {args.d_model}, {args.layers} layers; "
-          f"server --max-batch {args.max_batch} --max-len {args.max_len}, loopback; "
+          f"server --max-batch {args.max_batch} --max-len {args.max_len}, {'unix socket' if args.uds else 'loopback'}; "
           f"mixed workload: best of {args.repeats} per rate")  # fmt: skip
     print("server start (compiling included): " + ", ".join(f"{k} {v:.0f} s" for k, v in started.items()))
     n_out = [n for _, n in requests]

@@ -364,7 +364,7 @@ def _serve(args: argparse.Namespace) -> None:
     max_adapters = args.max_adapters
     if args.allow_runtime_adapters and max_adapters is None:
         max_adapters = max(len(adapters), 1)
-    with server.bind(args.host, args.port) as sock:
+    with server.bind_unix(args.uds) if args.uds else server.bind(args.host, args.port) as sock:
         lm = _load(args)
         _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
         draft = None
@@ -626,6 +626,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed at start)")
+    p.add_argument(
+        "--uds", metavar="PATH", help="listen on a unix socket at PATH instead of host:port (a host that allows no TCP)"
+    )
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most before 503 (default 64)")
     p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")

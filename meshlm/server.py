@@ -1353,6 +1353,37 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix(path: str | Path) -> socket.socket:
+    """A unix socket bound at `path`, not listening yet: for hosts that allow no TCP (vLLM's and uvicorn's
+    --uds). A socket file left by a server that is gone is replaced; one a live server listens on, or any
+    other file, is refused in one line. `serve` removes the file when it stops."""
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        if not path.is_socket():
+            raise ConfigError(f"cannot listen on unix:{path}: it exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)  # stale: its server is gone
+            else:
+                raise ConfigError(f"unix:{path} is already in use by a listening server")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on unix:{path}: {e.strerror or e}") from None
+    return sock
+
+
+def _where(sock: socket.socket) -> str:
+    """Where a bound socket listens, as the start-up line names it."""
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    return "http://" + _address(*sock.getsockname()[:2])
+
+
 def _listen_error(e: OSError, where: str) -> ConfigError:
     """One line naming the address and what is wrong with it."""
     reasons = {
@@ -1389,7 +1420,8 @@ def serve(
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
-    `sock`: a socket from `bind` (closed on return); by default host:port is bound before anything else.
+    `sock`: a socket from `bind` or `bind_unix` (closed on return; a unix socket's file removed); by default
+    host:port is bound before anything else.
     `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any).
     `adapters` (name -> folder), `max_adapters` and `max_lora_rank`: LoRA adapters served by name beside the
     model, as in `Engine`; `adapter_roots` (None: off) lets /v1/load_lora_adapter add more while serving, from
@@ -1420,28 +1452,33 @@ def serve(
         )
         shapes, seconds = engine.warm_up()
         print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s", flush=True)
-        where = _address(*sock.getsockname()[:2])
+        where = _where(sock)
         try:
             sock.listen(BACKLOG)
         except OSError as e:  # another socket bound the port with SO_REUSEADDR too, and listened first
             raise _listen_error(e, where) from None
         config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT)
         engine.start(chunk=chunk, max_queue=max_queue)
-        print(f"meshlm serve: {lm} as {model_name!r} on http://{where}", flush=True)
+        print(f"meshlm serve: {lm} as {model_name!r} on {where}", flush=True)
+        unix = Path(sock.getsockname()) if sock.family == socket.AF_UNIX else None
         try:
-            asyncio.run(_Server(config, app.state.stop).serve(sockets=[sock]))
+            asyncio.run(_Server(config, app.state.stop, unix).serve(sockets=[sock]))
         finally:
             engine.stop()
+            if unix is not None:
+                unix.unlink(missing_ok=True)
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, which answers the requests in flight (503) as soon as it starts to stop (Ctrl-C,
     SIGTERM): a generation can run for minutes, and uvicorn would cancel it, logging a traceback."""
 
-    def __init__(self, config: uvicorn.Config, stop_requests: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, stop_requests: Callable[[], None], unix: Path | None = None):
         super().__init__(config)
-        self.stop_requests = stop_requests
+        self.stop_requests, self.unix = stop_requests, unix
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.stop_requests()
         await super().shutdown(sockets)
+        if self.unix is not None:  # now: uvicorn re-raises Ctrl-C next, and `meshlm serve` exits on it at once
+            self.unix.unlink(missing_ok=True)

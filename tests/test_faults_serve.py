@@ -12,10 +12,12 @@ a malformed adapter_config.json is a 400 on load and one line at start-up."""
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +92,30 @@ def test_impossible_settings_are_refused_before_the_model_loads(serve: Serve, ar
 
 def test_a_port_in_use_is_refused_before_the_model_loads(serve: Serve, taken_port: int):
     assert_refused(*serve(ABSENT, "--port", taken_port), f"127.0.0.1:{taken_port} is already in use")
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    """A unix socket's path, short (the kernel takes 107 bytes at most), in a folder of its own."""
+    folder = Path(tempfile.mkdtemp(prefix="uds-", dir="/tmp"))
+    yield folder / "meshlm.sock"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_unix_socket_that_cannot_be_had_is_refused_before_the_model_loads(serve: Serve, socket_path: Path):
+    socket_path.write_text("not a socket")
+    assert_refused(*serve(ABSENT, "--uds", socket_path), f"unix:{socket_path}", "exists and is not a socket")
+    socket_path.unlink()
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(socket_path))
+        live.listen()
+        assert_refused(*serve(ABSENT, "--uds", socket_path), f"unix:{socket_path} is already in use")
+    assert socket_path.is_socket()  # left behind by a server that is gone: taken over
+    from meshlm.server import bind_unix
+
+    with bind_unix(socket_path) as sock:
+        assert sock.getsockname() == str(socket_path)
+    assert_refused(*serve(ABSENT, "--uds", socket_path.parent / "no-such-folder" / "s"), "cannot listen on unix:")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,6 +246,30 @@ def test_port_0_listens_on_a_free_port_it_names_and_ctrl_c_ends_serving(hf_tiny,
     port = int(lines[-1].rsplit(":", 1)[1])
     assert port and httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok"
     interrupt(proc)
+
+
+@pytest.mark.slow
+def test_serving_on_a_unix_socket_answers_openais_client_and_removes_the_socket(
+    hf_tiny, neox_style_tokenizer, socket_path
+):
+    """Issue 38: a host that forbids TCP is served over a unix socket (--uds), which the openai SDK reaches
+    through an httpx transport; the socket file goes when the server stops."""
+    from openai import OpenAI
+
+    proc = start(hf_tiny.path, neox_style_tokenizer, "--uds", socket_path, "--max-len", "32", "--max-batch", "2")
+    lines = [proc.stdout.readline() for _ in range(3)]
+    assert lines[-1].rstrip().endswith(f" on unix:{socket_path}"), lines
+    transport = httpx.HTTPTransport(uds=str(socket_path))
+    with httpx.Client(transport=transport, base_url="http://meshlm") as http_client:
+        assert http_client.get("/health").json()["status"] == "ok"
+        client = OpenAI(base_url="http://meshlm/v1", api_key="none", http_client=http_client)
+        model = client.models.list().data[0].id
+        whole = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0)
+        assert whole.usage.completion_tokens == 6
+        pieces = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, stream=True)
+        assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    interrupt(proc)
+    assert not socket_path.exists()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ kernel; the model runs what it names. Every kernel's limits are written here and
 - `cudnn`: GPU (`jax.nn.dot_product_attention(implementation="cudnn")`). Any phase over contiguous keys,
   with the mask and a bias. float16 / bfloat16 under "auto"; what cuDNN refuses falls back to XLA.
 - `paged_tpu`: TPU (`jax.experimental.pallas.ops.tpu.paged_attention`). Decode steps (one query per row)
-  read in place from the paged pool. Limits: bfloat16 pools; no bias, no local window.
+  read in place from the paged pool. Limits: bfloat16 or int8 pools; no bias, no local window.
 - `paged_gpu`: GPU (`jax.experimental.pallas.ops.gpu.paged_attention`; interpreted on a CPU with
   `attention: pallas`). Decode steps, as above. Limits: no bias, no local window.
 - `xla`: everywhere, everything: einsum-softmax-einsum with float32 scores over a [B, T, S] mask, whose
@@ -88,9 +88,9 @@ def resolve(
             why = "an additive bias" if biased else "a local window"
             return _contiguous(impl, backend, dtype, f"the paged kernels take no {why}; the pool is gathered")
         if backend == "tpu" and impl in ("auto", "pallas"):
-            if dtype == "bfloat16":
-                return Kernel("paged_tpu", "decode step on a TPU over a bfloat16 pool")
-            return _contiguous(impl, backend, dtype, f"the TPU paged kernel reads bfloat16 pools only, not {dtype}")
+            if dtype in ("bfloat16", "int8"):
+                return Kernel("paged_tpu", f"decode step on a TPU over a {dtype} pool")
+            return _contiguous(impl, backend, dtype, f"the TPU paged kernel reads bfloat16 and int8 pools, not {dtype}")
         if (backend == "gpu" and impl == "auto") or impl == "pallas":
             return Kernel("paged_gpu", f"decode step, attention {impl!r} on {backend}", interpret=backend == "cpu")
     if phase == "train" and (impl == "splash" or (impl == "auto" and backend == "tpu")):

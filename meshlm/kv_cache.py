@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
-from meshlm.paged_attention import paged_attention
+from meshlm.paged_attention import QUANT_MAX, paged_attention
 from meshlm.sharding import constrain
 
 
@@ -29,27 +29,64 @@ class KVCache(NamedTuple):
     unused entries point at it. What a row reads past its length is zeroed before it is used (see
     `CacheView.read`): a page's earlier holder may have left NaN there (a row that failed), and a masked
     score's zero weight times NaN is NaN.
+
+    An int8 pool (`KV_QUANTIZED`) keeps each token's keys and values per head as int8 with one float32
+    scale: the value is q * scale / 127.5, the TPU paged kernel's convention (`QuantizedTensor`), q in
+    [-127, 127] from the vector's largest magnitude. It holds half a bfloat16 pool's bytes (plus 4 per head
+    and token), so twice the rows.
     """
 
     # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
     # that the paged-attention kernels read in place (`CacheView.attend`).
     k: jax.Array  # [H, L, pages, page_size, K]
     v: jax.Array  # [H, L, pages, page_size, K]
+    k_scale: jax.Array | None = None  # [H, L, pages, page_size, 1] float32 for an int8 pool, else None
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
 
 CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
+SCALE_AXES = ("act_heads", "layers", None, None, None)
+KV_QUANTIZED = "int8"  # the pool dtype stored with scales; any float dtype is stored as it is
+# QUANT_MAX: the scales' unit, as the TPU kernel reads them (from meshlm.paged_attention, below this module)
 NOT_WRITTEN = -1  # a `CacheView.slots` entry of a token that is not stored
 ROW_WRITE_BACKENDS = ("tpu",)  # where a decode step writes row by row (see `CacheView.write`)
 
 
 def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
-    """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each."""
+    """An empty pool of `pages` pages (page 0 included) of `page_size` tokens each, stored in `dtype` (a
+    float dtype, or KV_QUANTIZED)."""
     shape = (cfg.n_head, cfg.n_layer, pages, page_size, cfg.d_head)
-    return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
+    if dtype != KV_QUANTIZED:
+        return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
+    pools = [constrain(jnp.zeros(shape, jnp.int8), CACHE_AXES) for _ in range(2)]
+    scales = [constrain(jnp.zeros((*shape[:-1], 1), jnp.float32), SCALE_AXES) for _ in range(2)]
+    return KVCache(*pools, *scales)
+
+
+def bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    """What one token's keys and values take in a pool of `dtype`, over all layers and heads."""
+    per_value = 1 + 4 / cfg.d_head if dtype == KV_QUANTIZED else jnp.dtype(dtype_of(dtype)).itemsize
+    return int(2 * cfg.n_layer * cfg.n_head * cfg.d_head * per_value)
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] as int8 in [-127, 127] and its scales [..., 1] (x = q * scale / QUANT_MAX)."""
+    x = x.astype(jnp.float32)
+    top = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    q = jnp.rint(x * (127 / jnp.where(top > 0, top, 1.0))).astype(jnp.int8)
+    return q, top * (QUANT_MAX / 127)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return (q.astype(jnp.float32) * (scale / QUANT_MAX)).astype(dtype)
 
 
 class CacheView(NamedTuple):
@@ -89,25 +126,32 @@ class CacheView(NamedTuple):
                 pool = jax.lax.dynamic_update_slice(pool, value, at)
             return pool
 
-        return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
+        if not self.cache.quantized:
+            return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
+        (qk, sk), (qv, sv) = quantize(k), quantize(v)
+        c = self.cache
+        return self._replace(cache=KVCache(put(c.k, qk), put(c.v, qv), put(c.k_scale, sk), put(c.v_scale, sv)))
 
     def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
 
-        def gather(pool: jax.Array) -> jax.Array:
+        def gather(pool: jax.Array, scale: jax.Array | None) -> jax.Array:
             pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
+            if scale is not None:
+                pages = dequantize(pages, scale[:, layer, self.table], dtype)
             H, B, n, size, K = pages.shape
             pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
             held = jnp.arange(n * size)[None, :, None, None] < self.lengths[:, None, None, None]
             return constrain(jnp.where(held, pages, 0), ("batch", "cache_seq", "act_heads", None))
 
-        return gather(self.cache.k), gather(self.cache.v)
+        c = self.cache
+        return gather(c.k, c.k_scale), gather(c.v, c.v_scale)
 
     def attend(self, layer: jax.Array, q: jax.Array, scale: float, kernel: str) -> jax.Array:
         """One query per row, q [B, 1, H, K], over the row's cached tokens by a paged-attention kernel,
         reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
-        H, L, P, size, K = self.cache.k.shape
-        k, v = (pool.reshape(H, L * P, size, K) for pool in self.cache)
-        query = (q[:, 0] * scale).astype(k.dtype)
-        out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel)
+        H, L, P, size, _ = self.cache.k.shape
+        k, v, k_scale, v_scale = (None if x is None else x.reshape(H, L * P, size, -1) for x in self.cache)
+        query = (q[:, 0] * scale).astype(q.dtype if self.cache.quantized else k.dtype)
+        out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel, k_scale, v_scale)
         return out[:, None].astype(q.dtype)

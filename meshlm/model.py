@@ -413,10 +413,17 @@ def _t5_bias(params: Params, cfg: ModelConfig, pos: Positions) -> jax.Array:
 
 
 def attention_kernels(
-    cfg: ModelConfig, policy: Policy, shape: tuple[int, int], keys: int, biased: bool, cached: bool
+    cfg: ModelConfig,
+    policy: Policy,
+    shape: tuple[int, int],
+    keys: int,
+    biased: bool,
+    cached: bool,
+    pool_dtype: str | None = None,
 ) -> dict[str, Kernel]:
     """The kernel each kind of layer of `cfg` runs for tokens of `shape` [B, T] over `keys` keys: a
-    forward pass without the cache, a prefill over it, or a decode step (one token per row)."""
+    forward pass without the cache, a prefill over it, or a decode step (one token per row) over a pool
+    stored in `pool_dtype` (None: the compute dtype)."""
     phase = "train" if not cached else "decode" if shape[1] == 1 else "prefill"
     return {
         kind: resolve(
@@ -428,7 +435,7 @@ def attention_kernels(
             kv_len=keys,
             heads=cfg.n_head,
             head_dim=cfg.d_head,
-            dtype=policy.compute_dtype,
+            dtype=pool_dtype or policy.compute_dtype,
             biased=biased,
             shards=mesh_shards(),
         )
@@ -455,7 +462,8 @@ def _run(
     allowed_local = None
     if "local" in cfg.attention_layers:
         allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
-    kernels = attention_kernels(cfg, policy, tokens.shape, pos.key.shape[1], bias is not None, cache is not None)
+    pool = None if cache is None else str(cache.cache.k.dtype)
+    kernels = attention_kernels(cfg, policy, tokens.shape, pos.key.shape[1], bias is not None, cache is not None, pool)
     dropout = policy.lora_dropout
     ctx = Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key, adapter_rows)
 

@@ -841,7 +841,7 @@ class Runner:
 
 @partial(jax.jit, donate_argnums=0)
 def _zero_pages(cache: kv_cache.KVCache, pages: jax.Array) -> kv_cache.KVCache:
-    return kv_cache.KVCache(*(pool.at[:, :, pages].set(0, mode="drop") for pool in cache))
+    return jax.tree.map(lambda pool: pool.at[:, :, pages].set(0, mode="drop"), cache)
 
 
 def _on_host(out: tuple[jax.Array | None, ...]) -> Step:

@@ -62,7 +62,8 @@ def test_where_splash_cannot_serve_the_resolver_falls_back_to_xla_and_says_why(o
 def test_decode_steps_take_the_paged_kernels_where_they_serve():
     decode = shape(phase="decode", q_len=1, kv_len=4096)
     assert resolve(**decode, dtype="bfloat16", backend="tpu").name == "paged_tpu"
-    assert "bfloat16 pools only" in resolve(**decode, dtype="float32", backend="tpu").reason
+    assert "bfloat16 and int8 pools" in resolve(**decode, dtype="float32", backend="tpu").reason
+    assert resolve(**decode, dtype="int8", backend="tpu").name == "paged_tpu"
     assert resolve(**decode, dtype="bfloat16", backend="gpu").name == "paged_gpu"
     assert resolve(**decode, dtype="float32", backend="cpu").name == "xla"
     assert resolve(**decode, dtype="float32", backend="cpu", impl="pallas").interpret

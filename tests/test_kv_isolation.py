@@ -37,7 +37,7 @@ def test_a_decode_reads_nothing_past_each_rows_length():
     table = jnp.array([[1, 2, 0], [3, 0, 0]], jnp.int32)
     prompt = jnp.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8] + [0] * 14], jnp.int32)
     mask = jnp.arange(18)[None] < jnp.array([[18], [4]])
-    spoiled = kv_cache.KVCache(*(jnp.full_like(pool, jnp.nan) for pool in clean))
+    spoiled = jax.tree.map(lambda pool: jnp.full_like(pool, jnp.nan), clean)
     out = {}
     for name, cache in (("clean", clean), ("spoiled", spoiled)):
         logits, cache = model.decode(params, prompt, cache, table, jnp.zeros(2, jnp.int32), CFG, mask=mask)

@@ -494,7 +494,9 @@ class GrpoConfig:
     by its group's reward std ("group", or true), the batch's ("batch") or nothing ("none", or false).
     `importance_sampling_level` "sequence" is GSPO: one ratio per completion, the exp of its mean token
     log-ratio. `epsilon_high` defaults to `epsilon`. `num_iterations` > 1 reuses a batch of completions
-    for that many updates, clipped against the log-probs they were sampled with."""
+    for that many updates, clipped against the log-probs they were sampled with. `use_bias_correction_kl`
+    (trl's default, true) weighs the KL term by the importance ratio, which changes its gradient even where the
+    ratio is 1: the unbiased gradient of KL(policy || reference)."""
 
     num_generations: int = 8
     max_completion_tokens: int = 512
@@ -508,6 +510,7 @@ class GrpoConfig:
     num_iterations: int = 1
     importance_sampling_level: str = "token"
     mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
 
     def __post_init__(self) -> None:
         _check_int("grpo.num_generations", self.num_generations, minimum=2)  # a group needs two to have a spread
@@ -525,11 +528,9 @@ class GrpoConfig:
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
         _check_choice("grpo.scale_rewards", self.scale_rewards, GRPO_SCALE_REWARDS)
         _check_choice("grpo.importance_sampling_level", self.importance_sampling_level, GRPO_IMPORTANCE_LEVELS)
-        if not isinstance(self.mask_truncated_completions, bool):
-            raise ConfigError(
-                f"train config: grpo.mask_truncated_completions must be true or false, "
-                f"got {self.mask_truncated_completions!r}"
-            )
+        for key in ("mask_truncated_completions", "use_bias_correction_kl"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"train config: grpo.{key} must be true or false, got {getattr(self, key)!r}")
 
     @property
     def upper_epsilon(self) -> float:

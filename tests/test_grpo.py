@@ -19,7 +19,10 @@ from meshlm.config import ConfigError, GrpoConfig, TrainConfig
 from tests import trl_oracle
 
 N_GEN = 4
-WIDTH = 5  # max_completion_length: a completion of 5 tokens without EOS (id 0) was cut off
+WIDTH = 5  # the longest completion; one not ending in EOS (id 0) counts as cut off, as trl judges by the last token
+# max_completion_tokens: above the batch's width, as in a batch where nothing reached the limit, so that dr_grpo's
+# constant differs from the padded width
+MAX_TOKENS = 6
 PROMPTS = ["Hello there", "What is", "The sky is"]  # 3 tokens each: one prompt length, no left padding
 COMPLETIONS = [
     [5, 6, 7, 0],
@@ -29,7 +32,7 @@ COMPLETIONS = [
     [5, 0],
     [6, 7, 8, 9, 10],
     [11, 12, 0],
-    [13, 14, 15, 16, 0],
+    [13, 14, 15, 0],
     [20, 21, 22, 0],
     [23, 24, 0],
     [25, 26, 27, 28, 29],
@@ -51,13 +54,13 @@ def _rewards() -> np.ndarray:
 
 def _token_arrays(seed: int = 2) -> dict[str, np.ndarray]:
     """Per-token log-probs [12, 5]: the policy's, the ones the completions were sampled with (ratios spread across
-    both clip bounds), the reference's, and entropies; zero on padding, as trl pads."""
+    both clip bounds, per token and per sequence), the reference's, and entropies; zero on padding, as trl pads."""
     rng = np.random.default_rng(seed)
     shape = (len(COMPLETIONS), WIDTH)
     logps = -rng.uniform(0.5, 3.0, size=shape)
     out = {
         "logps": logps,
-        "old_logps": logps + rng.normal(scale=0.3, size=shape),
+        "old_logps": logps + rng.uniform(-0.6, 0.6, size=(shape[0], 1)) + rng.normal(scale=0.2, size=shape),
         "ref_logps": logps + rng.normal(scale=0.5, size=shape),
         "entropy": rng.uniform(0.1, 2.0, size=shape),
     }
@@ -130,7 +133,7 @@ def _assert_same(ours: dict, theirs: trl_oracle.GrpoStep) -> None:
 def test_loss_and_metrics_equal_trl(folder, loss_type, level, beta, num_iterations):
     s = GrpoConfig(
         num_generations=N_GEN,
-        max_completion_tokens=WIDTH,
+        max_completion_tokens=MAX_TOKENS,
         beta=beta,
         loss_type=loss_type,
         epsilon_high=0.28 if loss_type == "dapo" else None,  # DAPO's clip-higher
@@ -146,7 +149,7 @@ def test_loss_and_metrics_equal_trl(folder, loss_type, level, beta, num_iteratio
 def test_advantages_and_masks_equal_trl(folder, scale_rewards, mask_truncated):
     s = GrpoConfig(
         num_generations=N_GEN,
-        max_completion_tokens=WIDTH,
+        max_completion_tokens=MAX_TOKENS,
         beta=0.04,
         loss_type="bnpo",
         num_iterations=2,
@@ -172,7 +175,7 @@ def test_model_gradient_equals_trl(folder):
     from meshlm import api
     from meshlm.formats.hf import iter_hf_tensors
 
-    s = GrpoConfig(N_GEN, WIDTH, temperature=0.7, beta=0.04, loss_type="dapo", num_iterations=2)
+    s = GrpoConfig(N_GEN, MAX_TOKENS, temperature=0.7, beta=0.04, loss_type="dapo", num_iterations=2)
     lm = api.load(folder)
     prompt = np.asarray(trl_oracle.load_tokenizer(folder)(PROMPTS)["input_ids"])
     completion = np.array([c + [0] * (WIDTH - len(c)) for c in COMPLETIONS])

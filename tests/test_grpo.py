@@ -89,17 +89,20 @@ def folder(tmp_path_factory):
     return trl_oracle.write_hf_folder(tmp_path_factory.mktemp("grpo-gptj"))
 
 
-def _meshlm_step(s: GrpoConfig, arrays: dict[str, np.ndarray]) -> dict:
-    """meshlm's advantages, mask, loss, d loss / d logps and metrics of the same batch."""
+def _meshlm_step(s: GrpoConfig, arrays: dict[str, np.ndarray], rows: slice = slice(None), steps: int = 1) -> dict:
+    """meshlm's advantages, mask, loss, d loss / d logps and metrics of the same batch; the loss and its metrics of
+    `rows`, one of the `steps` optimizer steps the batch is split into."""
     rewards, weights = jnp.asarray(_rewards()), jnp.asarray(REWARD_WEIGHTS)
     advantages = grpo.group_advantages(grpo.total_rewards(rewards, weights), s.num_generations, s.scale_rewards)
     truncated = jnp.asarray(_truncated())
     mask = grpo.completion_mask(jnp.asarray(_lengths()), WIDTH, truncated, s.mask_truncated_completions)
-    old = jnp.asarray(arrays["old_logps"]) if s.num_iterations > 1 else None
-    ref = jnp.asarray(arrays["ref_logps"]) if s.beta else None
+    old = jnp.asarray(arrays["old_logps"])[rows] if s.num_iterations > 1 else None
+    ref = jnp.asarray(arrays["ref_logps"])[rows] if s.beta else None
+    dapo_tokens = mask.sum() / steps if steps > 1 else None
+    entropy = jnp.asarray(arrays["entropy"])[rows]
 
     def loss(logps):
-        return grpo.policy_loss(s, logps, jnp.asarray(arrays["entropy"]), advantages, mask, old, ref)
+        return grpo.policy_loss(s, logps[rows], entropy, advantages[rows], mask[rows], old, ref, dapo_tokens)
 
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(arrays["logps"]))
     metrics = {
@@ -110,8 +113,8 @@ def _meshlm_step(s: GrpoConfig, arrays: dict[str, np.ndarray]) -> dict:
     return {"advantages": advantages, "mask": mask, "loss": value, "grad": grad, "metrics": metrics}
 
 
-def _trl_step(folder, s: GrpoConfig, arrays: dict[str, np.ndarray]) -> trl_oracle.GrpoStep:
-    settings = {**_trl_settings(s), **arrays, "reward_weights": REWARD_WEIGHTS}
+def _trl_step(folder, s: GrpoConfig, arrays: dict[str, np.ndarray], **settings) -> trl_oracle.GrpoStep:
+    settings = {**_trl_settings(s), **arrays, "reward_weights": REWARD_WEIGHTS, **settings}
     return trl_oracle.grpo_step(folder, PROMPTS, COMPLETIONS, _rewards(), REWARD_NAMES, **settings)
 
 
@@ -158,6 +161,18 @@ def test_advantages_and_masks_equal_trl(folder, scale_rewards, mask_truncated):
     )
     arrays = _token_arrays(seed=3)
     _assert_same(_meshlm_step(s, arrays), _trl_step(folder, s, arrays))
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_dapo_divides_by_the_generation_batch_tokens(folder, step):
+    """DAPO's normalizer spans the whole generation batch: split over two optimizer steps (trl's
+    steps_per_generation 2), each step's loss is its tokens' sum over half the batch's loss tokens, whichever
+    half holds more of them."""
+    s = GrpoConfig(N_GEN, MAX_TOKENS, beta=0.04, num_iterations=2, mask_truncated_completions=True)
+    rows = slice(6 * step, 6 * step + 6)
+    arrays = _token_arrays(seed=4)
+    theirs = _trl_step(folder, s, arrays, rows=rows, steps_per_generation=2)
+    _assert_same(_meshlm_step(s, arrays, rows, steps=2), theirs)
 
 
 def _flat_grads(grads: model.Params) -> dict[str, np.ndarray]:

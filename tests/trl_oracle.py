@@ -585,6 +585,7 @@ def grpo_step(
     entropy: np.ndarray | None = None,
     old_logps: np.ndarray | None = None,
     ref_logps: np.ndarray | None = None,
+    rows: slice = slice(None),
     **grpo: Any,
 ) -> GrpoStep:
     """trl's own `GRPOTrainer._generate_and_score_completions` and `_compute_loss`, run on completions, rewards and
@@ -594,7 +595,9 @@ def grpo_step(
     num_iterations > 1) and `ref_logps` (beta > 0) [N, T], and the policy's `logps` and `entropy` [N, T] with
     `logps` as a leaf whose gradient comes back. Without `logps`, the model computes its own (trl's fused LM head at
     `temperature`) and holds the loss's gradient. `grpo`: GRPOConfig's settings (num_generations,
-    max_completion_length, beta, loss_type, ...). One process, no gradient accumulation: the batch is one step."""
+    max_completion_length, beta, loss_type, ...). One process, no gradient accumulation. The loss is of `rows` of
+    the generation batch: one optimizer step's share when `steps_per_generation` splits it (the advantages and
+    reward metrics are of the whole batch, as trl computes them before splitting)."""
     from trl import GRPOConfig, GRPOTrainer
 
     def reward_function(name: str):
@@ -635,7 +638,7 @@ def grpo_step(
                 return tensor(old_logps), None, None
             if policy is None:
                 return forward(model, *args, compute_entropy=True, **kwargs)
-            return policy, tensor(entropy), None
+            return policy[rows], tensor(entropy)[rows], None
 
         trainer._generate_single_turn = lambda *args, **kwargs: (completion_ids, None)
         trainer._calculate_rewards = lambda *args: tensor(rewards)
@@ -644,7 +647,8 @@ def grpo_step(
         trainer.model.train()
         group = len(completion_ids) // len(prompts)
         batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(group)])
-        loss = trainer._compute_loss(trainer.model, batch)
+        step = {key: value[rows] if key != "num_items_in_batch" else value for key, value in batch.items()}
+        loss = trainer._compute_loss(trainer.model, step)
         loss.backward()
         return GrpoStep(
             advantages=batch["advantages"].numpy(),

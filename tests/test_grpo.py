@@ -123,10 +123,15 @@ def _assert_same(ours: dict, theirs: trl_oracle.GrpoStep) -> None:
     np.testing.assert_array_equal(ours["mask"], theirs.mask)
     assert float(ours["loss"]) == pytest.approx(theirs.loss, rel=1e-5, abs=1e-7)
     np.testing.assert_allclose(ours["grad"], theirs.logps_grad, rtol=1e-5, atol=1e-7)
-    metrics = {key: float(value) for key, value in ours["metrics"].items() if key != "loss"}
-    assert sorted(metrics) == sorted(set(theirs.metrics) - {"num_tokens"})
-    for key, value in metrics.items():
-        assert value == pytest.approx(theirs.metrics[key], rel=1e-5, abs=1e-7, nan_ok=True), key
+    assert sorted(set(ours["metrics"]) - {"loss"}) == sorted(set(theirs.metrics) - {"num_tokens"})
+    _assert_metrics(ours["metrics"], theirs.metrics)
+
+
+def _assert_metrics(ours: dict, theirs: dict) -> None:
+    """Each of meshlm's metrics (but the loss, which trl's Trainer logs itself) equals trl's of that name."""
+    for key, value in ours.items():
+        if key != "loss":
+            assert float(value) == pytest.approx(theirs[key], rel=1e-5, abs=1e-7, nan_ok=True), key
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
@@ -186,7 +191,8 @@ def test_model_gradient_equals_trl(folder):
     compared in Hugging Face's layout (meshlm's exporter maps the gradient as it maps the weights). Both run fp32 with
     different op orders and kernels; their gradients differ by at most 2.5e-6 of each tensor's largest entry (measured
     2026-12-05), so 2e-5 leaves room for other BLAS builds while a wrong term (a missing temperature, the KL without
-    its ratio) moves whole tensors by percents."""
+    its ratio) moves whole tensors by percents. The step's metrics (entropy at the temperature, kl, clip ratios)
+    agree too."""
     from meshlm import api
     from meshlm.formats.hf import iter_hf_tensors
 
@@ -211,15 +217,16 @@ def test_model_gradient_equals_trl(folder):
 
     def loss(params):
         logps, entropy = logps_and_entropy(params)
-        return grpo.policy_loss(s, logps, entropy, advantages, mask, jnp.asarray(old), jnp.asarray(ref))[0]
+        return grpo.policy_loss(s, logps, entropy, advantages, mask, jnp.asarray(old), jnp.asarray(ref))
 
-    value, grad = jax.jit(jax.value_and_grad(loss))(lm.params)
+    (value, metrics), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(lm.params)
     flat = _flat_grads(grad)
     read = lambda key, layer: flat[key] if layer is None else flat[key][layer]
     ours = dict(iter_hf_tensors(lm.config, read, "float32"))
     theirs = _trl_step(folder, s, {"old_logps": old, "ref_logps": ref})
     np.testing.assert_array_equal(theirs.prompt_ids, np.repeat(prompt, N_GEN, axis=0))
     assert float(value) == pytest.approx(theirs.loss, rel=1e-5)
+    _assert_metrics(metrics, theirs.metrics)  # the entropy at the temperature, kl and the clip ratios
     grads = {name: p.grad.numpy() for name, p in theirs.model.named_parameters() if p.grad is not None}
     assert sorted(grads) == sorted(ours)
     for name, grad in grads.items():

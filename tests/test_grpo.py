@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from meshlm import cli, grpo, model
-from meshlm.config import ConfigError, GrpoConfig, TrainConfig
+from meshlm.config import ConfigError, GrpoConfig, TrainConfig, apply_overrides
 from tests import trl_oracle
 
 N_GEN = 4
@@ -241,8 +241,10 @@ def test_config_defaults_are_trls():
 
 
 def test_config_reads_trl_forms_and_refuses_bad_values():
-    cfg = TrainConfig.from_dict({"objective": "grpo", "grpo": {"beta": "4e-2", "scale_rewards": False}})
+    values = apply_overrides({"objective": "grpo"}, ["grpo.beta=4e-2", "grpo.scale_rewards=false"])
+    cfg = TrainConfig.from_dict(values)
     assert (cfg.grpo.beta, cfg.grpo.scale_rewards, cfg.grpo.upper_epsilon) == (0.04, "none", 0.2)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     assert GrpoConfig(scale_rewards=True).scale_rewards == "group"
     bad = {
         "num_generations": 1,
@@ -263,10 +265,12 @@ def test_config_reads_trl_forms_and_refuses_bad_values():
         TrainConfig(grpo={"beta": 0.1})
 
 
-def test_train_refuses_grpo_in_one_line(tmp_path, capsys):
+def test_train_and_plan_refuse_grpo_in_one_line(tmp_path, capsys):
     config = tmp_path / "grpo.yaml"
     config.write_text(f"objective: grpo\nout_dir: {tmp_path / 'run'}\ngrpo:\n  num_generations: 4\n")
+    refusal = "error: objective grpo: the rollout loop is not built yet, so it cannot train\n"
     assert cli.main(["train", str(config)]) == 1
-    refusal = "meshlm train: error: objective grpo: the rollout loop is not built yet, so it cannot train\n"
-    assert capsys.readouterr().err == refusal
+    assert capsys.readouterr().err == f"meshlm train: {refusal}"
     assert not (tmp_path / "run").exists()
+    assert cli.main(["plan", str(config), "--target", "cpu"]) == 1
+    assert capsys.readouterr().err == f"meshlm plan: {refusal}"

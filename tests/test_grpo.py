@@ -173,7 +173,13 @@ def test_dapo_divides_by_the_generation_batch_tokens(folder, step):
     """DAPO's normalizer spans the whole generation batch: split over two optimizer steps (trl's
     steps_per_generation 2), each step's loss is its tokens' sum over half the batch's loss tokens, whichever
     half holds more of them."""
-    s = GrpoConfig(N_GEN, MAX_TOKENS, beta=0.04, num_iterations=2, mask_truncated_completions=True)
+    s = GrpoConfig(
+        num_generations=N_GEN,
+        max_completion_tokens=MAX_TOKENS,
+        beta=0.04,
+        num_iterations=2,
+        mask_truncated_completions=True,
+    )
     rows = slice(6 * step, 6 * step + 6)
     arrays = _token_arrays(seed=4)
     theirs = _trl_step(folder, s, arrays, rows=rows, steps_per_generation=2)
@@ -196,7 +202,14 @@ def test_model_gradient_equals_trl(folder):
     from meshlm import api
     from meshlm.formats.hf import iter_hf_tensors
 
-    s = GrpoConfig(N_GEN, MAX_TOKENS, temperature=0.7, beta=0.04, loss_type="dapo", num_iterations=2)
+    s = GrpoConfig(
+        num_generations=N_GEN,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0.7,
+        beta=0.04,
+        loss_type="dapo",
+        num_iterations=2,
+    )
     lm = api.load(folder)
     prompt = np.asarray(trl_oracle.load_tokenizer(folder)(PROMPTS)["input_ids"])
     completion = np.array([c + [0] * (WIDTH - len(c)) for c in COMPLETIONS])

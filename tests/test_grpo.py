@@ -4,7 +4,9 @@ trl runs its own advantage and loss code (`_generate_and_score_completions`, `_c
 and log-probs supplied to it (tests/trl_oracle.py `grpo_step`); meshlm's functions get the same arrays. They must
 agree to 1e-5 on the advantages, the loss, its gradient with respect to each token's log-prob (the per-token loss's
 slope: what trains the model) and every metric trl logs, for each loss type, both importance-sampling levels, beta 0
-and 0.04, and num_iterations 1 (old log-probs = the current ones, detached) and 2 (old log-probs differ).
+and 0.04, and num_iterations 1 (old log-probs = the current ones, detached) and 2 (old log-probs differ); with
+every scale_rewards, with and without mask_truncated_completions, and with a generation batch split over two
+optimizer steps (DAPO's normalizer). Through a tiny GPT-J, one step's whole gradient equals trl's (marked slow).
 """
 
 import dataclasses

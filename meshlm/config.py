@@ -432,11 +432,15 @@ class LoraConfig:
         return cls(**values)
 
 
-# What a run trains for (`meshlm.objectives` holds their math): next-token loss on the weighted targets, or
-# on preference pairs DPO and ORPO, each with its settings named as trl names them.
-OBJECTIVE_NAMES = ("lm", "dpo", "orpo")
+# What a run trains for (`meshlm.objectives` holds their math): next-token loss on the weighted targets, on
+# preference pairs DPO and ORPO, or GRPO on rewarded completions (`meshlm.grpo`), each with its settings named
+# as trl names them.
+OBJECTIVE_NAMES = ("lm", "dpo", "orpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 DPO_REFERENCES = ("precompute", "copy")
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
+GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -478,8 +482,65 @@ class OrpoConfig:
         _check_float("orpo.beta", self.beta, lambda v: v > 0, "> 0")
 
 
+@dataclass(frozen=True)
+class GrpoConfig:
+    """GRPO and its variants (Dr. GRPO, DAPO, GSPO) on completions sampled from the policy and scored by
+    rewards; trl 1.16's GRPOConfig names, meanings and defaults, except `max_completion_tokens` (trl's
+    `max_completion_length`: meshlm counts tokens everywhere).
+
+    `loss_type` picks how per-token losses reduce: "grpo" (a mean per completion, then over completions),
+    "bnpo" (a mean over the batch's completion tokens), "dr_grpo" (a sum over completions * max_completion_tokens)
+    or "dapo" (a sum over the tokens of the whole generation batch). `scale_rewards` divides each advantage
+    by its group's reward std ("group", or true), the batch's ("batch") or nothing ("none", or false).
+    `importance_sampling_level` "sequence" is GSPO: one ratio per completion, the exp of its mean token
+    log-ratio. `epsilon_high` defaults to `epsilon`. `num_iterations` > 1 reuses a batch of completions
+    for that many updates, clipped against the log-probs they were sampled with. `use_bias_correction_kl`
+    (trl's default, true) weighs the KL term by the importance ratio, which changes its gradient even where the
+    ratio is 1: the unbiased gradient of KL(policy || reference)."""
+
+    num_generations: int = 8
+    max_completion_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    importance_sampling_level: str = "token"
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("grpo.num_generations", self.num_generations, minimum=2)  # a group needs two to have a spread
+        for key in ("max_completion_tokens", "num_iterations"):
+            _check_int(f"grpo.{key}", getattr(self, key), minimum=1)
+        _check_float("grpo.temperature", self.temperature, lambda v: v > 0, "> 0")
+        _check_float("grpo.top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_float("grpo.beta", self.beta, lambda v: v >= 0, ">= 0")
+        _check_float("grpo.epsilon", self.epsilon, lambda v: 0 <= v < 1, "in [0, 1)")
+        if self.epsilon_high is not None:
+            _check_float("grpo.epsilon_high", self.epsilon_high, lambda v: v >= 0, ">= 0")
+        _check_choice("grpo.loss_type", self.loss_type, GRPO_LOSSES)
+        # trl reads true as "group" and false as "none" (GRPOConfig.__post_init__)
+        if isinstance(self.scale_rewards, bool):
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        _check_choice("grpo.scale_rewards", self.scale_rewards, GRPO_SCALE_REWARDS)
+        _check_choice("grpo.importance_sampling_level", self.importance_sampling_level, GRPO_IMPORTANCE_LEVELS)
+        for key in ("mask_truncated_completions", "use_bias_correction_kl"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"train config: grpo.{key} must be true or false, got {getattr(self, key)!r}")
+
+    @property
+    def upper_epsilon(self) -> float:
+        """The clip range's upper side: `epsilon_high`, else `epsilon` (symmetric clipping)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
 def _section(cls: type, values: Any, name: str) -> Any:
-    """A nested train-config section (`dpo`, `orpo`) from its mapping; YAML's "1e-1" strings read as numbers."""
+    """A nested train-config section (`dpo`, `orpo`, `grpo`) from its mapping; YAML's "1e-1" strings read as
+    numbers."""
     if isinstance(values, cls):
         return values
     known = [f.name for f in dataclasses.fields(cls)]
@@ -489,7 +550,7 @@ def _section(cls: type, values: Any, name: str) -> Any:
         raise ConfigError(f"train config: {name}: unknown key(s) {unknown}; allowed: {known}")
     values = dict(values)
     for f in dataclasses.fields(cls):
-        if f.type == "float" and isinstance(values.get(f.name), str):
+        if f.type.startswith("float") and isinstance(values.get(f.name), str):
             with contextlib.suppress(ValueError):
                 values[f.name] = float(values[f.name])
     return cls(**values)
@@ -554,10 +615,11 @@ class TrainConfig:
     lora: LoraConfig | None = None
     base_dtype: str | None = None
     # The objective (see OBJECTIVE_NAMES): "lm" trains on text (plain or with loss weights), "dpo" and
-    # "orpo" on preference pairs; each reads its own section.
+    # "orpo" on preference pairs, "grpo" on rewarded completions; each reads its own section.
     objective: str = "lm"
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     orpo: OrpoConfig = dataclasses.field(default_factory=OrpoConfig)
+    grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "micro_batches", "total_steps", "anneal_steps", "val_batches", "keep_last"):
@@ -620,7 +682,8 @@ class TrainConfig:
         _check_choice("objective", self.objective, OBJECTIVE_NAMES)
         object.__setattr__(self, "dpo", _section(DpoConfig, self.dpo, "dpo"))
         object.__setattr__(self, "orpo", _section(OrpoConfig, self.orpo, "orpo"))
-        for section in ("dpo", "orpo"):  # settings that would be silently ignored
+        object.__setattr__(self, "grpo", _section(GrpoConfig, self.grpo, "grpo"))
+        for section in ("dpo", "orpo", "grpo"):  # settings that would be silently ignored
             if self.objective != section and getattr(self, section) != type(getattr(self, section))():
                 raise ConfigError(
                     f"train config: {section} settings apply to objective {section}, but objective is {self.objective}"
@@ -740,10 +803,10 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             current = {"preset": current} if isinstance(current, str) else dict(current)
             current[".".join(path[1:])] = value
             values["model"] = current
-        elif path[0] in ("lora", "dpo", "orpo") and len(path) == 2:
+        elif path[0] in ("lora", "dpo", "orpo", "grpo") and len(path) == 2:
             values[path[0]] = {**(values.get(path[0]) or {}), path[1]: value}
         elif len(path) == 1:
             values[path[0]] = value
         else:
-            raise ConfigError(f"--set {item!r}: only model.*, lora.*, dpo.* and orpo.* keys are nested")
+            raise ConfigError(f"--set {item!r}: only model.*, lora.*, dpo.*, orpo.* and grpo.* keys are nested")
     return values

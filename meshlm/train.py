@@ -42,7 +42,7 @@ from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
-from meshlm.objectives import OBJECTIVES
+from meshlm.objectives import OBJECTIVES, check_trainable
 from meshlm.paths import as_path
 from meshlm.sharding import describe, make_mesh
 from meshlm.train_step import (
@@ -119,6 +119,7 @@ def train(
 
     Raises TrainingStopped when the loss turns non-finite or a checkpoint cannot be written (the last good
     checkpoint stays), and Interrupted for a signal that comes before the first step."""
+    check_trainable(cfg)
     if cfg.eval_tasks and cfg.eval_every and evaluate_tasks is None:
         raise ConfigError(
             "eval_tasks are run by an evaluator handed to train(): train(cfg, evaluate_tasks="

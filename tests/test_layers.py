@@ -14,7 +14,7 @@ FLOORS = {
     2: "model attention fused_ce quant kv_cache paged_attention lora tokenizer chat",
     3: "generate pages grammar",
     4: "engine runner scheduler adapter_slots formats data prepare loader corpus demo_corpus",
-    5: "train_step optim metrics objectives rewards",
+    5: "train_step optim metrics objectives grpo rewards",
     6: "api __init__",
     7: "train planner run_start distributed",
     8: "server evaluate",

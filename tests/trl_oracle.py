@@ -1,5 +1,6 @@
 """The independent oracle for post-training: trl's own trainers (SFTTrainer, DPOTrainer, ORPOTrainer) run for a few
-optimizer steps on a tiny random GPT-J (transformers, torch, fp32, CPU), returning what trl logs at each step.
+optimizer steps on a tiny random GPT-J (transformers, torch, fp32, CPU), returning what trl logs at each step; and
+GRPOTrainer's advantage and loss code on supplied completions, rewards and log-probs (`grpo_step`).
 
 meshlm's SFT / DPO / ORPO training is compared with these numbers step for step. Everything that would make trl's
 numbers differ from "plain" math is switched off here (benchmarks/results/trl_conventions.md explains each choice):
@@ -28,6 +29,7 @@ import logging
 import os
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from typing import Any
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPOTrainer lives in trl.experimental
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
@@ -553,6 +556,109 @@ def chat_preference_records() -> list[dict]:
         pair("Hello! How are you?", "I am fine, thank you.", "No."),
         pair("The quick brown fox?", "It jumps over the lazy dog.", "It is green."),
     ]
+
+
+@dataclass
+class GrpoStep:
+    """What trl's GRPOTrainer made of one batch of completions: the advantages, the completion mask its loss used
+    (after `mask_truncated_completions`), the loss, the gradient of the loss with respect to the supplied per-token
+    log-probs (when they were supplied), and the step's metrics (trl's `_metrics["train"]`, one value each)."""
+
+    advantages: np.ndarray  # [N]
+    mask: np.ndarray  # [N, T]
+    prompt_ids: np.ndarray  # [N, P] the prompts as trl tokenized them (left-padded)
+    loss: float
+    logps_grad: np.ndarray | None  # [N, T] d loss / d logps; None when the model computed its own log-probs
+    metrics: dict[str, float]
+    model: Any  # the torch model, holding the loss's gradient when it computed its own log-probs
+
+
+def grpo_step(
+    model_dir: str | Path,
+    prompts: list[str],
+    completion_ids: list[list[int]],
+    rewards: np.ndarray,
+    reward_names: list[str],
+    *,
+    reward_weights: list[float] | None = None,
+    logps: np.ndarray | None = None,
+    entropy: np.ndarray | None = None,
+    old_logps: np.ndarray | None = None,
+    ref_logps: np.ndarray | None = None,
+    rows: slice = slice(None),
+    **grpo: Any,
+) -> GrpoStep:
+    """trl's own `GRPOTrainer._generate_and_score_completions` and `_compute_loss`, run on completions, rewards and
+    log-probs supplied here instead of sampled and scored: `_generate_single_turn` returns `completion_ids` (N =
+    len(prompts) * num_generations of them, grouped by prompt), `_calculate_rewards` returns `rewards` [N, F] (NaN
+    for trl's None), and `_get_per_token_logps_and_entropies` returns `old_logps` (computed by trl only when
+    num_iterations > 1) and `ref_logps` (beta > 0) [N, T], and the policy's `logps` and `entropy` [N, T] with
+    `logps` as a leaf whose gradient comes back. Without `logps`, the model computes its own (trl's fused LM head at
+    `temperature`) and holds the loss's gradient. `grpo`: GRPOConfig's settings (num_generations,
+    max_completion_length, beta, loss_type, ...). One process, no gradient accumulation. The loss is of `rows` of
+    the generation batch: one optimizer step's share when `steps_per_generation` splits it (the advantages and
+    reward metrics are of the whole batch, as trl computes them before splitting)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_function(name: str):
+        def score(prompts, completions, **kwargs):
+            raise AssertionError("the rewards are supplied")
+
+        score.__name__ = name
+        return score
+
+    n = len(completion_ids)
+    tokenizer = load_tokenizer(model_dir)
+    with tempfile.TemporaryDirectory(prefix="trl-oracle-grpo-") as out, _quiet():
+        common = _common_args(out, steps=1, batch_size=n, grad_accum=1, lr=0.0, weight_decay=0.0, seed=0)
+        common.pop("dataset_num_proc")  # GRPOConfig has none: it tokenizes prompts as it samples
+        args = GRPOConfig(
+            **common,
+            reward_weights=reward_weights,
+            **grpo,
+        )
+        trainer = GRPOTrainer(
+            model=load_torch_model(model_dir),
+            reward_funcs=[reward_function(name) for name in reward_names],
+            args=args,
+            train_dataset=_dataset([{"prompt": p} for p in prompts]),
+            processing_class=tokenizer,
+        )
+
+        def tensor(values: Any) -> torch.Tensor:
+            return torch.tensor(np.asarray(values), dtype=torch.float32)
+
+        policy = None if logps is None else tensor(logps).requires_grad_(True)
+        forward = trainer._get_per_token_logps_and_entropies
+
+        def per_token_logps(model, *args, compute_entropy=False, **kwargs):
+            if model is trainer.ref_model:
+                return tensor(ref_logps), None, None
+            if not compute_entropy:  # the log-probs the completions were sampled with (num_iterations > 1)
+                return tensor(old_logps), None, None
+            if policy is None:
+                return forward(model, *args, compute_entropy=True, **kwargs)
+            return policy[rows], tensor(entropy)[rows], None
+
+        trainer._generate_single_turn = lambda *args, **kwargs: (completion_ids, None)
+        trainer._calculate_rewards = lambda *args: tensor(rewards)
+        trainer._get_per_token_logps_and_entropies = per_token_logps
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        group = len(completion_ids) // len(prompts)
+        batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(group)])
+        step = {key: value[rows] if key != "num_items_in_batch" else value for key, value in batch.items()}
+        loss = trainer._compute_loss(trainer.model, step)
+        loss.backward()
+        return GrpoStep(
+            advantages=batch["advantages"].numpy(),
+            mask=batch["completion_mask"].numpy(),
+            prompt_ids=batch["prompt_ids"].numpy(),
+            loss=loss.item(),
+            logps_grad=None if policy is None else policy.grad.numpy(),
+            metrics={key: values[-1] for key, values in trainer._metrics["train"].items()},
+            model=trainer.model,
+        )
 
 
 def dump(logs: list[dict[str, float]]) -> str:

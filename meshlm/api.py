@@ -15,13 +15,14 @@ from jax.sharding import Mesh
 
 from meshlm import model, quant
 from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
-from meshlm.engine import Draft, Engine
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import native, registry
 from meshlm.formats.slices import Placed, place, projection_streams, stack_stream
-from meshlm.generate import TOP_LOGPROBS, Completion, SamplingParams
-from meshlm.grammar import Constraint
 from meshlm.param import Param, init_layer, init_leaf, is_param, is_stacked, leaf_keys
+from meshlm.serve.engine import Draft, Engine
+from meshlm.serve.grammar import Constraint
+from meshlm.serve.outputs import Completion
+from meshlm.serve.params import TOP_LOGPROBS, SamplingParams
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
@@ -128,7 +129,7 @@ class LanguageModel:
 
     def engine(self, draft: LanguageModel | None = None, attention: str | None = None, **options: Any) -> Engine:
         """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
-        `prefix_caching`, `ngram`, `speculate` as in `meshlm.engine.Engine` (the server runs one).
+        `prefix_caching`, `ngram`, `speculate` as in `meshlm.serve.engine.Engine` (the server runs one).
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
         `speculate` tokens per step for speculative decoding. `attention`: the model's attention

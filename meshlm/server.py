@@ -2,7 +2,7 @@
 `/v1/chat/completions`, `/v1/models`, the tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`),
 `/health`, Prometheus `/metrics`, and the seed's `/complete`.
 
-The generation engine (`meshlm.engine`) steps on its own thread: requests become rows in its bounded
+The generation engine (`meshlm.serve.engine`) steps on its own thread: requests become rows in its bounded
 queue, join the running batch between decode chunks and leave as soon as they finish. This module is HTTP
 only: it validates, adds rows through the engine's public methods (`add_requests`, `abort`, `snapshot`) and
 relays their outputs; it never compiles anything, since the engine compiled every shape it can use before the
@@ -42,9 +42,9 @@ from starlette.exceptions import HTTPException
 from meshlm.api import LanguageModel
 from meshlm.chat import ChatTemplate, check_messages, load_chat_template
 from meshlm.config import ConfigError, DataError, InputError
-from meshlm.engine import Engine, QueueFull, Request, SlotsBusy
-from meshlm.generate import SamplingParams
-from meshlm.grammar import Constraint, request_constraint, tool_calls, tool_constraint
+from meshlm.serve.engine import Engine, QueueFull, Request, SlotsBusy
+from meshlm.serve.grammar import Constraint, request_constraint, tool_calls, tool_constraint
+from meshlm.serve.params import SamplingParams
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -111,7 +111,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for the caller's own records
-    # output constraints: OpenAI's, and vLLM's extensions (checked by `meshlm.grammar.request_constraint`)
+    # output constraints: OpenAI's, and vLLM's extensions (checked by `meshlm.serve.grammar.request_constraint`)
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None

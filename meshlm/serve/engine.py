@@ -21,13 +21,14 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from meshlm import lora, model
-from meshlm.adapter_slots import AdapterSlots, Registered, SlotsBusy
 from meshlm.config import InputError, MeshlmError, ModelConfig
 from meshlm.formats import adapters as adapter_files
-from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, check_token_ids
-from meshlm.grammar import Constraint, Grammars
-from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
-from meshlm.scheduler import Request, Scheduler
+from meshlm.serve.adapter_slots import AdapterSlots, Registered, SlotsBusy
+from meshlm.serve.grammar import Constraint, Grammars
+from meshlm.serve.outputs import Completion, RowOutput
+from meshlm.serve.params import SamplingParams, check_chunk, check_token_ids
+from meshlm.serve.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
+from meshlm.serve.scheduler import Request, Scheduler
 from meshlm.sharding import SERVING, Rules
 from meshlm.tokenizer import Tokenizer
 

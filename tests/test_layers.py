@@ -12,10 +12,10 @@ FLOORS = {
     0: "config paths",
     1: "sharding param footprint devices",
     2: "model attention fused_ce quant kv_cache paged_attention lora tokenizer chat",
-    3: "",
-    4: "serve formats data prepare loader corpus demo_corpus",
+    3: "serve",  # the serving wing (meshlm/serve/): its own floors are SERVE_FLOORS below
+    4: "formats data prepare loader corpus demo_corpus",
     5: "train_step optim metrics objectives",
-    6: "api __init__",
+    6: "api __init__ generate grammar",  # generate, grammar: the serving wing's deprecated re-exports
     7: "train planner run_start distributed",
     8: "server evaluate",
     9: "cli __main__",

@@ -9,7 +9,7 @@ import meshlm.server
 SOURCE = Path(meshlm.server.__file__).read_text()
 # the meshlm modules the server may import from, and the names it may take from each
 ALLOWED = {
-    "meshlm.api": {"LanguageModel", "load"},
+    "meshlm.api": {"LanguageModel", "is_adapter", "load", "read_adapter"},
     "meshlm.serve.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
     "meshlm.serve.params": {"SamplingParams"},
     "meshlm.serve.grammar": {"Constraint", "request_constraint", "tool_calls", "tool_constraint"},

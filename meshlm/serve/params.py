@@ -44,7 +44,7 @@ class SamplingParams:
     logits first; `min_p` drops tokens less likely than min_p times the likeliest (after temperature,
     top-k and top-p); until `min_tokens` tokens are produced the stop token ids cannot be and stop
     strings do not apply; `include_stop_str_in_output` keeps a stop string in the text. `constraint` (a
-    `meshlm.grammar.Constraint`: a JSON schema, regex, choice or grammar) allows only the tokens that keep
+    `meshlm.serve.grammar.Constraint`: a JSON schema, regex, choice or grammar) allows only the tokens that keep
     the output inside it, until it is complete. `logprobs`: how many top alternatives each output token
     reports (0 to TOP_LOGPROBS; its own logprob always); a step whose rows want none skips their top-k."""
 

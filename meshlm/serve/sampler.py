@@ -255,6 +255,6 @@ def choose(
 
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
     """[B, vocab_size] bool from a bitmask [B, ceil(vocab_size / 32)] int32: bit t % 32 of word t // 32 is
-    token t (the layout `meshlm.grammar.Matcher.fill` writes)."""
+    token t (the layout `meshlm.serve.grammar.Matcher.fill` writes)."""
     ids = jnp.arange(vocab_size)
     return ((jnp.take(words, ids // 32, axis=1) >> (ids % 32)) & 1).astype(bool)

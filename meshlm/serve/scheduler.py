@@ -4,7 +4,7 @@ Continuous batching over a paged KV cache:
 - requests wait in a queue and join the running batch between decode chunks, when a slot and the
   KV pages for their whole budget (prompt + max_new_tokens) are free; they leave as soon as they
   finish, are cancelled or fail, and give their pages back at once;
-- a row holds pages only for the tokens it has (`meshlm.pages`), so memory follows live tokens;
+- a row holds pages only for the tokens it has (`meshlm.serve.pages`), so memory follows live tokens;
   rows whose prompts share full pages of a prefix share those pages (prefix caching);
 - a decode chunk runs only the running rows (bucketed to a power of two) over as many pages as the
   longest of them holds (bucketed too), so its cost follows the live rows and their lengths.

@@ -1,5 +1,6 @@
-"""The host side of a generated row (`RowOutput`): collects its tokens, detokenises them, applies stop
-strings and holds back text that could still become one; `Completion` is a finished row."""
+"""The host side of a generated row (`RowOutput`): collects its tokens, detokenises them (`Detokenizer`:
+incrementally where the tokenizer allows), applies stop strings and holds back text that could still become
+one; `Completion` is a finished row."""
 
 from __future__ import annotations
 
@@ -10,6 +11,35 @@ import numpy as np
 from meshlm.serve.batch import Step
 from meshlm.serve.params import SamplingParams
 from meshlm.tokenizer import Tokenizer
+
+
+class Detokenizer:
+    """A row's text as its tokens arrive, the same as decoding them whole at every step.
+
+    A byte-level tokenizer (`byte_level`: its text is its tokens' bytes in order, read as UTF-8 with each
+    invalid or unfinished sequence replaced by U+FFFD) is decoded incrementally: once the text of the tokens
+    so far ends on a whole character (no U+FFFD last), the decoder starts afresh at the next byte, so that text
+    is kept and later steps decode only the tokens after it. A token that splits a multi-byte character
+    leaves the tail open until a later token finishes it. Other tokenizers (a decoder that strips a leading
+    space or joins tokens otherwise) are decoded whole."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.incremental = bool(getattr(tokenizer, "byte_level", False))
+        self._settled = 0  # tokens whose text is kept
+        self._text = ""  # their text
+
+    def text(self, tokens: list[int]) -> str:
+        """The text of `tokens`, which extend the tokens of the previous call."""
+        if not self.incremental:
+            return self.tokenizer.decode(tokens)
+        if len(tokens) < self._settled:  # not an extension: start again
+            self._settled, self._text = 0, ""
+        tail = self.tokenizer.decode(tokens[self._settled :])
+        if tail.endswith("\ufffd"):
+            return self._text + tail
+        self._settled, self._text = len(tokens), self._text + tail
+        return self._text
 
 
 @dataclass
@@ -42,6 +72,7 @@ class RowOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # characters of text the first min_tokens - 1 tokens make: a stop string must end beyond them
     _stop_floor: int | None = field(default=None, repr=False)
+    _detokenizer: Detokenizer | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -74,7 +105,9 @@ class RowOutput:
         """The text so far, cut before the first stop string (after it with include_stop_str_in_output).
         As vLLM, stop strings apply from the min_tokens-th token on: one must end in the text that token
         or a later one adds."""
-        text = self.tokenizer.decode(self.tokens)
+        if self._detokenizer is None:
+            self._detokenizer = Detokenizer(self.tokenizer)
+        text = self._detokenizer.text(self.tokens)
         sp = self.sampling
         if sp.stop and len(self.tokens) >= sp.min_tokens:
             if self._stop_floor is None:

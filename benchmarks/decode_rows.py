@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from meshlm import config, kv_cache, model
 from meshlm.attention import resolve
-from meshlm.runner import PAGE_SIZE
+from meshlm.serve.runner import PAGE_SIZE
 
 
 def tree_bytes(tree: Any) -> int:

@@ -20,9 +20,9 @@ import numpy as np
 from serve import workload, write_random_model  # benchmarks/serve.py, beside this script
 
 import meshlm
-from meshlm.engine import Engine
-from meshlm.generate import SamplingParams, Step
-from meshlm.runner import Decode, Prefill, Speculate
+from meshlm.serve.batch import Decode, Prefill, Speculate, Step
+from meshlm.serve.engine import Engine
+from meshlm.serve.params import SamplingParams
 
 
 def arrivals(engine: Engine, requests: list[tuple[list[int], int]], rate: float) -> float:

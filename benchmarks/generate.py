@@ -26,8 +26,10 @@ from timing import best_time  # benchmarks/timing.py, beside this script
 from transformers import GPTJConfig, GPTJForCausalLM
 
 import meshlm
-from meshlm import generate, kv_cache, model
-from meshlm.generate import SamplingParams
+from meshlm import kv_cache, model
+from meshlm.serve import sampler
+from meshlm.serve.batch import settings_for
+from meshlm.serve.params import SamplingParams
 
 
 def main() -> None:
@@ -92,12 +94,12 @@ def profile(lm: meshlm.LanguageModel, batch: int, cached: int, engine_step: floa
     table = jnp.arange(1, batch * pages + 1, dtype=jnp.int32).reshape(batch, pages)
     tokens, length = jnp.zeros((batch, 1), jnp.int32), jnp.full(batch, cached, jnp.int32)
     greedy = SamplingParams(temperature=0.0, logprobs=0)  # as run_meshlm's rows
-    settings = jax.tree.map(jnp.asarray, generate.settings_for([greedy] * batch, batch))
+    settings = jax.tree.map(jnp.asarray, settings_for([greedy] * batch, batch))
     seen, count = jnp.zeros((batch, cfg.vocab_size), bool), jnp.zeros(batch, jnp.int32)
 
     def step(p, c, hidden: bool, sample: bool):
         out = model.decode(p, tokens, c, table, length, cfg, policy, hidden=hidden)[0][:, 0]
-        return generate.choose(out, seen, count, settings, cfg.n_vocab_used) if sample else out  # all outputs
+        return sampler.choose(out, seen, count, settings, cfg.n_vocab_used) if sample else out  # all outputs
 
     parts = {}
     for name, hidden, sample in (("layers", True, False), ("+ head", False, False), ("+ choose", False, True)):

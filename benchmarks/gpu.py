@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import config, kv_cache, metrics, model, optim, train_step
-from meshlm.engine import PAGE_SIZE as PAGE
 from meshlm.footprint import Footprint, device_capacity, host_memory, is_out_of_memory
+from meshlm.serve.engine import PAGE_SIZE as PAGE
 from meshlm.sharding import make_mesh
 
 

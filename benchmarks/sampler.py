@@ -21,18 +21,20 @@ import importlib.util
 import os
 import subprocess
 import sys
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from timing import best_time, best_times  # benchmarks/timing.py, beside this script
 
-from meshlm import generate as gen
+from meshlm.serve import batch
+from meshlm.serve import sampler as gen
+from meshlm.serve.params import SamplingParams
 
 
 def generate_at(revision: str) -> ModuleType:
-    """meshlm/generate.py as it was at `revision`, imported as a module of its own."""
+    """meshlm/generate.py (the sampler before meshlm/serve/) as it was at `revision`, imported as a module."""
     source = subprocess.run(["git", "show", f"{revision}:meshlm/generate.py"], capture_output=True, text=True,
                             check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout  # fmt: skip
     spec = importlib.util.spec_from_loader("generate_before", loader=None)
@@ -64,7 +66,8 @@ def choose_steps(rows: int, vocab: int, repeats: int, before: str) -> None:
     }
     for name, kw in settings.items():
         steps = {}
-        for side, module in (("now", gen), ("before", old)):
+        now = SimpleNamespace(SamplingParams=SamplingParams, settings_for=batch.settings_for, choose=gen.choose)
+        for side, module in (("now", now), ("before", old)):
             params = [module.SamplingParams(**kw, seed=i) for i in range(rows)]
             s = jax.tree.map(jnp.asarray, module.settings_for(params, rows))
             step = jax.jit(lambda x, s, m=module: m.choose(x, seen, count, s, vocab, counts=counts)[0])

@@ -198,7 +198,7 @@ def offline(checkpoint: str, requests: list[tuple[list[int], int]]) -> dict[str,
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     import meshlm
-    from meshlm.generate import SamplingParams
+    from meshlm.serve.params import SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()

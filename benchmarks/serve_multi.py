@@ -36,8 +36,8 @@ from meshlm import lora, model
 from meshlm.config import LoraConfig
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import hf
-from meshlm.generate import SamplingParams
-from meshlm.grammar import Constraint, Grammars
+from meshlm.serve.grammar import Constraint, Grammars
+from meshlm.serve.params import SamplingParams
 
 SCHEMA = {
     "type": "object",

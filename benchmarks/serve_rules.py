@@ -24,9 +24,10 @@ import jax
 import numpy as np
 
 import meshlm
-from meshlm import model, runner, sharding
-from meshlm.engine import Engine
-from meshlm.generate import SamplingParams
+from meshlm import model, sharding
+from meshlm.serve import runner
+from meshlm.serve.engine import Engine
+from meshlm.serve.params import SamplingParams
 
 ALL_GATHER = re.compile(r"= \(?\w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(")
 

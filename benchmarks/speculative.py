@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import meshlm
 from meshlm import kv_cache, model
 from meshlm.demo_corpus import documents, gpt2_tokenizer
-from meshlm.generate import SamplingParams
+from meshlm.serve.params import SamplingParams
 
 CACHE = Path(__file__).parent / ".cache" / "speculative"
 DRAFT_STEPS = ["total_steps=300", "anneal_steps=280"]

@@ -14,14 +14,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import model, quant
-from meshlm.config import QUANTIZED, ConfigError, InputError, ModelConfig, dtype_of
-from meshlm.engine import Draft, Engine
+from meshlm.config import QUANTIZED, ConfigError, InputError, MeshlmError, ModelConfig, dtype_of
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import native, registry
 from meshlm.formats.slices import Placed, place, projection_streams, stack_stream
-from meshlm.generate import TOP_LOGPROBS, Completion, SamplingParams
-from meshlm.grammar import Constraint
 from meshlm.param import Param, init_layer, init_leaf, is_param, is_stacked, leaf_keys
+from meshlm.serve.adapter_slots import Adapter
+from meshlm.serve.engine import Draft, Engine
+from meshlm.serve.grammar import Constraint
+from meshlm.serve.outputs import Completion
+from meshlm.serve.params import TOP_LOGPROBS, SamplingParams
 from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
@@ -128,12 +130,19 @@ class LanguageModel:
 
     def engine(self, draft: LanguageModel | None = None, attention: str | None = None, **options: Any) -> Engine:
         """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
-        `prefix_caching`, `ngram`, `speculate` as in `meshlm.engine.Engine` (the server runs one).
+        `prefix_caching`, `ngram`, `speculate` as in `meshlm.serve.engine.Engine` (the server runs one).
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
         `speculate` tokens per step for speculative decoding. `attention`: the model's attention
-        implementation for this engine ("xla" turns the GPU paged-attention kernel off; see `Policy`)."""
+        implementation for this engine ("xla" turns the GPU paged-attention kernel off; see `Policy`).
+        `adapters` (name -> a PEFT folder or a meshlm LoRA run) are read here, and the engine's
+        `load_adapter` reads with `read_adapter`: the engine itself reads no files."""
         policy = self.policy if attention is None else dataclasses.replace(self.policy, attention=attention)
+        if options.get("adapters"):
+            options["adapters"] = {
+                name: read_adapter(name, path, self.config) for name, path in options["adapters"].items()
+            }
+        options.setdefault("read_adapter", functools.partial(read_adapter, cfg=self.config))
         if draft is not None:
             if draft.mesh != self.mesh:
                 raise InputError(f"the draft model is on mesh {describe(draft.mesh)}, not {describe(self.mesh)}")
@@ -151,7 +160,8 @@ class LanguageModel:
         this model: prompts of any mix of adapters (and the base) decode together in one batch. An engine of
         your own takes them as `engine(adapters={name: path, ...})`."""
         if "_engine" in self.__dict__ and self._engine.adapters is not None:
-            self._engine.load_adapter(name, path)
+            self._engine.check_adapter_name(name)  # before reading the files
+            self._engine.add_adapter(name, read_adapter(name, path, self.config))
         else:  # the shared engine, when it is made, has a slot for each
             self.__dict__.pop("_engine", None)
             if not Path(path).exists():
@@ -405,6 +415,23 @@ def load(
     if adapter is not None:
         params = {**params, "lora": adapter_files.load(adapter, cfg, device_mesh, dtype)}
     return LanguageModel(cfg, params, device_mesh, dtype, tokenizer, folder=path, quantized=quantize)
+
+
+def read_adapter(name: str, path: str | Path, cfg: ModelConfig) -> Adapter:
+    """The LoRA adapter in folder `path` (a PEFT folder or a meshlm LoRA run), read for a model of `cfg`
+    (ConfigError when it does not fit it), as an engine takes it."""
+    if not Path(path).exists():
+        raise InputError(f"adapter {name!r}: {path} does not exist", param="lora_path")
+    return Adapter(adapter_files.read(path, cfg), str(path))
+
+
+def is_adapter(path: str | Path) -> bool:
+    """Whether `path` holds a LoRA adapter (a PEFT folder or a meshlm LoRA run), by its files' names and
+    description alone (no weights are read)."""
+    try:
+        return adapter_files.is_peft(path) or adapter_files.is_lora_run(path)
+    except (MeshlmError, OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def read_config(path: str | Path, seed_config: str | Path | None = None) -> ModelConfig:

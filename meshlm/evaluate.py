@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from meshlm import corpus
 from meshlm.api import SEQ_BUCKET, LanguageModel, load
 from meshlm.config import ConfigError, InputError
-from meshlm.generate import SamplingParams
+from meshlm.serve.params import SamplingParams
 from meshlm.sharding import MESH_AXES, batch_ways
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 

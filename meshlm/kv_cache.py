@@ -1,7 +1,7 @@
 """The paged KV cache: keys and values of every layer in fixed-size pages of one pool, and a decode
 call's view of it (where its new tokens are written, what each row reads back).
 
-`meshlm.pages` decides which pages a row holds; this module only stores into and reads from them, for
+`meshlm.serve.pages` decides which pages a row holds; this module only stores into and reads from them, for
 the attention in `meshlm.model`. A decode step reads the pool either gathered into a contiguous copy
 (`CacheView.read`) or in place by a Pallas kernel (`CacheView.attend`), as `meshlm.attention.resolve` chooses.
 Its keys and values are written into the pool in place (`CacheView.write`): the pool is donated to

@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from meshlm import footprint, fused_ce, metrics, model, runner, train_step
+from meshlm import footprint, fused_ce, metrics, model, train_step
 from meshlm.config import QUANTIZED, ConfigError, LoraConfig, ModelConfig, TrainConfig, dtype_of, remat_names
 from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
 from meshlm.objectives import check_trainable
-from meshlm.pages import pages_for
+from meshlm.serve import runner
+from meshlm.serve.pages import pages_for
 from meshlm.sharding import (
     MESH_AXES,
     SERVING,

@@ -2,7 +2,7 @@
 `/v1/chat/completions`, `/v1/models`, the tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`),
 `/health`, Prometheus `/metrics`, and the seed's `/complete`.
 
-The generation engine (`meshlm.engine`) steps on its own thread: requests become rows in its bounded
+The generation engine (`meshlm.serve.engine`) steps on its own thread: requests become rows in its bounded
 queue, join the running batch between decode chunks and leave as soon as they finish. This module is HTTP
 only: it validates, adds rows through the engine's public methods (`add_requests`, `abort`, `snapshot`) and
 relays their outputs; it never compiles anything, since the engine compiled every shape it can use before the
@@ -39,12 +39,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from meshlm.api import LanguageModel
+from meshlm.api import LanguageModel, is_adapter, read_adapter
 from meshlm.chat import ChatTemplate, check_messages, load_chat_template
 from meshlm.config import ConfigError, DataError, InputError
-from meshlm.engine import Engine, QueueFull, Request, SlotsBusy
-from meshlm.generate import SamplingParams
-from meshlm.grammar import Constraint, request_constraint, tool_calls, tool_constraint
+from meshlm.serve.engine import Engine, QueueFull, Request, SlotsBusy
+from meshlm.serve.grammar import Constraint, request_constraint, tool_calls, tool_constraint
+from meshlm.serve.params import SamplingParams
 from meshlm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -111,7 +111,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for the caller's own records
-    # output constraints: OpenAI's, and vLLM's extensions (checked by `meshlm.grammar.request_constraint`)
+    # output constraints: OpenAI's, and vLLM's extensions (checked by `meshlm.serve.grammar.request_constraint`)
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -1162,9 +1162,15 @@ def allowed_adapter_path(roots: Sequence[Path], path: str) -> Path | None:
     try:
         real = Path(os.path.realpath(path))
         inside = any(real.is_relative_to(root) for root in roots)
-        return real if inside and real.is_dir() and Engine.is_adapter(real) else None
+        return real if inside and real.is_dir() and is_adapter(real) else None
     except (OSError, ValueError):  # a path the system cannot take (a NUL byte, too long, unreadable)
         return None
+
+
+def _add_adapter(engine: Engine, name: str, path: Path) -> None:
+    """Read the adapter in `path` (once the engine would take its name) and hand the engine its weights."""
+    engine.check_adapter_name(name)
+    engine.add_adapter(name, read_adapter(name, path, engine.cfg))
 
 
 async def load_adapter(body: LoadAdapterRequest, request: HTTPRequest) -> Response:
@@ -1180,7 +1186,7 @@ async def load_adapter(body: LoadAdapterRequest, request: HTTPRequest) -> Respon
     if path is None:
         raise APIError(400, REFUSED_ADAPTER_PATH, param="lora_path")
     try:
-        await asyncio.to_thread(state.engine.load_adapter, body.lora_name, path)
+        await asyncio.to_thread(_add_adapter, state.engine, body.lora_name, path)
     except (InputError, ConfigError, DataError) as e:
         raise APIError(400, str(e), param=getattr(e, "param", None) or "lora_path") from None
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")

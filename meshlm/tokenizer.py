@@ -50,6 +50,9 @@ class Tokenizer(Protocol):
     eot_id: int
     vocab_size: int
     special_tokens: dict[str, str]  # named special tokens (bos_token, eos_token, ...), as transformers reads them
+    # whether decode(ids) is the tokens' bytes in order, read as UTF-8 ('replace'): text may then be decoded
+    # piece by piece, split where a character ends (`meshlm.serve.outputs.Detokenizer`)
+    byte_level: bool
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
@@ -79,6 +82,7 @@ class TiktokenTokenizer:
     name = "gpt2-r50k_base"
     eot_id = EOT_ID
     special_tokens = GPT2_SPECIAL_TOKENS
+    byte_level = True  # tiktoken decodes the tokens' bytes with errors="replace"
 
     def __init__(self, encoding: object):
         self._enc = encoding
@@ -125,6 +129,8 @@ class HFTokenizer:
     eos_token, ...). `encode(text, add_special_tokens=True)` adds what the file's post-processor adds (a BOS
     for Llama's, nothing for GPT-2's or GPT-NeoX's), as transformers 5 does whatever the config's
     `add_bos_token` says: the ids trl's trainers tokenize a text with."""
+
+    byte_level = False  # a tokenizer.json's decoder may strip or join pieces: a row's text is decoded whole
 
     def __init__(self, path: Path):
         try:

@@ -13,7 +13,7 @@ from peft import PeftModel
 
 import meshlm
 from meshlm import ConfigError, InputError
-from meshlm.engine import SlotsBusy
+from meshlm.serve.engine import SlotsBusy
 from tests import oracle
 from tests.helpers.generation import greedy, hf_greedy
 from tests.helpers.lora import ARCHS, peft_model

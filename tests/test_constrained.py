@@ -17,7 +17,7 @@ from llguidance.tiktoken import lltokenizer_from_encoding
 
 import meshlm
 from meshlm import InputError
-from meshlm.grammar import Constraint
+from meshlm.serve.grammar import Constraint
 from tests.helpers.schemas import SCHEMAS
 
 SAMPLES = 200
@@ -144,7 +144,7 @@ def test_constraints_over_the_size_budgets_are_refused_before_compiling(engine, 
 
 
 def test_a_constraint_whose_first_mask_is_too_slow_is_refused_once(engine, monkeypatch):
-    from meshlm import grammar
+    from meshlm.serve import grammar
 
     monkeypatch.setattr(grammar, "MASK_SECONDS", 0.0)
     slow = Constraint.regex("[a-z]{3,12}", "guided_regex")

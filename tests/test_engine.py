@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm import runner
-from meshlm.pages import PagePool, pages_for
-from meshlm.scheduler import lookup
+from meshlm.serve import batch, runner
+from meshlm.serve.pages import PagePool, pages_for
+from meshlm.serve.scheduler import lookup
 from tests.helpers.generation import greedy, hf_greedy
 
 PAGE = 4  # small pages, so short prompts span several and share some
@@ -66,7 +66,7 @@ def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, sha
 def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf_tiny, monkeypatch):
     """Four short prompts and a long one admitted together run as two prefill calls: the short ones padded
     to their own bucket and attending over a narrow table, the long one alone; each row equals transformers."""
-    monkeypatch.setattr(runner, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow tables exist at this small context
+    monkeypatch.setattr(batch, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow tables exist at this small context
     engine = lm.engine(max_batch=8, page_size=PAGE, kv_tokens=512, max_len=128)
     prefills = []
     run = engine.runner.run
@@ -163,7 +163,7 @@ def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
 
 @pytest.mark.slow
 def test_every_shape_is_compiled_by_warm_up(lm, monkeypatch):
-    monkeypatch.setattr(runner, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow and whole tables at this small context
+    monkeypatch.setattr(batch, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow and whole tables at this small context
     engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
     shapes, _ = engine.warm_up()
     programs = engine.runner.shapes

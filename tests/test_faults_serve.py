@@ -27,8 +27,9 @@ import httpx
 import pytest
 
 import meshlm
-from meshlm import cli, runner
+from meshlm import cli
 from meshlm.footprint import OutOfMemory
+from meshlm.serve import runner
 from meshlm.server import REFUSED_ADAPTER_PATH, Group, create_app
 
 ABSENT = "no-such-checkpoint"  # a refusal that names anything else came before the model would load
@@ -394,7 +395,7 @@ def test_a_seed_outside_64_bits_is_400_naming_it(http, seed):
 
 def test_seeds_past_32_bits_key_their_draws_whole():
     """2^32 and 0, 2^70 and 2^63 drew alike when a seed was cut to its low 32 bits."""
-    from meshlm.generate import seed_word
+    from meshlm.serve.batch import seed_word
 
     assert seed_word(7) == 7 and seed_word(2**32 - 1) == 2**32 - 1
     words = [seed_word(s) for s in (0, 2**32, 2**63, 2**70, -1, 2**63 - 1)]

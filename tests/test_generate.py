@@ -13,8 +13,9 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 import meshlm
 from meshlm import cli, kv_cache, model
-from meshlm import generate as gen
-from meshlm.generate import SamplingParams
+from meshlm.serve import sampler as gen
+from meshlm.serve.batch import settings_for
+from meshlm.serve.params import SamplingParams
 from tests.helpers.generation import NEW, greedy, hf_greedy
 
 PROMPT_LENGTHS = (9, 3, 14)  # a padded batch: rows of different lengths, left-padded to one bucket
@@ -196,7 +197,7 @@ def test_padded_vocabulary_rows_are_never_produced(lm):
     V, used = 64, 50
     logits = np.zeros((3, V), np.float32)
     logits[:, used:] = 100.0  # the padded rows would win every time
-    settings = gen.settings_for(
+    settings = settings_for(
         [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(top_k=3, seed=2)], 3
     )
     seen, count = jnp.zeros((3, V), bool), jnp.zeros(3, jnp.int32)
@@ -346,7 +347,7 @@ def test_gumbel_max_draws_match_the_inverse_cdf_sampler(settings):
     seen = jnp.broadcast_to(jnp.arange(V) % 5 == 0, (n, V))
     counts = jnp.broadcast_to(jnp.asarray(rng.integers(0, 3, V), jnp.int32), (n, V))
     count = jnp.full(n, 2, jnp.int32)
-    s = jax.tree.map(jnp.asarray, gen.settings_for([SamplingParams(**settings, seed=i) for i in range(n)], n))
+    s = jax.tree.map(jnp.asarray, settings_for([SamplingParams(**settings, seed=i) for i in range(n)], n))
     token, *_ = gen.choose(logits, seen, count, s, V, counts=counts)
     one = jax.tree.map(lambda a: a[:1], s)
     probs = np.asarray(gen.distribution(gen.penalize(logits[:1], seen[:1], counts[:1], count[:1], one), one))[0]
@@ -368,7 +369,7 @@ N_ROWS = 20_000
 def choose_for_rows(proposal: np.ndarray, draft_probs: np.ndarray | None = None) -> np.ndarray:
     """`choose` for N_ROWS rows of LOGITS at temperature 1, each with its own seed and proposal."""
     n, V = N_ROWS, LOGITS.size
-    settings = gen.settings_for([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n)
+    settings = settings_for([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n)
     q = None if draft_probs is None else jnp.broadcast_to(jnp.asarray(draft_probs, jnp.float32), (n, V))
     token, *_ = gen.choose(
         jnp.broadcast_to(jnp.asarray(LOGITS), (n, V)),
@@ -402,7 +403,7 @@ def test_a_speculated_token_leaves_the_distribution_unchanged(offered):
 
 def test_greedy_rows_keep_a_proposal_only_when_it_is_their_argmax():
     logits = jnp.broadcast_to(jnp.asarray([0.0, 3.0, 1.0, -1.0, -2.0, -3.0]), (3, 6))
-    settings = jax.tree.map(jnp.asarray, gen.settings_for([SamplingParams(temperature=0.0)] * 3, 3))
+    settings = jax.tree.map(jnp.asarray, settings_for([SamplingParams(temperature=0.0)] * 3, 3))
     token, *_ = gen.choose(logits, jnp.zeros((3, 6), bool), jnp.zeros(3, jnp.int32), settings, 6,
                            proposal=jnp.asarray([1, 2, -1]))  # fmt: skip
     assert np.asarray(token).tolist() == [1, 1, 1]

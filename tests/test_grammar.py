@@ -1,4 +1,4 @@
-"""Constrained output (meshlm.grammar): random walks through each constraint's masks end in text that
+"""Constrained output (meshlm.serve.grammar): random walks through each constraint's masks end in text that
 `jsonschema` validates (or the regex matches, or is one of the choices); the request fields of OpenAI and
 vLLM map to one Constraint each, bad ones to an InputError naming the field; forced tool calls; the
 bitmask's layout and the compile cache.
@@ -16,9 +16,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from meshlm import grammar
 from meshlm.config import InputError
-from meshlm.grammar import Constraint, Grammars, all_allowed, request_constraint, tool_calls, tool_constraint
+from meshlm.serve import grammar
+from meshlm.serve.grammar import Constraint, Grammars, all_allowed, request_constraint, tool_calls, tool_constraint
 from meshlm.tokenizer import load_tokenizer
 
 MODEL_VOCAB = 50400  # GPT-J's padded vocabulary: ids 50257.. have no token

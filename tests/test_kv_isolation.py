@@ -19,7 +19,7 @@ import pytest
 
 import meshlm
 from meshlm import config, kv_cache, model
-from meshlm.engine import GenerationFailed
+from meshlm.serve.engine import GenerationFailed
 from tests import oracle
 from tests.helpers.generation import greedy
 from tests.helpers.lora import ARCHS, peft_model

@@ -12,15 +12,26 @@ FLOORS = {
     0: "config paths",
     1: "sharding param footprint devices",
     2: "model attention fused_ce quant kv_cache paged_attention lora tokenizer chat",
-    3: "generate pages grammar",
-    4: "engine runner scheduler adapter_slots formats data prepare loader corpus demo_corpus",
+    3: "serve",  # the serving wing (meshlm/serve/): its own floors are SERVE_FLOORS below
+    4: "formats data prepare loader corpus demo_corpus",
     5: "train_step optim metrics objectives grpo rewards",
-    6: "api __init__",
+    6: "api __init__ generate grammar",  # generate, grammar: the serving wing's deprecated re-exports
     7: "train planner run_start distributed",
     8: "server evaluate",
     9: "cli __main__",
 }
 FLOOR = {name: floor for floor, names in FLOORS.items() for name in names.split()}
+# The serving wing (meshlm/serve/) inside, as vLLM v1 stacks it: a host-only contract at the bottom, the
+# sampler on it, the scheduler and the runner side by side above them, the engine on top.
+SERVE_FLOORS = {
+    0: "__init__ pages adapter_slots grammar",
+    1: "params",
+    2: "batch outputs",
+    3: "sampler",
+    4: "scheduler runner",
+    5: "engine",
+}
+SERVE_FLOOR = {name: floor for floor, names in SERVE_FLOORS.items() for name in names.split()}
 
 
 def modules() -> dict[str, Path]:
@@ -86,3 +97,17 @@ def test_test_modules_share_helpers_and_fixtures_never_each_other():
     suite = PACKAGE.parent / "tests"
     reaching = {str(path.relative_to(suite)): imported_test_modules(path) for path in sorted(suite.rglob("*.py"))}
     assert {name: sorted(found) for name, found in reaching.items() if found} == {}
+
+
+def test_every_serving_module_has_a_floor_in_the_wing():
+    wing = {m.removeprefix("serve.") for m in modules() if table_name(m) == "serve"}
+    assert sorted(wing ^ set(SERVE_FLOOR)) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules() if table_name(m) == "serve"))
+def test_serving_imports_point_down_inside_the_wing(module):
+    here = SERVE_FLOOR[module.removeprefix("serve.")]
+    inside = {m.removeprefix("serve.") for m in imports(modules()[module]) if m.startswith("serve.")}
+    above = {m for m in inside if SERVE_FLOOR[m] > here}
+    assert not above, f"{module} (wing floor {here}) imports {sorted(above)} from above"
+    assert not (module == "serve.scheduler" and "runner" in inside), "the scheduler and the runner sit side by side"

@@ -23,10 +23,11 @@ from transformers.generation.logits_process import (
 )
 
 import meshlm
-from meshlm import generate as gen
 from meshlm.api import GENERATE_BATCH
 from meshlm.config import InputError
-from meshlm.generate import MAX_LOGIT_BIAS, SamplingParams
+from meshlm.serve import sampler as gen
+from meshlm.serve.batch import settings_for
+from meshlm.serve.params import MAX_LOGIT_BIAS, SamplingParams
 
 NEW = 24  # tokens generated in the comparisons with transformers
 
@@ -188,7 +189,7 @@ def test_the_penalties_agree_with_transformers_processors_and_openais_formula():
             min_tokens=10,
         ),
     ]
-    settings = jax.tree.map(jnp.asarray, gen.settings_for(params, B))
+    settings = jax.tree.map(jnp.asarray, settings_for(params, B))
     seen = np.zeros((B, V), bool)
     counts = np.zeros((B, V), np.int32)
     for b in range(B):
@@ -311,7 +312,7 @@ def test_sampled_tokens_follow_the_penalised_and_filtered_distribution(settings,
         jnp.broadcast_to(jnp.asarray(LOGITS), (n, V)),
         jnp.broadcast_to(jnp.asarray(mask), (n, V)),
         jnp.full(n, len(counts), jnp.int32),
-        jax.tree.map(jnp.asarray, gen.settings_for(params, n)),
+        jax.tree.map(jnp.asarray, settings_for(params, n)),
         V,
         proposal=None if proposal is None else jnp.full(n, proposal, jnp.int32),
         counts=jnp.broadcast_to(jnp.asarray(c, jnp.int32), (n, V)),

@@ -9,16 +9,16 @@ import meshlm.server
 SOURCE = Path(meshlm.server.__file__).read_text()
 # the meshlm modules the server may import from, and the names it may take from each
 ALLOWED = {
-    "meshlm.api": {"LanguageModel", "load"},
-    "meshlm.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
-    "meshlm.generate": {"SamplingParams"},
-    "meshlm.grammar": {"Constraint", "request_constraint", "tool_calls", "tool_constraint"},
+    "meshlm.api": {"LanguageModel", "is_adapter", "load", "read_adapter"},
+    "meshlm.serve.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
+    "meshlm.serve.params": {"SamplingParams"},
+    "meshlm.serve.grammar": {"Constraint", "request_constraint", "tool_calls", "tool_constraint"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},
     "meshlm.chat": {"ChatTemplate", "check_messages", "load_chat_template"},
     "meshlm.tokenizer": {"Tokenizer"},
 }
-# the engine's insides (meshlm.scheduler, meshlm.runner), which only the engine itself touches; the server reads
-# the engine's state through `snapshot()` (whose `running` and `queued` are counts)
+# the engine's insides (meshlm.serve.scheduler, meshlm.serve.runner), which only the engine itself touches; the
+# server reads the engine's state through `snapshot()` (whose `running` and `queued` are counts)
 ENGINE_INSIDES = {"scheduler", "runner", "pool", "queue", "stats", "slots", "fail_all"}
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import meshlm
 from meshlm import ConfigError, model, sharding
-from meshlm.generate import SamplingParams
+from meshlm.serve.params import SamplingParams
 
 MESHES = [
     "data=8",

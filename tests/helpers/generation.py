@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from meshlm.generate import SamplingParams
+from meshlm.serve.params import SamplingParams
 
 NEW = 40  # tokens generated in the oracle comparisons
 

@@ -4,13 +4,13 @@ Continuous batching over a paged KV cache:
 - requests wait in a queue and join the running batch between decode chunks, when a slot and the
   KV pages for their whole budget (prompt + max_new_tokens) are free; they leave as soon as they
   finish, are cancelled or fail, and give their pages back at once;
-- a row holds pages only for the tokens it has (`meshlm.pages`), so memory follows live tokens;
+- a row holds pages only for the tokens it has (`meshlm.serve.pages`), so memory follows live tokens;
   rows whose prompts share full pages of a prefix share those pages (prefix caching);
 - a decode chunk runs only the running rows (bucketed to a power of two) over as many pages as the
   longest of them holds (bucketed too), so its cost follows the live rows and their lengths.
 
-The scheduler never touches a device: it describes each batch in plain arrays (`meshlm.runner`'s
-`Prefill`, `Decode`, `Speculate`) and reads back what each row produced.
+The scheduler never touches a device (it imports no jax): it describes each batch in plain arrays
+(`meshlm.serve.batch`'s `Prefill`, `Decode`, `Speculate`) and reads back what each row produced.
 """
 
 from __future__ import annotations
@@ -26,10 +26,21 @@ from typing import NamedTuple
 import numpy as np
 
 from meshlm.config import InputError
-from meshlm.generate import TOP_LOGPROBS, RowOutput, Step, bitmask_words, settings_for
-from meshlm.grammar import Matcher
-from meshlm.pages import PAD_PAGE, PagePool, pages_for
-from meshlm.runner import MAX_CHUNK, PREFILL_TOKENS, Decode, Prefill, Shapes, Speculate
+from meshlm.serve.batch import (
+    MAX_CHUNK,
+    PREFILL_TOKENS,
+    Decode,
+    Prefill,
+    Shapes,
+    Speculate,
+    Step,
+    bitmask_words,
+    settings_for,
+)
+from meshlm.serve.grammar import Matcher
+from meshlm.serve.outputs import RowOutput
+from meshlm.serve.pages import PAD_PAGE, PagePool, pages_for
+from meshlm.serve.params import TOP_LOGPROBS
 
 _ids = count()
 

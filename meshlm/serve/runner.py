@@ -16,7 +16,6 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -29,23 +28,30 @@ from jax.sharding import Mesh
 from meshlm import kv_cache, lora, model, quant
 from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
-from meshlm.generate import (
-    TOP_LOGPROBS,
+from meshlm.param import axes_of, is_param
+from meshlm.serve.batch import (
+    MAX_CHUNK,
+    Decode,
+    Prefill,
     Settings,
+    Shapes,
+    Speculate,
     Step,
-    argmax,
     bitmask_words,
+    settings_for,
+)
+from meshlm.serve.pages import pages_for
+from meshlm.serve.params import TOP_LOGPROBS
+from meshlm.serve.sampler import (
+    argmax,
     choose,
     distribution,
     draw,
     penalize,
     row_keys,
-    settings_for,
     unpack_bitmask,
     used_vocabulary,
 )
-from meshlm.pages import pages_for
-from meshlm.param import axes_of, is_param
 from meshlm.sharding import (
     SERVING,
     Rules,
@@ -60,16 +66,6 @@ from meshlm.sharding import (
 
 PAGE_SIZE = 16  # tokens per KV page
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
-MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
-MIN_PROMPT_BUCKET = 16
-MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
-PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
-# A prefill call's cost in padded tokens' worth, to group rows into calls (`Shapes.prefill_cost`): a token
-# costs 1, each key it attends over 1 / ATTENDED_KEYS_PER_TOKEN more, and a call CALL_TOKENS. Measured on a
-# CPU (GPT-J d_model 256): a call of 1 x 64 tokens over 128 keys 25 ms, of 16 x 64 over 128 keys 166 ms,
-# over 1280 keys 522 ms.
-ATTENDED_KEYS_PER_TOKEN = 1024
-CALL_TOKENS = 128
 SCORE_CHUNK = 64  # positions whose logits exist at once when a prompt is scored
 KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
 
@@ -460,138 +456,6 @@ def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> tu
     spec = partial(_batch_spec, mesh)
     allowed = spec((rows, bitmask_words(cfg.vocab_size)), np.int32)
     return spec((rows,), np.int32), spec((rows, table_width), np.int32), np.int32(1), allowed
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shapes and batch descriptions
-
-
-def _bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-def _powers(lo: int, hi: int, factor: int = 2) -> list[int]:
-    """lo, lo * factor, ... below hi, then hi."""
-    out = []
-    while lo < hi:
-        out.append(lo)
-        lo *= factor
-    return [*out, hi]
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The shapes the programs are compiled for: rows bucketed to powers of two the mesh's batch axes divide,
-    prompt lengths to powers of four, page tables to powers of two; the scheduler fills batches to them."""
-
-    max_batch: int
-    max_len: int
-    page_size: int
-    batch_ways: int
-
-    @classmethod
-    def of(cls, max_batch: int, max_len: int, page_size: int, batch_ways: int) -> Shapes:
-        """The shapes for at most `max_batch` rows, rounded up to a bucket."""
-        rows = cls(max_batch, max_len, page_size, batch_ways).batch_bucket(max_batch)
-        return cls(rows, max_len, page_size, batch_ways)
-
-    @property
-    def max_pages(self) -> int:
-        """Pages of one whole row."""
-        return pages_for(self.max_len, self.page_size)
-
-    def batch_bucket(self, n: int) -> int:
-        """Rows are padded to a power of two that the mesh's batch axes divide."""
-        b = _bucket(n)
-        return -(-b // self.batch_ways) * self.batch_ways
-
-    def decode_batches(self) -> list[int]:
-        return sorted({self.batch_bucket(n) for n in _powers(1, self.max_batch)})
-
-    def page_buckets(self) -> list[int]:
-        """Table widths of a decode: powers of two from MIN_DECODE_TOKENS' worth of pages."""
-        return _powers(min(pages_for(MIN_DECODE_TOKENS, self.page_size), self.max_pages), self.max_pages)
-
-    def page_bucket(self, n: int) -> int:
-        return next(b for b in self.page_buckets() if b >= n)
-
-    def prompt_buckets(self) -> list[int]:
-        """Prompt lengths of a prefill: powers of four from MIN_PROMPT_BUCKET."""
-        return _powers(min(MIN_PROMPT_BUCKET, self.max_len), self.max_len, factor=4)
-
-    def prompt_bucket(self, n: int) -> int:
-        return next(b for b in self.prompt_buckets() if b >= n)
-
-    def prefill_rows(self, n: int) -> int:
-        """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""
-        rows = 1
-        while rows < n:
-            rows *= 4
-        return min(self.batch_bucket(rows), self.max_batch)
-
-    def prefill_widths(self, t: int) -> list[int]:
-        """Page-table widths of a prefill of prompt bucket `t`: the narrowest decode width that holds t tokens
-        (a prefill's attention reads every page of its table: rows without a long cached prefix need no
-        more), and a whole row's."""
-        return sorted({self.page_bucket(pages_for(t, self.page_size)), self.max_pages})
-
-    def prefill_width(self, t: int, pages: int) -> int:
-        """The table width of a prefill of prompt bucket `t` whose rows hold at most `pages` pages."""
-        return next(w for w in self.prefill_widths(t) if w >= pages)
-
-    def prefill_shapes(self) -> list[tuple[int, int, int]]:
-        """(rows, prompt bucket, table width) triples a prefill can take."""
-        rows = sorted({self.prefill_rows(n) for n in range(1, self.max_batch + 1)})
-        return [(b, t, w) for t in self.prompt_buckets() for b in rows if b == rows[0] or b * t <= PREFILL_TOKENS
-                for w in self.prefill_widths(t)]  # fmt: skip
-
-    def prefill_cost(self, n: int, t: int, width: int) -> float:
-        """What a prefill call of `n` rows (padded to `prefill_rows`) of prompt bucket `t` over `width` pages
-        costs, in padded tokens' worth (see ATTENDED_KEYS_PER_TOKEN)."""
-        keys = width * self.page_size
-        return self.prefill_rows(n) * t * (1 + keys / ATTENDED_KEYS_PER_TOKEN) + CALL_TOKENS
-
-
-class Prefill(NamedTuple):
-    """New rows' prompts (the part not in the prefix cache) into `slots`: tokens and mask [rows, bucket],
-    page tables [rows, width] (`Shapes.prefill_width`), the cached length each starts from, the tokens
-    each has seen [rows, vocab] (for the repetition penalty) and their sampling settings. Padding rows have
-    slots out of range.
-
-    A scored row's first `scored` [rows] positions are scored (0: not scored); `refed` [rows] is 1 where a
-    scored row's first token is its cached prefix's last, run again for the logits that score the token
-    after it."""
-
-    slots: np.ndarray
-    tokens: np.ndarray
-    mask: np.ndarray
-    table: np.ndarray
-    start: np.ndarray
-    seen: np.ndarray
-    settings: Settings
-    refed: np.ndarray
-    scored: np.ndarray
-    adapter: np.ndarray  # [rows] each row's adapter slot (0: the base alone)
-    allowed: np.ndarray  # [rows, words] each row's output-constraint bitmask for its first token (zeros: none)
-
-
-class Decode(NamedTuple):
-    """Up to `chunk` tokens of the rows in `slots`, over their page tables [rows, bucketed width], each among
-    the tokens `allowed` [rows, words] allows (zeros: any)."""
-
-    slots: np.ndarray
-    table: np.ndarray
-    chunk: int
-    allowed: np.ndarray
-
-
-class Speculate(NamedTuple):
-    """One speculative step: `proposals` [rows, k] (-1: none; all -1 with a draft model, which proposes on the
-    device) verified together."""
-
-    slots: np.ndarray
-    table: np.ndarray
-    proposals: np.ndarray
 
 
 # ---------------------------------------------------------------------------------------------------

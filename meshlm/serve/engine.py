@@ -1,7 +1,7 @@
 """The generation engine behind `lm.generate`, `meshlm sample`, `meshlm serve` and lm-eval's `generate_until`.
 
-Three parts, as vLLM v1 splits its engine: the runner (`meshlm.runner`: the device, its compiled programs
-and their shapes), the scheduler (`meshlm.scheduler`: requests, the queue, slots and KV pages, and the
+Three parts, as vLLM v1 splits its engine: the runner (`meshlm.serve.runner`: the device, its compiled programs
+and their shapes), the scheduler (`meshlm.serve.scheduler`: requests, the queue, slots and KV pages, and the
 batch each step runs) and this thin engine, which steps one with the other. A caller adds requests
 (`add_request`), reads their outputs as they change (`on_update`) and may `abort` them; `snapshot` reports
 the engine's state. The engine steps either on the caller's thread (`generate`, `run`: `lm.generate`,
@@ -21,13 +21,13 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from meshlm import lora, model
-from meshlm.adapter_slots import AdapterSlots, Registered, SlotsBusy
 from meshlm.config import InputError, MeshlmError, ModelConfig
-from meshlm.formats import adapters as adapter_files
-from meshlm.generate import Completion, RowOutput, SamplingParams, check_chunk, check_token_ids
-from meshlm.grammar import Constraint, Grammars
-from meshlm.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
-from meshlm.scheduler import Request, Scheduler
+from meshlm.serve.adapter_slots import Adapter, AdapterSlots, Registered, SlotsBusy
+from meshlm.serve.grammar import Constraint, Grammars
+from meshlm.serve.outputs import Completion, RowOutput
+from meshlm.serve.params import SamplingParams, check_chunk, check_token_ids
+from meshlm.serve.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
+from meshlm.serve.scheduler import Request, Scheduler
 from meshlm.sharding import SERVING, Rules
 from meshlm.tokenizer import Tokenizer
 
@@ -98,14 +98,16 @@ class Engine:
     """Continuous batching of `max_batch` rows over a KV pool of `kv_tokens` tokens, for one model on one mesh.
 
     `max_len` bounds a row's prompt plus output (the model's context by default). `kv_tokens` defaults to
-    what fits beside the weights and the slots (see `meshlm.runner.Runner`). `ngram` > 0 speculates
+    what fits beside the weights and the slots (see `meshlm.serve.runner.Runner`). `ngram` > 0 speculates
     `speculate` tokens per step by prompt lookup, `draft` by a smaller model. `tokenizer` detokenizes
     outputs (needed for stop strings).
 
-    `adapters` (name -> a PEFT folder or a meshlm LoRA run) are LoRA adapters that requests may name; they
-    run in `max_adapters` device slots (default: one per adapter given) of rank `max_lora_rank` (default:
-    the largest given, else DEFAULT_LORA_RANK), rows of any mix of adapters and the base in one batch.
-    An engine without them has no slots; `load_adapter` then needs `max_adapters` > 0. `rules` lays the weights
+    `adapters` (name -> `Adapter`: weights read at the front door, `meshlm.api.read_adapter`) are LoRA
+    adapters that requests may name; they run in `max_adapters` device slots (default: one per adapter
+    given) of rank `max_lora_rank` (default: the largest given, else DEFAULT_LORA_RANK), rows of any mix of
+    adapters and the base in one batch. An engine without them has no slots; `add_adapter` then needs
+    `max_adapters` > 0. The engine reads no files: `load_adapter` reads a folder with `read_adapter` (name,
+    folder -> `Adapter`), the front door's (`LanguageModel.engine` gives it). `rules` lays the weights
     out on the mesh (`sharding.SERVING`: split over `model` only, so a decode step gathers none)."""
 
     def __init__(
@@ -124,10 +126,11 @@ class Engine:
         speculate: int = SPECULATE_TOKENS,
         draft: Draft | None = None,
         tokenizer: Tokenizer | None = None,
-        adapters: Mapping[str, str | Path] | None = None,
+        adapters: Mapping[str, Adapter] | None = None,
         max_adapters: int | None = None,
         max_lora_rank: int | None = None,
         rules: Rules = SERVING,
+        read_adapter: Callable[[str, str | Path], Adapter] | None = None,
     ):
         for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
                                    ("speculate", speculate, 1)):  # fmt: skip
@@ -139,7 +142,8 @@ class Engine:
             _check_draft(draft, cfg, max_len or cfg.max_seq_len, ngram)
         speculate = speculate if ngram or draft else 0
         self.cfg, self.tokenizer = cfg, tokenizer
-        given = {name: self._read_adapter(name, path) for name, path in (adapters or {}).items()}
+        given = {name: adapter.weights for name, adapter in (adapters or {}).items()}
+        self._read_adapter = read_adapter
         self.adapters: AdapterSlots | None = None
         if given or max_adapters:
             rank = max_lora_rank or max((_rank(w) for w in given.values()), default=DEFAULT_LORA_RANK)
@@ -153,7 +157,7 @@ class Engine:
         self._device = threading.Lock()  # a step, or a write into the adapter slots, at a time
         self._adapter_requests: weakref.WeakSet[Request] = weakref.WeakSet()  # guarded by _device
         for name, weights in given.items():
-            self._register(name, weights, str(adapters[name]))
+            self._register(name, weights, adapters[name].source)
         self.scheduler = Scheduler(
             self.runner.shapes, self.runner.n_pages, cfg.vocab_size, n_tokens=cfg.n_vocab_used,
             prefix_caching=prefix_caching, speculate=speculate, ngram=ngram, draft=draft is not None,
@@ -183,25 +187,29 @@ class Engine:
         """The LoRA adapters requests may name, in the order they were loaded, with where each was read from."""
         return {} if self.adapters is None else {a.name: a.source for a in self.adapters.registered.values()}
 
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        """Register a LoRA adapter (a PEFT folder or a meshlm LoRA run) under `name`; it takes a device slot
-        when a request first names it. Compiles nothing: every program serves any adapter in any slot."""
+    def check_adapter_name(self, name: str) -> None:
+        """InputError unless an adapter could be added under `name`: the engine has adapter slots, and no
+        adapter has the name. The front door asks before it reads an adapter's files."""
         if self.adapters is None:
             raise InputError("this engine has no adapter slots: start it with adapters or max_adapters > 0")
         if not isinstance(name, str) or not name:
             raise InputError("an adapter needs a name", param="lora_name")
-        if name in self.adapters.registered:  # before reading the files
+        if name in self.adapters.registered:
             raise InputError(f"an adapter named {name!r} is loaded already; unload it first", param="lora_name")
-        self._register(name, self._read_adapter(name, path), str(path))
 
-    @staticmethod
-    def is_adapter(path: str | Path) -> bool:
-        """Whether `path` holds a LoRA adapter (a PEFT folder or a meshlm LoRA run), by its files' names and
-        description alone (no weights are read)."""
-        try:
-            return adapter_files.is_peft(path) or adapter_files.is_lora_run(path)
-        except (MeshlmError, OSError, ValueError, KeyError, TypeError):
-            return False
+    def add_adapter(self, name: str, adapter: Adapter) -> None:
+        """Register a LoRA adapter's weights under `name`; it takes a device slot when a request first names
+        it. Compiles nothing: every program serves any adapter in any slot."""
+        self.check_adapter_name(name)
+        self._register(name, adapter.weights, adapter.source)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Register the LoRA adapter in folder `path` (a PEFT folder or a meshlm LoRA run) under `name`, read by
+        the front door's `read_adapter` this engine was given (`meshlm.api`'s, for `LanguageModel.engine`)."""
+        self.check_adapter_name(name)  # before reading the files
+        if self._read_adapter is None:
+            raise InputError("this engine was given no adapter reader: add adapters by their weights (add_adapter)")
+        self._register(name, *self._read_adapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` (InputError while a queued or running request uses it)."""
@@ -209,11 +217,6 @@ class Engine:
             raise InputError(f"no adapter named {name!r} is loaded", param="lora_name")
         with self._device:
             self.adapters.unregister(name, self._busy())
-
-    def _read_adapter(self, name: str, path: str | Path) -> dict:
-        if not Path(path).exists():
-            raise InputError(f"adapter {name!r}: {path} does not exist", param="lora_path")
-        return adapter_files.read(path, self.cfg)
 
     def _register(self, name: str, weights: dict, source: str) -> None:
         slot = lora.fill_slot(weights, model.projections(self.cfg), self.adapters.rank)

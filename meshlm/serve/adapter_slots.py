@@ -14,11 +14,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshlm.config import InputError
 
 _keys = count(1)  # 0 is the base's
+
+
+class Adapter(NamedTuple):
+    """A LoRA adapter as the engine takes it: its weights (host arrays in `lora`'s layout), read from its
+    folder at the front door (`meshlm.api.read_adapter`), and where they came from (for /v1/models)."""
+
+    weights: Any
+    source: str
 
 
 class SlotsBusy(Exception):

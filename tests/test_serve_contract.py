@@ -1,0 +1,98 @@
+"""The serving wing's host side imports no jax: the scheduler and the contract it shares with the runner
+(`batch`, `params`, `outputs`, `pages`) run without a device. And the wing's deprecated re-exports still answer,
+with a warning."""
+
+import importlib
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import meshlm.generate
+import meshlm.grammar
+from meshlm.serve.batch import Step
+from meshlm.serve.outputs import RowOutput
+from meshlm.serve.params import TOP_LOGPROBS, SamplingParams
+from meshlm.tokenizer import load_tokenizer
+
+HOST_ONLY = ["scheduler", "batch", "params", "outputs", "pages"]
+
+
+def test_the_scheduler_and_the_contract_import_no_jax():
+    imports = "; ".join(f"import meshlm.serve.{m}" for m in HOST_ONLY)
+    code = f"import sys; {imports}; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("meshlm.generate", "SamplingParams", "meshlm.serve.params"),
+        ("meshlm.generate", "RowOutput", "meshlm.serve.outputs"),
+        ("meshlm.generate", "settings_for", "meshlm.serve.batch"),
+        ("meshlm.grammar", "Constraint", "meshlm.serve.grammar"),
+    ],
+)
+def test_deprecated_imports_warn_and_give_the_same_object(old, name, new):
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        got = getattr(old_module, name)
+    assert got is getattr(new_module, name)
+
+
+def test_a_name_the_old_module_never_had_is_an_attribute_error():
+    with warnings.catch_warnings(), pytest.raises(AttributeError):
+        warnings.simplefilter("error")
+        meshlm.generate.no_such_name  # noqa: B018
+
+
+# Texts of multi-byte characters (GPT-2 BPE splits all but the accents): accents, CJK, emoji, a joiner sequence.
+TRICKY = [
+    "héllo wörld, naïve café",
+    "日本語のテキストを書く",
+    "emoji 😀🎉 \U0001f469\u200d\U0001f467 end",
+    "∑∫≠ Ünïcödé \U0001d518\U0001d52b",
+]
+
+
+def one_step(tokens: list[int]) -> Step:
+    """A chunk of steps that gives row 0 `tokens`."""
+    n = len(tokens)
+    return Step(np.array([tokens], np.int32), np.zeros((1, n), np.float32), np.zeros((1, n, TOP_LOGPROBS), np.int32),
+                np.zeros((1, n, TOP_LOGPROBS), np.float32), np.ones((1, n), bool), np.zeros(1, bool))  # fmt: skip
+
+
+def streamed_texts(tok, ids: list[int], chunk: int) -> list[str]:
+    """A row's text after each chunk of its tokens arrives."""
+    out, texts = RowOutput(SamplingParams(max_new_tokens=len(ids)), tok), []
+    for i in range(0, len(ids), chunk):
+        out.add(one_step(ids[i : i + chunk]), 0)
+        texts.append(out.text)
+    return texts
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_the_incremental_text_is_the_whole_decoding_at_every_step(gpt2_bpe_file, chunk):
+    tok = load_tokenizer(gpt2_bpe_file)
+    assert tok.byte_level
+    rng = np.random.default_rng(0)
+    garbage = rng.integers(0, tok.vocab_size, 200).tolist()  # invalid and unfinished UTF-8 mid-row
+    rows = [*(tok.encode(t) for t in TRICKY), garbage]
+    assert sum("\ufffd" in tok.decode([i]) for ids in rows for i in ids) > 30  # tokens that split a character
+    for ids in rows:
+        want = [tok.decode(ids[: i + chunk]) for i in range(0, len(ids), chunk)]
+        assert streamed_texts(tok, ids, chunk) == want
+
+
+def test_the_incremental_text_decodes_each_token_about_once(gpt2_bpe_file):
+    tok = load_tokenizer(gpt2_bpe_file)
+    decoded = []
+    counting = SimpleNamespace(byte_level=True, decode=lambda ids: decoded.append(len(ids)) or tok.decode(ids))
+    ids = tok.encode(" ".join(TRICKY) * 4)
+    texts = streamed_texts(counting, ids, 1)
+    assert texts[-1] == tok.decode(ids)
+    assert sum(decoded) < 2 * len(ids)  # decoded whole at every step, it would be len(ids) ** 2 / 2

@@ -128,16 +128,25 @@ class LanguageModel:
         """The one given to `load`, else the model folder's tokenizer.json, else GPT-2 BPE; read on first use."""
         return load_tokenizer(self._tokenizer, self.folder)
 
-    def engine(self, draft: LanguageModel | None = None, attention: str | None = None, **options: Any) -> Engine:
+    def engine(
+        self,
+        draft: LanguageModel | None = None,
+        attention: str | None = None,
+        kv_cache_dtype: str | None = None,
+        **options: Any,
+    ) -> Engine:
         """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
         `prefix_caching`, `ngram`, `speculate` as in `meshlm.serve.engine.Engine` (the server runs one).
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
         `speculate` tokens per step for speculative decoding. `attention`: the model's attention
         implementation for this engine ("xla" turns the GPU paged-attention kernel off; see `Policy`).
+        `kv_cache_dtype`: "int8" stores the KV cache in half a bfloat16 pool's bytes (vLLM's option name;
+        None: the compute dtype).
         `adapters` (name -> a PEFT folder or a meshlm LoRA run) are read here, and the engine's
         `load_adapter` reads with `read_adapter`: the engine itself reads no files."""
         policy = self.policy if attention is None else dataclasses.replace(self.policy, attention=attention)
+        policy = dataclasses.replace(policy, kv_cache_dtype=kv_cache_dtype)
         if options.get("adapters"):
             options["adapters"] = {
                 name: read_adapter(name, path, self.config) for name, path in options["adapters"].items()

@@ -384,6 +384,7 @@ def _serve(args: argparse.Namespace) -> None:
             ngram=args.ngram,
             draft=draft,
             attention=args.attention,
+            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
             speculate=args.speculate,
             api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
             request_timeout=args.request_timeout,
@@ -515,6 +516,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             progress=print,
             adapters=args.max_adapters,
             lora_rank=args.max_lora_rank,
+            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         )
         print(planner.describe_serve(p, cfg.model))
         return
@@ -665,6 +667,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "paged-attention kernel; xla turns it off)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="the KV cache's storage (vLLM's flag): auto, the compute dtype; int8, half a bfloat16 cache's bytes "
+        "with a scale per token and head",
+    )
+    p.add_argument(
         "--speculate", type=int, default=4, help="with --ngram or --draft: tokens proposed per step (default 4)"
     )
     p.add_argument(
@@ -777,6 +786,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=QUANTIZED, default=None, help="--serve: quantized projections")
     p.add_argument("--max-adapters", type=int, default=0, help="--serve: LoRA adapter slots (as meshlm serve's)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="--serve: the adapter slots' rank (default 16)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="--serve: as meshlm serve's")
     p.set_defaults(handler=cmd_plan)
 
 

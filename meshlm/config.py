@@ -361,20 +361,29 @@ def dtype_of(name: str) -> Any:
 @dataclass(frozen=True)
 class Policy:
     """How to run the model: parameter storage dtype, compute dtype, what to rematerialise, which
-    attention implementation to use, and the adapters' dropout rate while training."""
+    attention implementation to use, the adapters' dropout rate while training, and the KV cache's
+    storage while serving."""
 
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"
     lora_dropout: float = 0.0  # applied to an adapter's input when the model is given a dropout key (training)
+    kv_cache_dtype: str | None = None  # how serving stores keys and values: "int8", a float dtype, None: compute's
 
     def __post_init__(self) -> None:
         dtype_of(self.param_dtype)
         dtype_of(self.compute_dtype)
+        if self.kv_cache_dtype not in (None, "int8"):
+            dtype_of(self.kv_cache_dtype)
         remat_names(self.remat)  # raises for an unknown policy
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"unknown attention implementation {self.attention!r}; allowed: {list(ATTENTION_IMPLS)}")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype an engine's KV pool is stored in."""
+        return self.kv_cache_dtype or self.compute_dtype
 
 
 # The projections every architecture of the family has, by role: what LoRA adapters and quantization act on.

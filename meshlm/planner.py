@@ -472,11 +472,12 @@ def fit_serve(
     quantize: str | None,
     adapters: int = 0,
     lora_rank: int = 16,
+    kv_cache_dtype: str | None = None,
 ) -> ServeFit:
     """The server's resident state for `rows` rows of `context` tokens: the engine's decode step (weights,
     `adapters` LoRA slots of `lora_rank`, slots and a KV pool that holds every row's whole context) plus, on
     top, a prefill of one whole context (its output and temporaries)."""
-    policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
+    policy = model.Policy(param_dtype=dtype, compute_dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     params = model.abstract_params(cfg, dtype, quantize)
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh, SERVING))
     slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
@@ -522,10 +523,12 @@ def plan_serve(
     progress: Callable[[str], None] | None = None,
     adapters: int = 0,
     lora_rank: int = 16,
+    kv_cache_dtype: str | None = None,
 ) -> ServePlan:
     """Weights and KV cache per device for `rows` concurrent rows of `context` tokens (default: the model's
     context), and with `search` the most rows that fit. `capacity` (bytes per device) replaces the target's.
-    `adapters`: LoRA adapter slots of `lora_rank` beside the weights (`meshlm serve --max-adapters`)."""
+    `adapters`: LoRA adapter slots of `lora_rank` beside the weights (`meshlm serve --max-adapters`);
+    `kv_cache_dtype` as `meshlm serve --kv-cache-dtype` (None: `dtype`)."""
     tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
     if mesh is None and tgt.n_devices and tgt.n_devices > 1:  # tensor parallel as far as the heads allow
         ways = max(d for d in _divisors(tgt.n_devices) if cfg.n_head % d == 0)
@@ -537,7 +540,7 @@ def plan_serve(
     say = progress or (lambda _: None)
 
     def fit(n: int) -> ServeFit:
-        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank)
+        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank, kv_cache_dtype)
         say(f"  {n} rows x {ctx} tokens: {'fits' if f.fits else 'does not fit'}, {gib(f.total)} of {gib(f.capacity)}")
         return f
 

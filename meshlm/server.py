@@ -1417,6 +1417,7 @@ def serve(
     request_timeout: float | None = None,
     draft: LanguageModel | None = None,
     attention: str | None = None,
+    kv_cache_dtype: str | None = None,
     sock: socket.socket | None = None,
     chat_template: str | Path | None = None,
     adapters: dict[str, str | Path] | None = None,
@@ -1437,6 +1438,7 @@ def serve(
         engine = lm.engine(
             draft=draft,
             attention=attention,
+            kv_cache_dtype=kv_cache_dtype,
             max_batch=max_batch,
             max_len=max_len,
             kv_tokens=kv_tokens,

@@ -91,3 +91,57 @@ def test_a_model_decodes_over_an_int8_pool_as_over_a_float_pool(attention):
 
 
 LOGPROB_TOLERANCE = 5e-3
+
+
+@pytest.fixture(scope="module")
+def lm(hf_tiny):
+    import meshlm
+
+    return meshlm.load(hf_tiny.path)
+
+
+ENGINE_TOLERANCE = 3e-2
+TOKEN_AGREEMENT = 0.5  # measured 0.75: once one greedy token differs, the rest of that row follows another text
+PROMPTS = [[5, 17, 99, 3, 8], [42, 7, 7, 130, 2, 9], [1, 2, 3], [200, 100, 50, 25, 12, 6, 7, 301, 44]]
+
+
+@pytest.mark.slow
+def test_an_engine_on_an_int8_cache_serves_what_a_float_cache_serves(lm):
+    """`lm.engine(kv_cache_dtype="int8")` (`meshlm serve --kv-cache-dtype int8`): its pool takes a quarter of the
+    float32 pool's bytes plus a scale per head and token. Over the float32 cache's greedy texts, its prompt
+    logprobs are within ENGINE_TOLERANCE (this model's heads are 16 wide, so each vector's rounding weighs
+    more than at test-tiny's 64), and its own greedy tokens agree at TOKEN_AGREEMENT of the positions."""
+    from meshlm.serve.params import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    scored = SamplingParams(max_new_tokens=0, temperature=0.0, prompt_logprobs=0)
+    float_engine, int8_engine = lm.engine(max_batch=4), lm.engine(max_batch=4, kv_cache_dtype="int8")
+    cfg = lm.config
+    assert int8_engine.kv_bytes_per_token() == kv_cache.bytes_per_token(cfg, "int8")
+    assert float_engine.kv_bytes_per_token() == kv_cache.bytes_per_token(cfg, "float32")
+    want = float_engine.generate(PROMPTS, [greedy] * len(PROMPTS))
+    got = int8_engine.generate(PROMPTS, [greedy] * len(PROMPTS))
+    assert int8_engine.runner.cache.k.dtype == jnp.int8
+    same = [a == b for w, g in zip(want, got, strict=True) for a, b in zip(w.tokens, g.tokens, strict=True)]
+    texts = [p + w.tokens for p, w in zip(PROMPTS, want, strict=True)]
+    exact, int8 = (e.generate(texts, [scored] * len(texts)) for e in (float_engine, int8_engine))
+    gaps = [abs(a - b) for x, y in zip(exact, int8, strict=True)
+            for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True)]  # fmt: skip
+    print(f"greedy agreement {np.mean(same):.3f}, largest logprob gap {max(gaps):.4f}")
+    assert 0 < max(gaps) < ENGINE_TOLERANCE
+    assert np.mean(same) >= TOKEN_AGREEMENT
+
+
+@pytest.mark.slow  # four compiled steps
+def test_the_planner_counts_an_int8_cache():
+    """`meshlm plan --serve --kv-cache-dtype int8`: each row's cache is a quarter of float32's, plus its scales."""
+    from meshlm import planner
+
+    cfg, tgt = config.preset("test-tiny"), planner.target("cpu")
+    mesh = tgt.mesh("data=1")
+    fits = {d: [planner.fit_serve(cfg, tgt, mesh, n, 128, "float32", None, kv_cache_dtype=d) for n in (1, 3)]
+            for d in (None, "int8")}  # fmt: skip
+    per_row = {d: (three.cache - one.cache) / 2 for d, (one, three) in fits.items()}
+    values = 128 * 2 * cfg.n_layer * cfg.n_head * cfg.d_head  # a row's keys and values
+    scales = values // cfg.d_head * 4
+    assert per_row[None] - per_row["int8"] == pytest.approx(values * 3 - scales, rel=0.02)

@@ -389,9 +389,12 @@ def abstract_state(
 ) -> tuple[kv_cache.KVCache, Rows]:
     """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
     with jax.set_mesh(mesh):
-        cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.compute_dtype))
-    pool = named_sharding(mesh, kv_cache.CACHE_AXES, SERVING)
-    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache)
+        cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.kv_dtype))
+    pool, scales = (named_sharding(mesh, axes, SERVING) for axes in (kv_cache.CACHE_AXES, kv_cache.SCALE_AXES))
+    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache[:2])
+    if policy.kv_dtype == kv_cache.KV_QUANTIZED:
+        cache += tuple(jax.ShapeDtypeStruct((*x.shape[:-1], 1), np.float32, sharding=scales) for x in cache)
+    cache = kv_cache.KVCache(*cache)
     B, spec = max_batch, partial(_batch_spec, mesh)
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)
@@ -526,12 +529,12 @@ class Runner:
 
     # sizes ----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token takes on each device (the draft model's included)."""
-        sharding = named_sharding(self.mesh, kv_cache.CACHE_AXES, SERVING)
+        """Bytes of keys and values one token takes on each device (the draft model's included), their
+        scales too in an int8 pool."""
 
         def per_token(cfg: ModelConfig, policy: model.Policy) -> int:
-            shape = (cfg.n_head, cfg.n_layer, 1, 1, cfg.d_head)
-            return 2 * shard_bytes(jax.ShapeDtypeStruct(shape, dtype_of(policy.compute_dtype), sharding=sharding))
+            pool, _ = abstract_state(cfg, policy, self.mesh, pages=1, page_size=1, max_batch=1)
+            return sum(shard_bytes(x) for x in jax.tree.leaves(pool))
 
         draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)
         return per_token(self.cfg, self.policy) + draft
@@ -580,7 +583,7 @@ class Runner:
 
         def pool(cfg: ModelConfig, policy: model.Policy) -> kv_cache.KVCache:
             with jax.set_mesh(self.mesh):
-                return jax.jit(partial(kv_cache.init_cache, cfg, self.n_pages, self.page_size, policy.compute_dtype))()
+                return jax.jit(partial(kv_cache.init_cache, cfg, self.n_pages, self.page_size, policy.kv_dtype))()
 
         self.cache = pool(self.cfg, self.policy)
         self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)

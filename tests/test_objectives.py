@@ -354,7 +354,7 @@ def test_a_resumed_dpo_run_continues_exactly_with_its_stored_reference_and_refus
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"objective": "kto"}, "objective must be one of ['lm', 'dpo', 'orpo'], got 'kto'"),
+        ({"objective": "kto"}, "objective must be one of ['lm', 'dpo', 'orpo', 'grpo'], got 'kto'"),
         ({"objective": "dpo", "dpo": {"beta": 0}}, "dpo.beta must be a number > 0, got 0"),
         ({"objective": "orpo", "orpo": {"beta": -1.0}}, "orpo.beta must be a number > 0, got -1.0"),
         ({"objective": "dpo", "dpo": {"loss_type": "kto"}}, "dpo.loss_type must be one of ['sigmoid', 'ipo', 'hinge']"),

@@ -71,12 +71,6 @@ def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float
     return KVCache(*pools, *scales)
 
 
-def bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
-    """What one token's keys and values take in a pool of `dtype`, over all layers and heads."""
-    per_value = 1 + 4 / cfg.d_head if dtype == KV_QUANTIZED else jnp.dtype(dtype_of(dtype)).itemsize
-    return int(2 * cfg.n_layer * cfg.n_head * cfg.d_head * per_value)
-
-
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] as int8 in [-127, 127] and its scales [..., 1] (x = q * scale / QUANT_MAX)."""
     x = x.astype(jnp.float32)

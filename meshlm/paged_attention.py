@@ -25,11 +25,11 @@ from collections.abc import Callable
 import jax
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
-from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import QuantizedTensor
+from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
 from meshlm.sharding import spec_for
 
-QUANT_MAX = 127.5  # an int8 pool's scale unit (`kv_cache` reads it from here)
+QUANT_MAX = MAX_INT8  # an int8 pool's scale unit, the TPU kernel's (127.5); `kv_cache` reads it from here
 Array = jax.Array
 Scale = jax.Array | None
 

@@ -188,8 +188,8 @@ def _dataset_kind(formats: dict[Path, tuple[str, str]], train_on: str, objective
     if kind == "prompts" and objective != "grpo":
         raise ConfigError("prompt records without a completion are prompts for reinforcement learning: "
                           "prepare them with objective grpo")  # fmt: skip
-    if kind == "prompts" and found != {"prompt"}:
-        raise DataError(f"objective grpo reads prompt records only, not {sorted(found - {'prompt'})} files")
+    if objective == "grpo" and kind != "prompts":
+        raise ConfigError(f"objective grpo reads every record as a prompt, not as {sorted(found)} (drop --format)")
     if kind == "preference" and train_on == "all":
         raise ConfigError("train_on 'all' is for prompt/completion and chat data; DPO and ORPO weigh the completions")
     if objective in ("dpo", "orpo") and kind != "preference":

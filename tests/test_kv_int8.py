@@ -28,10 +28,19 @@ def test_quantize_rounds_each_vector_to_half_a_step_in_the_kernels_convention():
     assert not np.asarray(back[0, 0]).any()
 
 
+def bytes_per_token(cfg: config.ModelConfig, dtype: str) -> int:
+    """One token's keys and values over all layers and heads: `dtype`'s bytes each, or one byte each and a
+    float32 scale per head for int8."""
+    vectors = 2 * cfg.n_layer * cfg.n_head
+    return vectors * (cfg.d_head + 4) if dtype == "int8" else vectors * cfg.d_head * np.dtype(dtype).itemsize
+
+
 def test_an_int8_pool_takes_half_the_bytes_of_bfloat16_and_a_scale():
     cfg = config.preset("gptj-6b")
-    int8, bf16 = kv_cache.bytes_per_token(cfg, "int8"), kv_cache.bytes_per_token(cfg, "bfloat16")
-    assert bf16 == 2 * 28 * 16 * 256 * 2 and int8 == bf16 // 2 + 2 * 28 * 16 * 4
+    pool_bytes = lambda dtype: sum(x.nbytes for x in jax.tree.leaves(kv_cache.init_cache(cfg, 1, 1, dtype)))
+    int8, bf16 = pool_bytes("int8"), pool_bytes("bfloat16")
+    assert bf16 == bytes_per_token(cfg, "bfloat16") == 2 * 28 * 16 * 256 * 2
+    assert int8 == bytes_per_token(cfg, "int8") == bf16 // 2 + 2 * 28 * 16 * 4
 
 
 # The TPU kernel's int8 path under a mesh hangs in Pallas' TPU interpreter (its simulated DMAs across 8 CPU
@@ -117,8 +126,8 @@ def test_an_engine_on_an_int8_cache_serves_what_a_float_cache_serves(lm):
     scored = SamplingParams(max_new_tokens=0, temperature=0.0, prompt_logprobs=0)
     float_engine, int8_engine = lm.engine(max_batch=4), lm.engine(max_batch=4, kv_cache_dtype="int8")
     cfg = lm.config
-    assert int8_engine.kv_bytes_per_token() == kv_cache.bytes_per_token(cfg, "int8")
-    assert float_engine.kv_bytes_per_token() == kv_cache.bytes_per_token(cfg, "float32")
+    assert int8_engine.kv_bytes_per_token() == bytes_per_token(cfg, "int8")
+    assert float_engine.kv_bytes_per_token() == bytes_per_token(cfg, "float32")
     want = float_engine.generate(PROMPTS, [greedy] * len(PROMPTS))
     got = int8_engine.generate(PROMPTS, [greedy] * len(PROMPTS))
     assert int8_engine.runner.cache.k.dtype == jnp.int8

@@ -632,3 +632,8 @@ def test_prompt_records_need_objective_grpo_and_grpo_needs_records(folders, prep
     text.write_text("some text")
     with pytest.raises(ConfigError, match="--format prompt reads records"):
         prepare([text], folders["chatml"], objective="grpo")
+    records = [{"prompt": "What is 2 + 2?", "completion": " 4"}]
+    with pytest.raises(
+        ConfigError, match=r"objective grpo reads every record as a prompt, not as \['prompt-completion'\]"
+    ):
+        prepare(records, folders["chatml"], objective="grpo", record_format="prompt-completion")

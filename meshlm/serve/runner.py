@@ -390,11 +390,10 @@ def abstract_state(
     """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
     with jax.set_mesh(mesh):
         cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.kv_dtype))
-    pool, scales = (named_sharding(mesh, axes, SERVING) for axes in (kv_cache.CACHE_AXES, kv_cache.SCALE_AXES))
-    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache[:2])
-    if policy.kv_dtype == kv_cache.KV_QUANTIZED:
-        cache += tuple(jax.ShapeDtypeStruct((*x.shape[:-1], 1), np.float32, sharding=scales) for x in cache)
-    cache = kv_cache.KVCache(*cache)
+    axes = (kv_cache.CACHE_AXES,) * 2 + (kv_cache.SCALE_AXES,) * 2  # keys, values, and an int8 pool's scales
+    cache = kv_cache.KVCache(*(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                          sharding=named_sharding(mesh, a, SERVING))
+                               for x, a in zip(cache, axes, strict=True)))  # fmt: skip
     B, spec = max_batch, partial(_batch_spec, mesh)
     settings = jax.tree.map(lambda x: spec((B, *x.shape[1:]), x.dtype), settings_for([], 1))  # no B-row host arrays
     int32 = spec((B,), np.int32)

@@ -1,5 +1,6 @@
 """Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
 
+import gc
 import os
 import resource
 import shutil
@@ -77,6 +78,23 @@ def pytest_runtest_makereport(item, call):
     message = tiers.over_budget(item, time.perf_counter() - wall, cpu_seconds() - cpu)
     if message:
         report.outcome, report.longrepr = "failed", message
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test file's last test (its module fixtures gone), JAX's compiled programs are freed.
+
+    XLA:CPU maps about 24 memory regions per compiled program and keeps them while JAX's caches hold the
+    program. A worker that ran a few heavy files passed 50,000 maps; Linux's default limit is 65,530, and past
+    it XLA:CPU dies of SIGSEGV (what CI saw late in whole runs). Programs another file needs again come back
+    from the persistent compilation cache."""
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_unconfigure(config):

@@ -203,13 +203,12 @@ class LanguageModel:
         prompt_logprobs: int | None = None,
         logprobs: int = TOP_LOGPROBS,
     ) -> SamplingParams:
-        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
-        with `ignore_eos` (pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a user's
-        settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all use it."""
+        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to the model's EOS ids, or to none
+        with `ignore_eos` (`end_ids`; pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a
+        user's settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all
+        use it."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if stop_token_ids is None:
-            stop_token_ids = () if ignore_eos else (self.tokenizer.eot_id,)
-        ids = tuple(stop_token_ids)
+        ids = self.end_ids(ignore_eos=ignore_eos) if stop_token_ids is None else tuple(stop_token_ids)
         return SamplingParams(
             max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
@@ -224,6 +223,11 @@ class LanguageModel:
         tok = self.tokenizer
         eos = special_token_id(tok, "eos_token")
         return (tok.eot_id,) if eos in (None, tok.eot_id) else (tok.eot_id, eos)
+
+    def end_ids(self, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> tuple[int, ...]:
+        """The tokens that end a row, vLLM's one rule: the EOS ids (`eos_ids`) unless `ignore_eos`, and
+        `stop_token_ids` besides."""
+        return tuple(dict.fromkeys([*(() if ignore_eos else self.eos_ids), *stop_token_ids]))
 
     def generate(
         self,
@@ -257,7 +261,7 @@ class LanguageModel:
         to the tokens at least `min_p` times as likely as the likeliest. Before that `logit_bias` (token id
         -> bias in [-100, 100]) is added to the logits, and the repetition, frequency and presence
         penalties lower those of tokens already seen (see `SamplingParams`).
-        Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default, none with
+        Generation ends at `max_new_tokens`, at a stop token (`eos_ids` by default, none with
         `ignore_eos`) or before the first `stop` string (after it with `include_stop_str_in_output`), but
         not before `min_tokens` tokens. With `seed`, prompt i samples with seed + i, reproducibly.
         The output can be constrained to JSON valid against `json_schema` ({} or True: any JSON), to a

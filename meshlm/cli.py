@@ -272,7 +272,6 @@ def _sample_chat(lm, args: argparse.Namespace) -> None:
     if template is None:
         raise ConfigError("this model has no chat template; give one with --chat-template FILE")
     settings = _sample_settings(args)
-    settings["stop_token_ids"] = lm.eos_ids
     lm.sampling(**settings)  # bad settings fail here, before any turn is read
     chat = [{"role": "system", "content": args.system}] if args.system else []
     if sys.stdin.isatty():
@@ -350,7 +349,7 @@ def _serve(args: argparse.Namespace) -> None:
         if not Path(root).is_dir():
             raise ConfigError(f"--adapter-root {root}: no such folder")
     try:
-        from meshlm import server
+        from meshlm.http import app
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
@@ -364,7 +363,7 @@ def _serve(args: argparse.Namespace) -> None:
     max_adapters = args.max_adapters
     if args.allow_runtime_adapters and max_adapters is None:
         max_adapters = max(len(adapters), 1)
-    with server.bind_unix(args.uds) if args.uds else server.bind(args.host, args.port) as sock:
+    with app.bind_unix(args.uds) if args.uds else app.bind(args.host, args.port) as sock:
         lm = _load(args)
         _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
         draft = None
@@ -372,7 +371,7 @@ def _serve(args: argparse.Namespace) -> None:
             from meshlm import api
 
             draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
-        server.serve(
+        app.serve(
             lm,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
@@ -394,7 +393,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_adapters=max_adapters,
             max_lora_rank=args.max_lora_rank,
             adapter_roots=args.adapter_root if args.allow_runtime_adapters else None,
-            max_request_bytes=args.max_request_bytes or server.MAX_REQUEST_BYTES,
+            max_request_bytes=args.max_request_bytes or app.MAX_REQUEST_BYTES,
         )
 
 

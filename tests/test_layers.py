@@ -24,7 +24,7 @@ FLOOR = {name: floor for floor, names in FLOORS.items() for name in names.split(
 # The serving wing (meshlm/serve/) inside, as vLLM v1 stacks it: a host-only contract at the bottom, the
 # sampler on it, the scheduler and the runner side by side above them, the engine on top.
 SERVE_FLOORS = {
-    0: "__init__ pages adapter_slots grammar",
+    0: "__init__ config pages adapter_slots grammar",
     1: "params",
     2: "batch outputs",
     3: "sampler",

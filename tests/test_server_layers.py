@@ -15,6 +15,7 @@ FILES = sorted(PACKAGE.glob("*.py"))
 ALLOWED = {
     "meshlm.api": {"LanguageModel", "is_adapter", "load", "read_adapter"},
     "meshlm.serve.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
+    "meshlm.serve.config": {"EngineConfig"},
     "meshlm.serve.params": {"SamplingParams"},
     "meshlm.serve.grammar": {"Constraint", "KINDS"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},

@@ -29,6 +29,7 @@ from meshlm.http.handlers import ROUTES
 from meshlm.http.metrics import Metrics
 from meshlm.http.protocol import APIError, error_body, on_api_error, on_crash, on_http, on_invalid
 from meshlm.http.state import MAX_REQUEST_BYTES, ServerState, state_of
+from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import Engine
 
 BACKLOG = 2048  # connections the kernel queues before the server accepts them (uvicorn's default)
@@ -212,53 +213,31 @@ def _listen_error(e: OSError, where: str) -> ConfigError:
 
 def serve(
     lm: LanguageModel,
+    config: EngineConfig | None = None,
+    *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_batch: int = 8,
-    max_queue: int = 64,
-    chunk: int = 4,
+    sock: socket.socket | None = None,
     model_name: str = "meshlm",
-    max_len: int | None = None,
-    kv_tokens: int | None = None,
-    prefix_caching: bool = True,
-    ngram: int = 0,
-    speculate: int = 4,
     api_key: str | None = None,
     request_timeout: float | None = None,
     draft: LanguageModel | None = None,
-    attention: str | None = None,
-    kv_cache_dtype: str | None = None,
-    sock: socket.socket | None = None,
     chat_template: str | Path | None = None,
     adapters: dict[str, str | Path] | None = None,
-    max_adapters: int | None = None,
-    max_lora_rank: int | None = None,
     adapter_roots: Sequence[str | Path] | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
     """Compile every shape the engine can use, then serve until interrupted (Ctrl-C: KeyboardInterrupt).
-    `sock`: a socket from `bind` or `bind_unix` (closed on return; a unix socket's file removed); by default
-    host:port is bound before anything else.
+    `config`: the engine's settings (`EngineConfig`: rows, lengths, the KV pool, speculation with `draft`,
+    adapter slots, the loop's chunk and queue). `sock`: a socket from `bind` or `bind_unix` (closed on return; a
+    unix socket's file removed); by default host:port is bound before anything else.
     `chat_template`: a Jinja file for /v1/chat/completions (default: the model's own template, if any).
-    `adapters` (name -> folder), `max_adapters` and `max_lora_rank`: LoRA adapters served by name beside the
-    model, as in `Engine`; `adapter_roots` (None: off) lets /v1/load_lora_adapter add more while serving, from
-    folders under them (into max_adapters slots). `max_request_bytes`: the largest request body (413 past it)."""
+    `adapters` (name -> folder): LoRA adapters served by name beside the model, in the config's adapter slots;
+    `adapter_roots` (None: off) lets /v1/load_lora_adapter add more while serving, from folders under them.
+    `max_request_bytes`: the largest request body (413 past it)."""
     with sock or bind(host, port) as sock:
         chat = load_chat_template(lm.tokenizer, chat_template)  # a bad file fails before anything compiles
-        engine = lm.engine(
-            draft=draft,
-            attention=attention,
-            kv_cache_dtype=kv_cache_dtype,
-            max_batch=max_batch,
-            max_len=max_len,
-            kv_tokens=kv_tokens,
-            prefix_caching=prefix_caching,
-            ngram=ngram,
-            speculate=speculate,
-            adapters=adapters,
-            max_adapters=max_adapters,
-            max_lora_rank=max_lora_rank,
-        )
+        engine = lm.engine(config, draft=draft, adapters=adapters)
         app = create_app(lm, engine, model_name, api_key=api_key, request_timeout=request_timeout, chat_template=chat,
                          adapter_roots=adapter_roots, max_request_bytes=max_request_bytes)  # fmt: skip
         state = engine.snapshot()
@@ -275,12 +254,12 @@ def serve(
             sock.listen(BACKLOG)
         except OSError as e:  # another socket bound the port with SO_REUSEADDR too, and listened first
             raise _listen_error(e, where) from None
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT)
-        engine.start(chunk=chunk, max_queue=max_queue)
+        server = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT)
+        engine.start()
         print(f"meshlm serve: {lm} as {model_name!r} on {where}", flush=True)
         unix = Path(sock.getsockname()) if sock.family == socket.AF_UNIX else None
         try:
-            asyncio.run(_Server(config, app.state.stop, unix).serve(sockets=[sock]))
+            asyncio.run(_Server(server, app.state.stop, unix).serve(sockets=[sock]))
         finally:
             engine.stop()
             if unix is not None:

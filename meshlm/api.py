@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,11 +19,12 @@ from meshlm.formats import native, registry
 from meshlm.formats.slices import Placed, place, projection_streams, stack_stream
 from meshlm.param import Param, init_layer, init_leaf, is_param, is_stacked, leaf_keys
 from meshlm.serve.adapter_slots import Adapter
+from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import Draft, Engine
 from meshlm.serve.grammar import Constraint
 from meshlm.serve.outputs import Completion
 from meshlm.serve.params import TOP_LOGPROBS, SamplingParams
-from meshlm.sharding import batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
+from meshlm.sharding import SERVING, Rules, batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
 STREAM_BYTES = 1 << 30  # from_config makes a float stack larger than this (in float32) layer by layer
@@ -130,13 +130,18 @@ class LanguageModel:
 
     def engine(
         self,
+        config: EngineConfig | None = None,
+        *,
         draft: LanguageModel | None = None,
-        attention: str | None = None,
-        kv_cache_dtype: str | None = None,
-        **options: Any,
+        adapters: Mapping[str, str | Path] | None = None,
+        tokenizer: Tokenizer | None = None,
+        rules: Rules = SERVING,
+        **settings: Any,
     ) -> Engine:
-        """A generation engine of its own for this model: `max_batch`, `max_len`, `kv_tokens`, `page_size`,
-        `prefix_caching`, `ngram`, `speculate` as in `meshlm.serve.engine.Engine` (the server runs one).
+        """A generation engine of its own for this model, as `config` (an `EngineConfig`) says, with `settings`
+        (`max_batch=`, `max_len=`, `kv_tokens=`, `page_size=`, `prefix_caching=`, `ngram=`, `speculate=`,
+        `max_adapters=`, `max_lora_rank=`, `chunk=`, `max_queue=`, `kv_cache_dtype=`, `attention=`: its fields)
+        changed in it; the server runs one.
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes
         `speculate` tokens per step for speculative decoding. `attention`: the model's attention
@@ -145,18 +150,15 @@ class LanguageModel:
         None: the compute dtype).
         `adapters` (name -> a PEFT folder or a meshlm LoRA run) are read here, and the engine's
         `load_adapter` reads with `read_adapter`: the engine itself reads no files."""
-        policy = self.policy if attention is None else dataclasses.replace(self.policy, attention=attention)
-        policy = dataclasses.replace(policy, kv_cache_dtype=kv_cache_dtype)
-        if options.get("adapters"):
-            options["adapters"] = {
-                name: read_adapter(name, path, self.config) for name, path in options["adapters"].items()
-            }
-        options.setdefault("read_adapter", functools.partial(read_adapter, cfg=self.config))
-        if draft is not None:
-            if draft.mesh != self.mesh:
-                raise InputError(f"the draft model is on mesh {describe(draft.mesh)}, not {describe(self.mesh)}")
-            options["draft"] = Draft(draft.params, draft.config, draft.policy)
-        return Engine(self.params, self.config, policy, self.mesh, **options)
+        config = (config or EngineConfig()).replace(**settings)
+        weights = {name: read_adapter(name, path, self.config) for name, path in (adapters or {}).items()}
+        if draft is not None and draft.mesh != self.mesh:
+            raise InputError(f"the draft model is on mesh {describe(draft.mesh)}, not {describe(self.mesh)}")
+        return Engine(
+            self.params, self.config, self.policy, self.mesh, config, tokenizer=tokenizer, adapters=weights or None,
+            draft=None if draft is None else Draft(draft.params, draft.config, draft.policy), rules=rules,
+            read_adapter=functools.partial(read_adapter, cfg=self.config),
+        )  # fmt: skip
 
     @functools.cached_property
     def _engine(self) -> Engine:
@@ -203,13 +205,12 @@ class LanguageModel:
         prompt_logprobs: int | None = None,
         logprobs: int = TOP_LOGPROBS,
     ) -> SamplingParams:
-        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to <|endoftext|>, or to none
-        with `ignore_eos` (pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a user's
-        settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all use it."""
+        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to the model's EOS ids, or to none
+        with `ignore_eos` (`end_ids`; pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a
+        user's settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all
+        use it."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if stop_token_ids is None:
-            stop_token_ids = () if ignore_eos else (self.tokenizer.eot_id,)
-        ids = tuple(stop_token_ids)
+        ids = self.end_ids(ignore_eos=ignore_eos) if stop_token_ids is None else tuple(stop_token_ids)
         return SamplingParams(
             max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
@@ -224,6 +225,11 @@ class LanguageModel:
         tok = self.tokenizer
         eos = special_token_id(tok, "eos_token")
         return (tok.eot_id,) if eos in (None, tok.eot_id) else (tok.eot_id, eos)
+
+    def end_ids(self, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> tuple[int, ...]:
+        """The tokens that end a row, vLLM's one rule: the EOS ids (`eos_ids`) unless `ignore_eos`, and
+        `stop_token_ids` besides."""
+        return tuple(dict.fromkeys([*(() if ignore_eos else self.eos_ids), *stop_token_ids]))
 
     def generate(
         self,
@@ -257,7 +263,7 @@ class LanguageModel:
         to the tokens at least `min_p` times as likely as the likeliest. Before that `logit_bias` (token id
         -> bias in [-100, 100]) is added to the logits, and the repetition, frequency and presence
         penalties lower those of tokens already seen (see `SamplingParams`).
-        Generation ends at `max_new_tokens`, at a stop token (<|endoftext|> by default, none with
+        Generation ends at `max_new_tokens`, at a stop token (`eos_ids` by default, none with
         `ignore_eos`) or before the first `stop` string (after it with `include_stop_str_in_output`), but
         not before `min_tokens` tokens. With `seed`, prompt i samples with seed + i, reproducibly.
         The output can be constrained to JSON valid against `json_schema` ({} or True: any JSON), to a

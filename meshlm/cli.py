@@ -9,8 +9,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from meshlm.config import ATTENTION_IMPLS, DTYPES, QUANTIZED, RUN_CHECKPOINTS, ConfigError, Interrupted, MeshlmError
+from meshlm.config import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    QUANTIZED,
+    RUN_CHECKPOINTS,
+    ConfigError,
+    InputError,
+    Interrupted,
+    MeshlmError,
+)
+from meshlm.serve.config import LEAST, EngineConfig
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -84,6 +95,11 @@ def _load(args: argparse.Namespace):
         quantize=args.quantize,
         adapter=args.adapter,
     )
+
+
+# `meshlm serve`'s flags that are `EngineConfig` fields of the same name
+SERVE_ENGINE_FLAGS = ("max_batch", "max_len", "kv_tokens", "ngram", "speculate", "max_lora_rank", "chunk", "max_queue",
+                      "attention")  # fmt: skip
 
 
 def _named_adapters(values: list[str]) -> tuple[dict[str, str], str | None]:
@@ -272,7 +288,6 @@ def _sample_chat(lm, args: argparse.Namespace) -> None:
     if template is None:
         raise ConfigError("this model has no chat template; give one with --chat-template FILE")
     settings = _sample_settings(args)
-    settings["stop_token_ids"] = lm.eos_ids
     lm.sampling(**settings)  # bad settings fail here, before any turn is read
     chat = [{"role": "system", "content": args.system}] if args.system else []
     if sys.stdin.isatty():
@@ -332,12 +347,17 @@ def _serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     # settings that cannot work, and the port, are refused before the model loads (minutes, for a large one)
-    at_least = {"--max-batch": 1, "--max-queue": 1, "--chunk": 1, "--max-len": 1, "--kv-tokens": 1, "--speculate": 1,
-                "--ngram": 0, "--max-adapters": 0, "--max-lora-rank": 1, "--max-request-bytes": 1}  # fmt: skip
-    for flag, least in at_least.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < least:
-            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    adapters, args.adapter = _named_adapters(args.adapter)  # the unnamed one, if any, is the served model's
+    max_adapters = args.max_adapters
+    if args.allow_runtime_adapters and max_adapters is None:
+        max_adapters = max(len(adapters), 1)
+    engine = _engine_config(
+        {}, **{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}, max_adapters=max_adapters,
+        prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+    )  # fmt: skip
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
@@ -350,21 +370,17 @@ def _serve(args: argparse.Namespace) -> None:
         if not Path(root).is_dir():
             raise ConfigError(f"--adapter-root {root}: no such folder")
     try:
-        from meshlm import server
+        from meshlm.http import app
     except ImportError as e:
         raise ConfigError(f"serving needs fastapi and uvicorn ({e}); pip install 'meshlm[serve]'") from None
 
-    adapters, args.adapter = _named_adapters(args.adapter)  # the unnamed one, if any, is the served model's
     model_name = args.model_name or Path(args.checkpoint).resolve().name
     for name, folder in adapters.items():
         if name == model_name:
             raise ConfigError(f"--adapter {name}={folder}: {name!r} is the served model's own name; name it otherwise")
         if not Path(folder).exists():
             raise ConfigError(f"--adapter {name}={folder}: no such folder")
-    max_adapters = args.max_adapters
-    if args.allow_runtime_adapters and max_adapters is None:
-        max_adapters = max(len(adapters), 1)
-    with server.bind_unix(args.uds) if args.uds else server.bind(args.host, args.port) as sock:
+    with app.bind_unix(args.uds) if args.uds else app.bind(args.host, args.port) as sock:
         lm = _load(args)
         _ = lm.tokenizer  # fail now, not on the first request, when no tokenizer is available
         draft = None
@@ -372,30 +388,32 @@ def _serve(args: argparse.Namespace) -> None:
             from meshlm import api
 
             draft = api.load(args.draft, mesh=lm.mesh, dtype=args.dtype)
-        server.serve(
+        app.serve(
             lm,
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            chunk=args.chunk,
+            engine,
+            sock=sock,
             model_name=model_name,
-            max_len=args.max_len,
-            kv_tokens=args.kv_tokens,
-            prefix_caching=not args.no_prefix_caching,
-            ngram=args.ngram,
-            draft=draft,
-            attention=args.attention,
-            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-            speculate=args.speculate,
             api_key=args.api_key or os.environ.get("MESHLM_API_KEY") or None,
             request_timeout=args.request_timeout,
-            sock=sock,
+            draft=draft,
             chat_template=args.chat_template,
             adapters=adapters,
-            max_adapters=max_adapters,
-            max_lora_rank=args.max_lora_rank,
             adapter_roots=args.adapter_root if args.allow_runtime_adapters else None,
-            max_request_bytes=args.max_request_bytes or server.MAX_REQUEST_BYTES,
+            max_request_bytes=args.max_request_bytes or app.MAX_REQUEST_BYTES,
         )
+
+
+def _engine_config(flags: dict[str, str], **fields: Any) -> EngineConfig:
+    """The engine's settings from a command's flags, as `meshlm serve` runs them and `meshlm plan --serve` counts
+    them; a value that cannot work is refused naming its flag (`flags`: a field's, where it is not --FIELD-NAME)
+    before any model loads."""
+    try:
+        return EngineConfig(**fields)
+    except InputError as e:
+        flag = flags.get(e.param, "--" + str(e.param).replace("_", "-"))
+        if e.param in LEAST:
+            raise ConfigError(f"{flag} must be at least {LEAST[e.param]}, got {fields[e.param]}") from None
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -503,20 +521,24 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise config.ConfigError(f"--memory must be a positive number of GiB, got {args.memory}")
     capacity = None if args.memory is None else int(args.memory * 2**30)
     if args.serve:
+        flags = {"max_batch": "--rows", "max_len": "--context"}
+        kv_cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        engine = _engine_config(flags, max_batch=args.rows, max_len=args.context, max_adapters=args.max_adapters,
+                                max_lora_rank=args.max_lora_rank, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         p = planner.plan_serve(
             cfg.model,
             args.target,
             mesh=args.mesh,
-            context=args.context,
-            rows=args.rows,
+            context=engine.max_len,
+            rows=engine.max_batch,
             dtype=args.dtype,
             quantize=args.quantize,
             search=not args.no_search,
             capacity=capacity,
             progress=print,
-            adapters=args.max_adapters,
-            lora_rank=args.max_lora_rank,
-            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+            adapters=engine.max_adapters,
+            lora_rank=engine.max_lora_rank,
+            kv_cache_dtype=engine.kv_cache_dtype,
         )
         print(planner.describe_serve(p, cfg.model))
         return

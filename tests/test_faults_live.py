@@ -137,7 +137,7 @@ def crashing_server(hf_tiny, neox_style_tokenizer):
     import uvicorn
 
     import meshlm
-    from meshlm.server import create_app
+    from meshlm.http.app import create_app
 
     lm = meshlm.load(hf_tiny.path, tokenizer=neox_style_tokenizer)
     app = create_app(lm, lm.engine(max_batch=1, max_len=16, kv_tokens=16), "tiny")

@@ -29,8 +29,10 @@ import pytest
 import meshlm
 from meshlm import cli
 from meshlm.footprint import OutOfMemory
+from meshlm.http.app import create_app
+from meshlm.http.handlers import REFUSED_ADAPTER_PATH
+from meshlm.http.state import Group
 from meshlm.serve import runner
-from meshlm.server import REFUSED_ADAPTER_PATH, Group, create_app
 
 ABSENT = "no-such-checkpoint"  # a refusal that names anything else came before the model would load
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +114,7 @@ def test_a_unix_socket_that_cannot_be_had_is_refused_before_the_model_loads(serv
         live.listen()
         assert_refused(*serve(ABSENT, "--uds", socket_path), f"unix:{socket_path} is already in use")
     assert socket_path.is_socket()  # left behind by a server that is gone: taken over
-    from meshlm.server import bind_unix
+    from meshlm.http.app import bind_unix
 
     with bind_unix(socket_path) as sock:
         assert sock.getsockname() == str(socket_path)

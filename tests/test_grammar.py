@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from meshlm.config import InputError
+from meshlm.http.constraints import request_constraint, tool_calls, tool_constraint
 from meshlm.serve import grammar
-from meshlm.serve.grammar import Constraint, Grammars, all_allowed, request_constraint, tool_calls, tool_constraint
+from meshlm.serve.grammar import Constraint, Grammars, all_allowed
 from meshlm.tokenizer import load_tokenizer
 
 MODEL_VOCAB = 50400  # GPT-J's padded vocabulary: ids 50257.. have no token

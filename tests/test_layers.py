@@ -17,14 +17,14 @@ FLOORS = {
     5: "train_step optim metrics objectives grpo rewards",
     6: "api __init__ generate grammar",  # generate, grammar: the serving wing's deprecated re-exports
     7: "train planner run_start distributed",
-    8: "server evaluate",
+    8: "http evaluate",  # the HTTP wing (meshlm/http/): its own floors are HTTP_FLOORS below
     9: "cli __main__",
 }
 FLOOR = {name: floor for floor, names in FLOORS.items() for name in names.split()}
 # The serving wing (meshlm/serve/) inside, as vLLM v1 stacks it: a host-only contract at the bottom, the
 # sampler on it, the scheduler and the runner side by side above them, the engine on top.
 SERVE_FLOORS = {
-    0: "__init__ pages adapter_slots grammar",
+    0: "__init__ config pages adapter_slots grammar",
     1: "params",
     2: "batch outputs",
     3: "sampler",
@@ -32,6 +32,16 @@ SERVE_FLOORS = {
     5: "engine",
 }
 SERVE_FLOOR = {name: floor for floor, names in SERVE_FLOORS.items() for name in names.split()}
+# The HTTP wing (meshlm/http/) inside: what travels over the wire at the bottom, the app on top.
+HTTP_FLOORS = {
+    0: "__init__ protocol constraints",
+    1: "openai_format metrics",
+    2: "state",
+    3: "rows",
+    4: "handlers",
+    5: "app",
+}
+HTTP_FLOOR = {name: floor for floor, names in HTTP_FLOORS.items() for name in names.split()}
 
 
 def modules() -> dict[str, Path]:
@@ -111,3 +121,16 @@ def test_serving_imports_point_down_inside_the_wing(module):
     above = {m for m in inside if SERVE_FLOOR[m] > here}
     assert not above, f"{module} (wing floor {here}) imports {sorted(above)} from above"
     assert not (module == "serve.scheduler" and "runner" in inside), "the scheduler and the runner sit side by side"
+
+
+def test_every_http_module_has_a_floor_in_the_wing():
+    wing = {m.removeprefix("http.") for m in modules() if table_name(m) == "http"}
+    assert sorted(wing ^ set(HTTP_FLOOR)) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules() if table_name(m) == "http"))
+def test_http_imports_point_down_inside_the_wing(module):
+    here = HTTP_FLOOR[module.removeprefix("http.")]
+    inside = {m.removeprefix("http.") for m in imports(modules()[module]) if m.startswith("http.")}
+    above = {m for m in inside if HTTP_FLOOR[m] > here}
+    assert not above, f"{module} (wing floor {here}) imports {sorted(above)} from above"

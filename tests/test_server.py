@@ -221,7 +221,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
 def test_a_request_past_its_timeout_answers_408_and_frees_its_row(reference):
     from fastapi.testclient import TestClient
 
-    from meshlm.server import create_app
+    from meshlm.http.app import create_app
 
     engine = reference.engine(max_batch=1, max_len=64, kv_tokens=64)
     engine.start(chunk=1)
@@ -246,7 +246,7 @@ def test_a_server_with_a_draft_model_reports_its_acceptance(reference):
     counts in the response's usage and in /health."""
     from fastapi.testclient import TestClient
 
-    from meshlm.server import create_app
+    from meshlm.http.app import create_app
 
     engine = reference.engine(draft=reference, max_batch=2, max_len=64, kv_tokens=128, speculate=3)
     engine.start(chunk=1)

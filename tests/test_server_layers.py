@@ -1,18 +1,23 @@
-"""The server is HTTP only: it reaches the model through the front door (`meshlm.api`), the engine through its
-public names and methods, and nothing of the engine's insides (its scheduler, runner, pool or queue)."""
+"""The server (`meshlm/http/`) is HTTP only: it reaches the model through the front door (`meshlm.api`), the engine
+through its public names and methods, and nothing of the engine's insides (its scheduler, runner, pool or queue)."""
 
 import ast
 from pathlib import Path
 
-import meshlm.server
+import pytest
 
-SOURCE = Path(meshlm.server.__file__).read_text()
-# the meshlm modules the server may import from, and the names it may take from each
+import meshlm.http
+
+PACKAGE = Path(meshlm.http.__file__).parent
+FILES = sorted(PACKAGE.glob("*.py"))
+# the meshlm modules outside the server the server may import from, and the names it may take from each (its own
+# modules, meshlm.http.*, import each other freely)
 ALLOWED = {
     "meshlm.api": {"LanguageModel", "is_adapter", "load", "read_adapter"},
     "meshlm.serve.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
+    "meshlm.serve.config": {"EngineConfig"},
     "meshlm.serve.params": {"SamplingParams"},
-    "meshlm.serve.grammar": {"Constraint", "request_constraint", "tool_calls", "tool_constraint"},
+    "meshlm.serve.grammar": {"Constraint", "KINDS"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},
     "meshlm.chat": {"ChatTemplate", "check_messages", "load_chat_template"},
     "meshlm.tokenizer": {"Tokenizer"},
@@ -20,6 +25,9 @@ ALLOWED = {
 # the engine's insides (meshlm.serve.scheduler, meshlm.serve.runner), which only the engine itself touches; the
 # server reads the engine's state through `snapshot()` (whose `running` and `queued` are counts)
 ENGINE_INSIDES = {"scheduler", "runner", "pool", "queue", "stats", "slots", "fail_all"}
+# the engine's types the server must never build: its rows come from `Engine.add_requests`, its settings from
+# `LanguageModel.sampling`, its engine from `LanguageModel.engine`
+ENGINE_TYPES = {"Engine", "Request", "SamplingParams", "Runner", "Scheduler"}
 
 
 def meshlm_imports(tree: ast.AST) -> list[tuple[str, str | None]]:
@@ -35,23 +43,33 @@ def meshlm_imports(tree: ast.AST) -> list[tuple[str, str | None]]:
 
 
 def test_the_server_imports_only_the_front_door():
-    imports = meshlm_imports(ast.parse(SOURCE))
+    imports = [(path, *found) for path in FILES for found in meshlm_imports(ast.parse(path.read_text()))]
     assert imports, "the server imports nothing of meshlm?"
-    for module, name in imports:
+    for path, module, name in imports:
+        if module.startswith("meshlm.http.") or module == "meshlm.http":
+            continue
         assert module in ALLOWED and name in ALLOWED[module], (
-            f"meshlm/server.py imports {name or module} from {module}: the server may use only "
+            f"meshlm/http/{path.name} imports {name or module} from {module}: the server may use only "
             f"{ {m: sorted(n) for m, n in ALLOWED.items()} }"
         )
 
 
-def test_the_server_touches_nothing_inside_the_engine():
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_the_server_touches_nothing_inside_the_engine(path):
     """No attribute of the engine's scheduler or runner, and nothing private of another object (`x._y`)."""
-    for node in ast.walk(ast.parse(SOURCE)):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute):
             owner = node.value.id if isinstance(node.value, ast.Name) else None
-            assert node.attr not in ENGINE_INSIDES, f"line {node.lineno}: .{node.attr} is the engine's inside"
+            assert node.attr not in ENGINE_INSIDES, f"{path.name}:{node.lineno}: .{node.attr} is the engine's inside"
             private = node.attr.startswith("_") and not node.attr.startswith("__")
-            assert not private or owner == "self", f"line {node.lineno}: {owner}.{node.attr} is private"
+            assert not private or owner == "self", f"{path.name}:{node.lineno}: {owner}.{node.attr} is private"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_the_server_builds_no_engine_type(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert node.func.id not in ENGINE_TYPES, f"{path.name}:{node.lineno}: builds the engine's {node.func.id}"
 
 
 def test_the_layer_check_catches_a_back_door():

@@ -356,7 +356,7 @@ def test_chat_requests_that_cannot_work_are_400(server, reference):
 def test_a_model_without_a_chat_template_answers_400(reference):
     from fastapi.testclient import TestClient
 
-    from meshlm.server import create_app
+    from meshlm.http.app import create_app
 
     engine = reference.engine(max_batch=1, max_len=64, kv_tokens=64)  # never started: nothing is generated
     with TestClient(create_app(reference, engine, "tiny")) as http:

@@ -10,6 +10,7 @@ the engine's state. The engine steps either on the caller's thread (`generate`, 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 import weakref
@@ -23,15 +24,26 @@ from jax.sharding import Mesh
 from meshlm import lora, model
 from meshlm.config import InputError, MeshlmError, ModelConfig
 from meshlm.serve.adapter_slots import Adapter, AdapterSlots, Registered, SlotsBusy
+from meshlm.serve.config import PAGE_SIZE, EngineConfig
 from meshlm.serve.grammar import Constraint, Grammars
 from meshlm.serve.outputs import Completion, RowOutput
 from meshlm.serve.params import SamplingParams, check_chunk, check_token_ids
-from meshlm.serve.runner import PAGE_SIZE, SPECULATE_TOKENS, Draft, Runner
+from meshlm.serve.runner import Draft, Runner
 from meshlm.serve.scheduler import Request, Scheduler
 from meshlm.sharding import SERVING, Rules
 from meshlm.tokenizer import Tokenizer
 
-__all__ = ["PAGE_SIZE", "Draft", "Engine", "GenerationFailed", "QueueFull", "Request", "SlotsBusy", "Snapshot"]
+__all__ = [
+    "PAGE_SIZE",
+    "Draft",
+    "Engine",
+    "EngineConfig",
+    "GenerationFailed",
+    "QueueFull",
+    "Request",
+    "SlotsBusy",
+    "Snapshot",
+]
 
 DEFAULT_LORA_RANK = 16  # the adapter slots' rank when no adapter is given at start (vLLM's default too)
 
@@ -95,17 +107,17 @@ def _check_draft(draft: Draft, cfg: ModelConfig, max_len: int, ngram: int) -> No
 
 
 class Engine:
-    """Continuous batching of `max_batch` rows over a KV pool of `kv_tokens` tokens, for one model on one mesh.
+    """Continuous batching for one model on one mesh, as its `EngineConfig` says (rows, lengths, the KV pool,
+    prefix caching, speculation, adapter slots, the loop's chunk and queue; see `meshlm.serve.config`).
 
-    `max_len` bounds a row's prompt plus output (the model's context by default). `kv_tokens` defaults to
-    what fits beside the weights and the slots (see `meshlm.serve.runner.Runner`). `ngram` > 0 speculates
-    `speculate` tokens per step by prompt lookup, `draft` by a smaller model. `tokenizer` detokenizes
-    outputs (needed for stop strings).
+    `policy` runs the model (with the config's `attention` and `kv_cache_dtype`, where given). `draft`: a
+    smaller model that proposes the config's `speculate` tokens per step. `tokenizer` detokenizes outputs
+    (needed for stop strings).
 
     `adapters` (name -> `Adapter`: weights read at the front door, `meshlm.api.read_adapter`) are LoRA
-    adapters that requests may name; they run in `max_adapters` device slots (default: one per adapter
-    given) of rank `max_lora_rank` (default: the largest given, else DEFAULT_LORA_RANK), rows of any mix of
-    adapters and the base in one batch. An engine without them has no slots; `add_adapter` then needs
+    adapters that requests may name; they run in the config's `max_adapters` device slots (default: one per
+    adapter given) of rank `max_lora_rank` (default: the largest given, else DEFAULT_LORA_RANK), rows of any
+    mix of adapters and the base in one batch. An engine without them has no slots; `add_adapter` then needs
     `max_adapters` > 0. The engine reads no files: `load_adapter` reads a folder with `read_adapter` (name,
     folder -> `Adapter`), the front door's (`LanguageModel.engine` gives it). `rules` lays the weights
     out on the mesh (`sharding.SERVING`: split over `model` only, so a decode step gathers none)."""
@@ -116,41 +128,30 @@ class Engine:
         cfg: ModelConfig,
         policy: model.Policy,
         mesh: Mesh,
+        config: EngineConfig | None = None,
         *,
-        max_batch: int = 8,
-        max_len: int | None = None,
-        kv_tokens: int | None = None,
-        page_size: int = PAGE_SIZE,
-        prefix_caching: bool = True,
-        ngram: int = 0,
-        speculate: int = SPECULATE_TOKENS,
         draft: Draft | None = None,
         tokenizer: Tokenizer | None = None,
         adapters: Mapping[str, Adapter] | None = None,
-        max_adapters: int | None = None,
-        max_lora_rank: int | None = None,
         rules: Rules = SERVING,
         read_adapter: Callable[[str, str | Path], Adapter] | None = None,
     ):
-        for name, value, least in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("ngram", ngram, 0),
-                                   ("speculate", speculate, 1)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InputError(f"{name} must be an integer >= {least}, got {value!r}")
-        if max_len is not None and not 0 < max_len <= cfg.max_seq_len:
-            raise InputError(f"max_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_len}")
+        config = config or EngineConfig()
+        max_len = config.context(cfg.max_seq_len)
         if draft is not None:
-            _check_draft(draft, cfg, max_len or cfg.max_seq_len, ngram)
-        speculate = speculate if ngram or draft else 0
-        self.cfg, self.tokenizer = cfg, tokenizer
+            _check_draft(draft, cfg, max_len, config.ngram)
+        speculate = config.speculated(draft is not None)
+        kv_cache_dtype, attention = config.kv_cache_dtype or policy.kv_cache_dtype, config.attention or policy.attention
+        policy = dataclasses.replace(policy, kv_cache_dtype=kv_cache_dtype, attention=attention)
+        self.config, self.cfg, self.tokenizer = config, cfg, tokenizer
         given = {name: adapter.weights for name, adapter in (adapters or {}).items()}
         self._read_adapter = read_adapter
         self.adapters: AdapterSlots | None = None
-        if given or max_adapters:
-            rank = max_lora_rank or max((_rank(w) for w in given.values()), default=DEFAULT_LORA_RANK)
-            self.adapters = AdapterSlots(len(given) if max_adapters is None else max_adapters, rank)
+        if given or config.max_adapters:
+            rank = config.max_lora_rank or max((_rank(w) for w in given.values()), default=DEFAULT_LORA_RANK)
+            self.adapters = AdapterSlots(len(given) if config.max_adapters is None else config.max_adapters, rank)
         self.runner = Runner(
-            params, cfg, policy, mesh, max_batch=max_batch, max_len=max_len or cfg.max_seq_len,
-            kv_tokens=kv_tokens, page_size=page_size, speculate=speculate, draft=draft,
+            params, cfg, policy, mesh, config, draft=draft,
             adapter_slots=0 if self.adapters is None else self.adapters.n + 1,
             adapter_rank=0 if self.adapters is None else self.adapters.rank, rules=rules,
         )  # fmt: skip
@@ -160,10 +161,10 @@ class Engine:
             self._register(name, weights, adapters[name].source)
         self.scheduler = Scheduler(
             self.runner.shapes, self.runner.n_pages, cfg.vocab_size, n_tokens=cfg.n_vocab_used,
-            prefix_caching=prefix_caching, speculate=speculate, ngram=ngram, draft=draft is not None,
+            prefix_caching=config.prefix_caching, speculate=speculate, ngram=config.ngram, draft=draft is not None,
         )  # fmt: skip
         self.max_batch, self.max_len = self.runner.shapes.max_batch, self.runner.shapes.max_len
-        self.page_size, self.speculate = page_size, speculate
+        self.page_size, self.speculate = config.page_size, speculate
         self._requests: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._loop: _Loop | None = None
         self._grammars: dict[Tokenizer, Grammars] = {}  # compiled output constraints, per tokenizer
@@ -377,11 +378,14 @@ class Engine:
             self.scheduler.fail_all(error)
             self.runner.reset()
 
-    def start(self, chunk: int = 4, max_queue: int = 64) -> None:
-        """Step on a thread of the engine's own while there is work (a server): at most `max_queue` rows wait."""
+    def start(self, chunk: int | None = None, max_queue: int | None = None) -> None:
+        """Step on a thread of the engine's own while there is work (a server), `chunk` decode steps per device
+        call with at most `max_queue` rows waiting (None: the config's)."""
         if self._loop is not None:
             raise RuntimeError("the engine's loop is already running")
-        self._loop = _Loop(self, check_chunk(chunk), max_queue)
+        changes = {name: value for name, value in (("chunk", chunk), ("max_queue", max_queue)) if value is not None}
+        loop = self.config.replace(**changes)
+        self._loop = _Loop(self, loop.chunk, loop.max_queue)
 
     def stop(self) -> None:
         """Stop the loop thread (rows in flight stay where they are)."""
@@ -449,8 +453,6 @@ class _Loop:
     add rows (bounded by `max_queue` waiting) and flag cancelled ones; the step frees them."""
 
     def __init__(self, engine: Engine, chunk: int, max_queue: int):
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise InputError(f"max_queue must be an integer >= 1, got {max_queue!r}")
         self.engine, self.chunk, self.max_queue = engine, chunk, max_queue
         self.incoming: deque[Request] = deque()
         self.wake = threading.Condition()

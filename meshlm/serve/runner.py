@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from meshlm import kv_cache, lora, model, quant
-from meshlm.config import InputError, ModelConfig, dtype_of
+from meshlm.config import ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.param import axes_of, is_param
 from meshlm.serve.batch import (
@@ -40,6 +40,7 @@ from meshlm.serve.batch import (
     bitmask_words,
     settings_for,
 )
+from meshlm.serve.config import PAGE_SIZE, EngineConfig
 from meshlm.serve.pages import pages_for
 from meshlm.serve.params import TOP_LOGPROBS
 from meshlm.serve.sampler import (
@@ -64,8 +65,6 @@ from meshlm.sharding import (
     with_shardings,
 )
 
-PAGE_SIZE = 16  # tokens per KV page
-SPECULATE_TOKENS = 4  # tokens proposed per row and step with prompt-lookup speculation
 SCORE_CHUNK = 64  # positions whose logits exist at once when a prompt is scored
 KV_MEMORY_FRACTION = 0.8  # of the memory free beside the weights and the slots, for the default KV pool
 
@@ -466,10 +465,10 @@ def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> tu
 
 class Runner:
     """The device state of one engine: the weights, a KV pool of `n_pages` pages (the draft's beside it) and
-    `max_batch` slots, and the programs that update them in place.
+    `max_batch` slots, and the programs that update them in place, sized by the engine's `EngineConfig`.
 
-    `kv_tokens` defaults to what fits in `KV_MEMORY_FRACTION` of the device memory free beside the weights
-    (loaded already) and the slots, at most `max_batch` full rows. A pool and slots larger than the free
+    The config's `kv_tokens` defaults to what fits in `KV_MEMORY_FRACTION` of the device memory free beside the
+    weights (loaded already) and the slots, at most `max_batch` full rows. A pool and slots larger than the free
     memory are refused before they are allocated. The weights (the draft's too) and the adapter slots are
     laid out by `rules` (`sharding.SERVING` unless a comparison asks for another set)."""
 
@@ -479,30 +478,25 @@ class Runner:
         cfg: ModelConfig,
         policy: model.Policy,
         mesh: Mesh,
+        config: EngineConfig,
         *,
-        max_batch: int,
-        max_len: int,
-        kv_tokens: int | None,
-        page_size: int,
-        speculate: int,
         draft: Draft | None,
         adapter_slots: int = 0,
         adapter_rank: int = 0,
         rules: Rules = SERVING,
     ):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
-        self.speculate = speculate
+        self.speculate = config.speculated(draft is not None)
         self.rules = rules
         self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)
         self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
-        self.shapes = Shapes.of(max_batch, max_len, page_size, batch_ways(mesh))
+        page_size = config.page_size
+        self.shapes = Shapes.of(config.max_batch, config.context(cfg.max_seq_len), page_size, batch_ways(mesh))
         self.max_batch, self.page_size = self.shapes.max_batch, page_size
         free, slots = free_memory(self._local_device()), self._slot_bytes()
-        chosen = kv_tokens is not None
-        kv_tokens = kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
-        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
-            raise InputError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
+        chosen = config.kv_tokens is not None
+        kv_tokens = config.kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
         self.kv_tokens = max(kv_tokens, page_size)
         self.n_pages = pages_for(self.kv_tokens, page_size) + 1  # page 0 is padding's
         self._check_memory(self.n_pages * page_size * self.kv_bytes_per_token(), slots, free, chosen)

@@ -1,0 +1,79 @@
+"""`EngineConfig`: an engine's settings, one frozen object validated once, that `meshlm serve`, `meshlm plan
+--serve`, `LanguageModel.engine` and the engine itself (with its runner) all take, so what a plan counted and
+what a server runs cannot drift apart. Host-only: it imports no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from meshlm.config import ATTENTION_IMPLS, InputError, dtype_of
+
+PAGE_SIZE = 16  # tokens per KV page
+SPECULATE_TOKENS = 4  # tokens proposed per row and step with speculative decoding
+# each integer setting's least value (None, where allowed, means "the default the engine works out")
+LEAST = {"max_batch": 1, "max_len": 1, "kv_tokens": 1, "page_size": 1, "ngram": 0, "speculate": 1,
+         "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine batches, caches and speculates, for any model on any mesh.
+
+    `max_batch` rows decode together over a paged KV pool of `kv_tokens` tokens (None: what fits beside the
+    weights and the slots) in pages of `page_size`; a row's prompt plus output is at most `max_len` tokens (None:
+    the model's context). `prefix_caching` shares the pages of common prompt prefixes. `ngram` > 0 speculates
+    `speculate` tokens a step by prompt lookup (a draft model, given to the engine, does too). LoRA adapters run
+    in `max_adapters` device slots (None: one per adapter given) of rank `max_lora_rank` (None: the largest
+    given). A loop thread (a server's) decodes `chunk` tokens per device call with at most `max_queue` rows
+    waiting. `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention`
+    (None: the model's own choice) are vLLM's options of those names."""
+
+    max_batch: int = 8
+    max_len: int | None = None
+    kv_tokens: int | None = None
+    page_size: int = PAGE_SIZE
+    prefix_caching: bool = True
+    ngram: int = 0
+    speculate: int = SPECULATE_TOKENS
+    max_adapters: int | None = None
+    max_lora_rank: int | None = None
+    chunk: int = 4
+    max_queue: int = 64
+    kv_cache_dtype: str | None = None
+    attention: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, least in LEAST.items():
+            value = getattr(self, name)
+            optional = self.__dataclass_fields__[name].default is None
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(f"{name} must be an integer >= {least}, got {value!r}", param=name)
+        if not isinstance(self.prefix_caching, bool):
+            raise InputError(
+                f"prefix_caching must be true or false, got {self.prefix_caching!r}", param="prefix_caching"
+            )
+        if self.kv_cache_dtype not in (None, "int8"):
+            dtype_of(self.kv_cache_dtype)
+        if self.attention not in (None, *ATTENTION_IMPLS):
+            raise InputError(
+                f"attention must be one of {list(ATTENTION_IMPLS)}, got {self.attention!r}", param="attention"
+            )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes`, validated as a new one is."""
+        return dataclasses.replace(self, **changes)
+
+    def context(self, model_context: int) -> int:
+        """A row's tokens at most: `max_len`, or the model's context; InputError for more than the model's."""
+        if self.max_len is not None and self.max_len > model_context:
+            raise InputError(f"max_len must be in [1, {model_context}] (the model's context), got {self.max_len}")
+        return self.max_len or model_context
+
+    def speculated(self, drafting: bool) -> int:
+        """Tokens proposed per row and step: `speculate` when prompt lookup or a draft model (`drafting`)
+        proposes them, else none."""
+        return self.speculate if self.ngram or drafting else 0

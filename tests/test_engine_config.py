@@ -1,0 +1,48 @@
+"""`EngineConfig`: an engine's settings, frozen and checked once when made (or changed), on the host alone."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from meshlm.serve.config import LEAST, SPECULATE_TOKENS, EngineConfig
+
+
+def test_it_is_frozen_and_its_defaults_work():
+    config = EngineConfig()
+    assert (config.max_batch, config.max_len, config.kv_tokens, config.chunk) == (8, None, None, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_batch = 2
+
+
+@pytest.mark.parametrize("name", sorted(LEAST))
+def test_a_value_that_cannot_work_is_refused_naming_its_field(name):
+    for bad in (LEAST[name] - 1, True, 2.0, "4"):
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer >= {LEAST[name]}") as caught:
+            EngineConfig(**{name: bad})
+        assert caught.value.param == name
+
+
+def test_a_change_is_checked_as_a_new_config_is():
+    config = EngineConfig(max_batch=4)
+    assert config.replace(max_len=64) == EngineConfig(max_batch=4, max_len=64)
+    with pytest.raises(ValueError, match="chunk must be an integer >= 1"):
+        config.replace(chunk=0)
+    with pytest.raises(ValueError, match="attention"):
+        EngineConfig(attention="fast")
+
+
+def test_the_context_and_the_speculation_it_resolves_for_a_model():
+    assert EngineConfig().context(128) == 128 and EngineConfig(max_len=64).context(128) == 64
+    with pytest.raises(ValueError, match=r"max_len must be in \[1, 128\]"):
+        EngineConfig(max_len=256).context(128)
+    assert EngineConfig().speculated(drafting=False) == 0
+    assert EngineConfig().speculated(drafting=True) == SPECULATE_TOKENS
+    assert EngineConfig(ngram=2, speculate=3).speculated(drafting=False) == 3
+
+
+def test_it_imports_no_jax():
+    code = "import sys, meshlm.serve.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -198,6 +198,12 @@ def resolve(
         )
     if train_ds.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    if cfg.objective == "grpo" and train_ds.seq_len + 1 + cfg.grpo.max_completion_tokens > model_cfg.max_seq_len:
+        raise ConfigError(
+            f"grpo.max_completion_tokens {cfg.grpo.max_completion_tokens}: after prompts of up to "
+            f"{train_ds.seq_len + 1} tokens (the data's rows) a completion would pass the model's max_seq_len "
+            f"{model_cfg.max_seq_len}"
+        )
     if train_ds.eos_id >= model_cfg.vocab_size:
         raise ConfigError(
             f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "

@@ -1,0 +1,182 @@
+"""GRPO's rollout loop (`meshlm.rollout`, objective grpo in `meshlm.train`): the engine samples the policy's completions
+in the training process, the rewards score them, and the step trains on them with `meshlm.grpo`'s loss.
+
+The oracles: the engine's own log-probs of the tokens it sampled (its decode programs) against the old log-probs the
+training program computes for them; `grpo.policy_loss` recomputed here on a rollout's rows against the loss the run
+logged; an uninterrupted run against one stopped and resumed.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm import grpo, model, prepare, rollout, train
+from meshlm.config import ConfigError, ModelConfig, TrainConfig
+from meshlm.data import TokenDataset
+from meshlm.loader import TrainLoader
+from meshlm.sharding import make_mesh
+from meshlm.tokenizer import load_tokenizer
+from meshlm.train_step import ROW_TOKENS, token_logps
+from tests.helpers.chat_templates import tokenizer_folder
+
+PROMPT_LEN = 8  # the prompts dataset's seq_len: prompts of up to 9 tokens
+MAX_TOKENS = 6
+CFG = ModelConfig(
+    n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=600, n_vocab_used=600, max_seq_len=32
+)
+REWARDS = [{"function": "regex_format", "pattern": "e", "full": False}, {"function": "exact_match", "weight": 0.5}]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """A prompts dataset as `meshlm prepare --objective grpo` makes it (train and val), with its tokenizer (a BPE
+    of 600 ids whose EOS is </s>)."""
+    root = tmp_path_factory.mktemp("grpo")
+    tok = tokenizer_folder(root / "tokenizer")
+    for split, n in (("train", 8), ("val", 4)):
+        first = 100 * (split == "val")
+        records = [{"prompt": f"{i} and {i + 1} make", "answer": str(2 * i + 1)} for i in range(first, first + n)]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepare.prepare([root / "train.jsonl"], root / "data", PROMPT_LEN, tokenizer=str(tok), workers=1,
+                    objective="grpo", val_inputs=[root / "val.jsonl"])  # fmt: skip
+    return root
+
+
+def run_config(prompts, out_dir, grpo_changes: dict | None = None, **changes) -> TrainConfig:
+    """A run of 2 prompts x 4 completions a step in 2 micro-batches, each batch of rollouts trained twice, against a
+    reference (beta > 0), with its tokenizer in the run folder (where a run keeps its own)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(prompts / "tokenizer" / "tokenizer.json", out_dir / "tokenizer.json")
+    grpo_settings = dict(num_generations=4, max_completion_tokens=MAX_TOKENS, beta=0.04, num_iterations=2,
+                         loss_type="bnpo", rewards=REWARDS, log_completions_every=1)  # fmt: skip
+    grpo_settings |= grpo_changes or {}
+    base = dict(
+        model=CFG, data=str(prompts / "data"), out_dir=str(out_dir), batch_size=8, micro_batches=2, total_steps=4,
+        lr=3e-3, end_lr=3e-3, warmup_steps=0, anneal_steps=10, weight_decay=0.0, val_every=0, ckpt_every=2,
+        log_every=1000, sample_tokens=0, objective="grpo", grpo=grpo_settings,
+    )  # fmt: skip
+    return TrainConfig(**{**base, **changes})
+
+
+def logged(out_dir) -> dict[int, dict]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def test_sampling_seeds_depend_on_the_run_seed_step_and_row_alone():
+    seeds = {rollout.sampling_seed(seed, step, row) for seed in (0, 1) for step in (0, 1, -1) for row in (0, 1)}
+    assert len(seeds) == 12
+    assert rollout.sampling_seed(3, 5, 7) == rollout.sampling_seed(3, 5, 7)
+
+
+def test_config_refuses_batches_that_split_a_group_or_a_batch_of_rollouts():
+    grpo_settings = {"num_generations": 4, "num_iterations": 2}
+    with pytest.raises(ConfigError, match=r"batch_size \(6\) counts completions"):
+        TrainConfig(objective="grpo", batch_size=6, grpo=grpo_settings, ckpt_every=2)
+    with pytest.raises(ConfigError, match=r"total_steps \(3\) must be a multiple of grpo.num_iterations"):
+        TrainConfig(objective="grpo", total_steps=3, grpo=grpo_settings, ckpt_every=2)
+    with pytest.raises(ConfigError, match="grpo.rewards must be a list"):
+        TrainConfig(objective="grpo", grpo={"rewards": "exact_match"})
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: the engine's programs and the log-prob program compile
+def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, tmp_path):
+    """One batch of rollouts by the engine over a random model at temperature 1: every completion stops at EOS (kept
+    as its last token, as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and
+    the old log-probs the training program computes equal the log-probs the engine's sampler reported for the very
+    tokens it drew (two programs, one distribution)."""
+    cfg = run_config(prompts, tmp_path, {"temperature": 1.0})
+    mesh = make_mesh(None)
+    train_ds, val = TokenDataset(cfg.data, "train"), TokenDataset(cfg.data, "val")
+    params = model.init(CFG, jax.random.key(0))
+    eos = train_ds.eos_id
+    params["head"]["b"] = params["head"]["b"].at[eos].add(5.0)  # EOS about one token in five: stops and cut-offs
+    tokenizer = load_tokenizer(None, tmp_path)
+    rollouts = rollout.Rollouts(cfg, mesh, train_ds, {"val": val}, params, tokenizer)
+    prompts_batch = next(TrainLoader(train_ds, rollout.prompts_per_step(cfg), 1, seed=0))
+    sampled = []
+    generate = rollouts.generate
+    rollouts.generate = lambda p, step: sampled.extend(generate(p, step)) or sampled
+    with jax.set_mesh(mesh):
+        made = rollouts.make(params, params, params, prompts_batch, step=0)
+    batch = {k: v.reshape(8, *v.shape[2:]) for k, v in made.batch.items()}  # the micro-batches' rows together
+    assert {c.finish_reason for c in sampled} == {"stop", "length"}
+    lengths = batch["weights"].sum(1).astype(int)
+    assert 0 < lengths.min() and lengths.max() <= MAX_TOKENS
+    for completion, n in zip(sampled, lengths, strict=True):
+        if completion.finish_reason == "stop":
+            assert n == len(completion.tokens) + 1
+        else:
+            assert n == len(completion.tokens) == MAX_TOKENS
+    for i, completion in enumerate(sampled):
+        w = batch["weights"][i].astype(bool)
+        expected = completion.tokens + [eos] * (completion.finish_reason == "stop")
+        assert batch["tokens"][i][w].tolist() == expected
+        np.testing.assert_allclose(batch["old_logps"][i][w][: len(completion.logprobs)], completion.logprobs, atol=2e-5)
+    per_function = np.array([[r["rewards"][k] for k in ("regex_format", "exact_match")] for r in made.table])
+    total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray([1.0, 0.5]))
+    np.testing.assert_allclose(batch["advantages"], grpo.group_advantages(total, 4, "group"), rtol=1e-6)
+    assert float(made.metrics["completions/max_length"]) == lengths.max()
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: a GRPO run of 4 steps, and the same rollout made again
+def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_rollouts(prompts, tmp_path):
+    """`meshlm train`'s library call, objective grpo: 4 steps (2 batches of rollouts, each trained twice, in 2
+    micro-batches). Step 1's logged loss equals `grpo.policy_loss` recomputed here, micro-batch by micro-batch (trl's
+    accumulation: their mean), on the rollout the starting model makes again from the same seeds; the metrics carry
+    trl's names; each step's completions are in the run folder."""
+    cfg = run_config(prompts, tmp_path / "run")
+    train.train(cfg, progress=False)
+    got = logged(tmp_path / "run")
+    assert sorted(got) == [1, 2, 3, 4]
+    for name in ("reward", "reward_std", "rewards/regex_format/mean", "rewards/exact_match/mean",
+                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio"):  # fmt: skip
+        assert name in got[1] and name in got[3] and name not in got[2], name  # logged with their rollout's first step
+    for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "grad_norm"):
+        assert all(np.isfinite(got[step][name]) for step in got), name
+    assert got[1]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference until the first update
+    assert got[1]["clip_ratio/region_mean"] == 0.0  # the first step's ratio is exactly 1
+    table = [json.loads(line) for line in (tmp_path / "run" / "completions" / "step_00000001.jsonl").open()]
+    assert len(table) == 8 and set(table[0]) == {"step", "prompt", "completion", "rewards", "reward", "advantage"}
+
+    # the starting model's rollout at step 0, made again, and the loss of step 1 on it
+    mesh = make_mesh(None)
+    train_ds = TokenDataset(cfg.data, "train")
+    params = model.init(CFG, jax.random.key(cfg.seed))
+    rollouts = rollout.Rollouts(cfg, mesh, train_ds, {}, params, load_tokenizer(None, tmp_path / "run"))
+    with jax.set_mesh(mesh):
+        made = rollouts.make(params, params, params, next(TrainLoader(train_ds, 2, 1, seed=cfg.seed)), step=0)
+    assert [r["completion"] for r in made.table] == [r["completion"] for r in table]
+    losses = []
+    for m in range(cfg.micro_batches):
+        rows = {k: jnp.asarray(v[m]) for k, v in made.batch.items()}
+        logps, entropy = token_logps(params, {k: rows[k] for k in ROW_TOKENS}, CFG, cfg.policy, cfg.grpo.temperature)
+        mask = rows["weights"][:, 1:]
+        loss, _ = grpo.policy_loss(cfg.grpo, logps, entropy, rows["advantages"], mask,
+                                   rows["old_logps"][:, 1:], rows["ref_logps"][:, 1:])  # fmt: skip
+        losses.append(float(loss))
+    assert got[1]["loss"] == pytest.approx(np.mean(losses), rel=1e-5, abs=1e-7)
+    assert got[1]["reward"] == pytest.approx(float(made.metrics["reward"]), rel=1e-6)
+
+
+@pytest.mark.slow  # ~45 s on 2 cores: three GRPO runs
+def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(prompts, tmp_path):
+    """Stopped after its first batch of rollouts (a checkpoint at step 2) and resumed, a run samples the same
+    completions and logs the same losses and rewards as an uninterrupted run: the sampling seeds come from the step,
+    the prompts from the loader's saved position."""
+    train.train(run_config(prompts, tmp_path / "whole"), progress=False)
+    train.train(run_config(prompts, tmp_path / "resumed", total_steps=2), progress=False)
+    train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
+    whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for name, value in whole[step].items():
+            if name not in ("tokens_per_s", "mfu", "time", "timestamp"):
+                assert resumed[step][name] == pytest.approx(value, rel=1e-6, nan_ok=True), (step, name)
+    for step in (3, 4):
+        name = f"completions/step_{step:08d}.jsonl"
+        assert (tmp_path / "resumed" / name).read_text() == (tmp_path / "whole" / name).read_text()

@@ -173,9 +173,9 @@ def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(prompts,
     train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4]
-    for step in (3, 4):
+    for step in (3, 4):  # every metric but the clock's and the noise scale's running averages, which restart
         for name, value in whole[step].items():
-            if name not in ("tokens_per_s", "mfu", "time", "timestamp"):
+            if name not in ("tokens_per_s", "mfu") and not name.startswith("noise/"):
                 assert resumed[step][name] == pytest.approx(value, rel=1e-6, nan_ok=True), (step, name)
     for step in (3, 4):
         name = f"completions/step_{step:08d}.jsonl"

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm import grpo, model, prepare, rollout, train
+from meshlm import grpo, lora, model, prepare, rollout, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import TrainLoader
@@ -23,10 +23,10 @@ from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import ROW_TOKENS, token_logps
 from tests.helpers.chat_templates import tokenizer_folder
 
-PROMPT_LEN = 8  # the prompts dataset's seq_len: prompts of up to 9 tokens
+PROMPT_LEN = 28  # the prompts dataset's seq_len: prompts of up to 29 tokens (these take 23 to 27: more than a KV page)
 MAX_TOKENS = 6
 CFG = ModelConfig(
-    n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=600, n_vocab_used=600, max_seq_len=32
+    n_layer=2, d_model=64, n_head=4, d_ff=128, rotary_dim=8, vocab_size=600, n_vocab_used=600, max_seq_len=40
 )
 REWARDS = [{"function": "regex_format", "pattern": "e", "full": False}, {"function": "exact_match", "weight": 0.5}]
 
@@ -38,8 +38,9 @@ def prompts(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     tok = tokenizer_folder(root / "tokenizer")
     for split, n in (("train", 8), ("val", 4)):
-        first = 100 * (split == "val")
-        records = [{"prompt": f"{i} and {i + 1} make", "answer": str(2 * i + 1)} for i in range(first, first + n)]
+        first = 8 * (split == "val")
+        prompt = "Add the numbers {0} and {1}; the sum of {0} and {1} is"
+        records = [{"prompt": prompt.format(i, i + 1), "answer": str(2 * i + 1)} for i in range(first, first + n)]
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     prepare.prepare([root / "train.jsonl"], root / "data", PROMPT_LEN, tokenizer=str(tok), workers=1,
                     objective="grpo", val_inputs=[root / "val.jsonl"])  # fmt: skip
@@ -83,44 +84,69 @@ def test_config_refuses_batches_that_split_a_group_or_a_batch_of_rollouts():
         TrainConfig(objective="grpo", grpo={"rewards": "exact_match"})
 
 
-@pytest.mark.slow  # ~15 s on 2 cores: the engine's programs and the log-prob program compile
-def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, tmp_path):
-    """One batch of rollouts by the engine over a random model at temperature 1: every completion stops at EOS (kept
-    as its last token, as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and
-    the old log-probs the training program computes equal the log-probs the engine's sampler reported for the very
-    tokens it drew (two programs, one distribution)."""
-    cfg = run_config(prompts, tmp_path, {"temperature": 1.0})
+def _random_model(seed: int, eos: int) -> model.Params:
+    """A random model that ends about one completion token in five with EOS: completions stop and are cut off."""
+    params = model.init(CFG, jax.random.key(seed))
+    params["head"]["b"] = params["head"]["b"].at[eos].add(5.0)
+    return params
+
+
+def _policies(kind: str, base: model.Params, cfg: TrainConfig, eos: int) -> list[tuple[model.Params, model.Params]]:
+    """Two policies, each as (what a step trains, the whole model): two full models, or two adapters far from zero
+    over `base`."""
+    if kind == "full":
+        return [(base, base), (other := _random_model(1, eos), other)]
+    policies = []
+    for seed in (1, 2):
+        adapter = lora.init_adapter(model.projections(CFG), cfg.lora, jax.random.key(seed))
+        for i, parts in enumerate(adapter.values()):
+            parts["b"] = jax.random.normal(jax.random.key(10 * seed + i), parts["b"].shape) * 0.3
+        policies.append((adapter, {**base, "lora": adapter}))
+    return policies
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: the engine's programs and the log-prob program compile
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, tmp_path, kind):
+    """Rollouts by the engine at temperature 1, for one policy and then another handed over to the same engine (the
+    full weights in place, or a LoRA adapter into its slot): every completion stops at EOS (kept as its last token,
+    as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and the old log-probs
+    the training program computes under the policy equal the log-probs the engine's sampler reported for the very
+    tokens it drew (two programs, one distribution), for the second policy too: nothing of the first one (weights,
+    adapter, prefix cache) is left in the engine."""
+    cfg = run_config(prompts, tmp_path, {"temperature": 1.0}, **({"lora": {"rank": 4}} if kind == "lora" else {}))
     mesh = make_mesh(None)
     train_ds, val = TokenDataset(cfg.data, "train"), TokenDataset(cfg.data, "val")
-    params = model.init(CFG, jax.random.key(0))
     eos = train_ds.eos_id
-    params["head"]["b"] = params["head"]["b"].at[eos].add(5.0)  # EOS about one token in five: stops and cut-offs
+    base = _random_model(0, eos)
     tokenizer = load_tokenizer(None, tmp_path)
-    rollouts = rollout.Rollouts(cfg, mesh, train_ds, {"val": val}, params, tokenizer)
+    rollouts = rollout.Rollouts(cfg, mesh, train_ds, {"val": val}, base, tokenizer)
     prompts_batch = next(TrainLoader(train_ds, rollout.prompts_per_step(cfg), 1, seed=0))
-    sampled = []
     generate = rollouts.generate
+    sampled = []
     rollouts.generate = lambda p, step: sampled.extend(generate(p, step)) or sampled
-    with jax.set_mesh(mesh):
-        made = rollouts.make(params, params, params, prompts_batch, step=0)
-    batch = {k: v.reshape(8, *v.shape[2:]) for k, v in made.batch.items()}  # the micro-batches' rows together
-    assert {c.finish_reason for c in sampled} == {"stop", "length"}
-    lengths = batch["weights"].sum(1).astype(int)
-    assert 0 < lengths.min() and lengths.max() <= MAX_TOKENS
-    for completion, n in zip(sampled, lengths, strict=True):
-        if completion.finish_reason == "stop":
-            assert n == len(completion.tokens) + 1
-        else:
-            assert n == len(completion.tokens) == MAX_TOKENS
-    for i, completion in enumerate(sampled):
-        w = batch["weights"][i].astype(bool)
-        expected = completion.tokens + [eos] * (completion.finish_reason == "stop")
-        assert batch["tokens"][i][w].tolist() == expected
-        np.testing.assert_allclose(batch["old_logps"][i][w][: len(completion.logprobs)], completion.logprobs, atol=2e-5)
-    per_function = np.array([[r["rewards"][k] for k in ("regex_format", "exact_match")] for r in made.table])
-    total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray([1.0, 0.5]))
-    np.testing.assert_allclose(batch["advantages"], grpo.group_advantages(total, 4, "group"), rtol=1e-6)
-    assert float(made.metrics["completions/max_length"]) == lengths.max()
+    first = None
+    for params, full in _policies(kind, base, cfg, eos):
+        sampled.clear()
+        with jax.set_mesh(mesh):
+            made = rollouts.make(params, full, base, prompts_batch, step=0)
+        batch = {k: v.reshape(8, *v.shape[2:]) for k, v in made.batch.items()}  # the micro-batches' rows together
+        assert {c.finish_reason for c in sampled} == {"stop", "length"}
+        lengths = batch["weights"].sum(1).astype(int)
+        assert 0 < lengths.min() and lengths.max() <= MAX_TOKENS
+        for i, completion in enumerate(sampled):
+            w = batch["weights"][i].astype(bool)
+            stopped = completion.finish_reason == "stop"
+            assert batch["tokens"][i][w].tolist() == completion.tokens + [eos] * stopped
+            assert stopped or len(completion.tokens) == MAX_TOKENS
+            engine = completion.logprobs
+            np.testing.assert_allclose(batch["old_logps"][i][w][: len(engine)], engine, atol=2e-5, err_msg=str(i))
+        per_function = np.array([[r["rewards"][k] for k in ("regex_format", "exact_match")] for r in made.table])
+        total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray([1.0, 0.5]))
+        np.testing.assert_allclose(batch["advantages"], grpo.group_advantages(total, 4, "group"), rtol=1e-6)
+        assert float(made.metrics["completions/max_length"]) == lengths.max()
+        assert first is None or made.table != first  # the same seeds, another policy: other completions
+        first = made.table
 
 
 @pytest.mark.slow  # ~30 s on 2 cores: a GRPO run of 4 steps, and the same rollout made again

@@ -7,14 +7,16 @@ logged; an uninterrupted run against one stopped and resumed.
 """
 
 import json
+import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm import grpo, lora, model, prepare, rollout, train
+from meshlm import grpo, lora, model, prepare, rewards, rollout, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import TrainLoader
@@ -190,12 +192,24 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
 
 
 @pytest.mark.slow  # ~45 s on 2 cores: three GRPO runs
-def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(prompts, tmp_path):
-    """Stopped after its first batch of rollouts (a checkpoint at step 2) and resumed, a run samples the same
-    completions and logs the same losses and rewards as an uninterrupted run: the sampling seeds come from the step,
-    the prompts from the loader's saved position."""
+def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_and_losses(
+    prompts, tmp_path, monkeypatch
+):
+    """SIGTERM while the first batch of rollouts is scored: the run trains that batch's two steps, saves at step 2
+    (a run stops between batches of rollouts, which it does not save) and, resumed, samples the same completions and
+    logs the same losses and rewards as an uninterrupted run: the sampling seeds come from the step, the prompts from
+    the loader's saved position, the reference is rebuilt from the seed."""
     train.train(run_config(prompts, tmp_path / "whole"), progress=False)
-    train.train(run_config(prompts, tmp_path / "resumed", total_steps=2), progress=False)
+    score = rewards.score
+
+    def score_then_stop(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        monkeypatch.setattr(rewards, "score", score)
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(rewards, "score", score_then_stop)
+    stopped = train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
+    assert (stopped.step, stopped.stopped_by_signal, stopped.signal) == (2, True, signal.SIGTERM)
     train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4]

@@ -587,7 +587,9 @@ class TrainConfig:
     overrides all feed this one dataclass; the defaults are the built-in CPU demo."""
 
     model: ModelConfig = PRESETS["gptj-demo"]
-    data: str | None = None  # a prepared dataset folder; None: the built-in demo corpus; demo:chats, demo:pairs
+    data: str | None = (
+        None  # a prepared dataset folder; None: the built-in demo corpus; demo:chats, demo:pairs, demo:prompts
+    )
     val_data: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "folder" or "folder:split"
     out_dir: str = "runs/demo"
     log_dir: str | None = None  # metrics (JSONL, TensorBoard, W&B files): out_dir unless set; local

@@ -186,16 +186,16 @@ class Rollouts:
 
     def validate(self, params: model.Params) -> dict[str, float]:
         """Each validation set's mean reward over its first `val_batches` steps' worth of prompts (all, if fewer),
-        one completion each, sampled as in training with the same seeds at every validation:
+        `num_generations` completions each, sampled as in training with the same seeds at every validation:
         `val/<name>/reward` and `val/<name>/rewards/<function>/mean`."""
-        values = {}
+        values, G = {}, self.cfg.grpo.num_generations
         self.use_policy(params)
         for name, ds in self.datasets.items():
             if name == "train":
                 continue
             rows = np.arange(min(len(ds), self.cfg.val_batches * prompts_per_step(self.cfg)))
-            prompts = _prompt_ids(ds[rows])
-            per_function, *_ = self.score(name, rows, self.generate(prompts, VALIDATION_STEP), 1)
+            prompts = [p for p in _prompt_ids(ds[rows]) for _ in range(G)]
+            per_function, *_ = self.score(name, rows, self.generate(prompts, VALIDATION_STEP), G)
             total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray(self.weights))
             values[f"{name}/reward"] = float(jnp.nanmean(total))
             for i, reward in enumerate(self.rewards):

@@ -82,6 +82,11 @@ def open_datasets(
         check_kind(cfg, train_ds)
         return train_ds, {"val": val}
     if cfg.data is None:
+        if OBJECTIVES[cfg.objective].data == "prompts":
+            raise ConfigError(
+                f"objective {cfg.objective} trains on prompts: set data to a folder `meshlm prepare --objective grpo` "
+                'made from {"prompt"} records, or to the built-in demo:prompts'
+            )
         if OBJECTIVES[cfg.objective].data != "lm":
             raise ConfigError(
                 f"objective {cfg.objective} trains on preference pairs: set data to a folder `meshlm prepare` made "

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm import grpo, lora, model, prepare, rewards, rollout, train
+from meshlm import data, grpo, lora, model, prepare, rewards, rollout, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import TrainLoader
@@ -24,6 +24,7 @@ from meshlm.sharding import make_mesh
 from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import ROW_TOKENS, token_logps
 from tests.helpers.chat_templates import tokenizer_folder
+from tests.helpers.training import REPO
 
 PROMPT_LEN = 28  # the prompts dataset's seq_len: prompts of up to 29 tokens (these take 23 to 27: more than a KV page)
 MAX_TOKENS = 6
@@ -220,3 +221,25 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_
     for step in (3, 4):
         name = f"completions/step_{step:08d}.jsonl"
         assert (tmp_path / "resumed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+
+
+def test_the_demos_prompts_are_each_question_once_and_its_rewards_check_fact_and_form(gpt2_bpe_file, tmp_path):
+    """configs/demo-grpo.yaml's data and rewards: demo:prompts holds every wording of every fact once (the held-out
+    questions are not asked in training), with its answer for the rewards; the full correct sentence earns 1, the
+    bare correct word or a full sentence with a wrong fact 0.5, a bare wrong word 0."""
+    from meshlm.demo_corpus import prepare_demo_records
+    from meshlm.run_start import load_train_config
+
+    folder = prepare_demo_records(tmp_path / "data", "demo:prompts", 32, load_tokenizer(gpt2_bpe_file))
+    train_records, val_records = (data.read_prompt_records(folder, split) for split in ("train", "val"))
+    questions = [r["prompt"][0]["content"] for r in train_records + val_records]
+    assert len(questions) == len(set(questions)) == 174 and len(val_records) >= 10
+    assert TokenDataset(folder, "val").kind == "prompts"
+    cfg = load_train_config(REPO / "configs" / "demo-grpo.yaml")
+    assert (cfg.data, cfg.objective, cfg.init_from) == ("demo:prompts", "grpo", "runs/demo-sft")
+    answers = [" The capital of Kenya is Nairobi.", " Nairobi.", " The capital of Kenya is Lima.", " Lima"]
+    completions = [[{"role": "assistant", "content": a}] for a in answers]
+    prompt = [{"role": "user", "content": "What is the capital of Kenya?"}]
+    _, total = rewards.score(rewards.load(cfg.grpo.rewards), [prompt] * 4, completions, [[1]] * 4,
+                             {"answer": ["Nairobi"] * 4}, [0] * 4)  # fmt: skip
+    np.testing.assert_array_equal(total, [1.0, 0.5, 0.5, 0.0])

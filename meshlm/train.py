@@ -593,6 +593,8 @@ class StepLog:
             if "rewards/margins" in values:  # a preference objective: what it is learning, beside its loss
                 margin, accuracy = values["rewards/margins"], values["rewards/accuracies"]
                 rewards = f", reward margin {margin:.3f}, accuracy {accuracy:.2f}"
+            if "reward" in values:  # GRPO, on a step that made rollouts: their mean reward
+                rewards = f", reward {values['reward']:.3f}"
             self.say(
                 f"step {step}: loss {values['loss']:.4f}{rewards}, lr {values['lr']:.3e}, grad norm "
                 f"{values['grad_norm']:.3f}, {values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"

@@ -192,15 +192,18 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     assert got[1]["reward"] == pytest.approx(float(made.metrics["reward"]), rel=1e-6)
 
 
-@pytest.mark.slow  # ~45 s on 2 cores: three GRPO runs
+@pytest.mark.slow  # ~70 s each on 2 cores: three GRPO runs
+@pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_and_losses(
-    prompts, tmp_path, monkeypatch
+    prompts, tmp_path, monkeypatch, kind
 ):
     """SIGTERM while the first batch of rollouts is scored: the run trains that batch's two steps, saves at step 2
     (a run stops between batches of rollouts, which it does not save) and, resumed, samples the same completions and
     logs the same losses and rewards as an uninterrupted run: the sampling seeds come from the step, the prompts from
-    the loader's saved position, the reference is rebuilt from the seed."""
-    train.train(run_config(prompts, tmp_path / "whole"), progress=False)
+    the loader's saved position, the reference (the starting model, or a LoRA run's base) is rebuilt from the seed,
+    and the engine gets the restored weights (or adapter)."""
+    lora_section = {"lora": {"rank": 4}} if kind == "lora" else {}
+    train.train(run_config(prompts, tmp_path / "whole", **lora_section), progress=False)
     score = rewards.score
 
     def score_then_stop(*args, **kwargs):
@@ -209,9 +212,9 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_
         return score(*args, **kwargs)
 
     monkeypatch.setattr(rewards, "score", score_then_stop)
-    stopped = train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
+    stopped = train.train(run_config(prompts, tmp_path / "resumed", **lora_section), progress=False)
     assert (stopped.step, stopped.stopped_by_signal, stopped.signal) == (2, True, signal.SIGTERM)
-    train.train(run_config(prompts, tmp_path / "resumed"), progress=False)
+    train.train(run_config(prompts, tmp_path / "resumed", **lora_section), progress=False)
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):  # every metric but the clock's and the noise scale's running averages, which restart

@@ -229,7 +229,7 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_
 def test_the_demos_prompts_are_each_question_once_and_its_rewards_check_fact_and_form(gpt2_bpe_file, tmp_path):
     """configs/demo-grpo.yaml's data and rewards: demo:prompts holds every wording of every fact once (the held-out
     questions are not asked in training), with its answer for the rewards; the full correct sentence earns 1, the
-    bare correct word or a full sentence with a wrong fact 0.5, a bare wrong word 0."""
+    bare correct word or a full sentence with a wrong fact 0.5, a bare wrong word or a sentence of another form 0."""
     from meshlm.demo_corpus import prepare_demo_records
     from meshlm.run_start import load_train_config
 
@@ -240,9 +240,10 @@ def test_the_demos_prompts_are_each_question_once_and_its_rewards_check_fact_and
     assert TokenDataset(folder, "val").kind == "prompts"
     cfg = load_train_config(REPO / "configs" / "demo-grpo.yaml")
     assert (cfg.data, cfg.objective, cfg.init_from) == ("demo:prompts", "grpo", "runs/demo-sft")
-    answers = [" The capital of Kenya is Nairobi.", " Nairobi.", " The capital of Kenya is Lima.", " Lima"]
+    answers = [" The capital of Kenya is Nairobi.", " Nairobi.", " The capital of Kenya is Lima.", " Lima",
+               " The capital is dry is dry."]  # fmt: skip
     completions = [[{"role": "assistant", "content": a}] for a in answers]
     prompt = [{"role": "user", "content": "What is the capital of Kenya?"}]
-    _, total = rewards.score(rewards.load(cfg.grpo.rewards), [prompt] * 4, completions, [[1]] * 4,
-                             {"answer": ["Nairobi"] * 4}, [0] * 4)  # fmt: skip
-    np.testing.assert_array_equal(total, [1.0, 0.5, 0.5, 0.0])
+    _, total = rewards.score(rewards.load(cfg.grpo.rewards), [prompt] * 5, completions, [[1]] * 5,
+                             {"answer": ["Nairobi"] * 5}, [0] * 5)  # fmt: skip
+    np.testing.assert_array_equal(total, [1.0, 0.5, 0.5, 0.0, 0.0])

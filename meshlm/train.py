@@ -381,7 +381,7 @@ class Run:
         return jax.jit(init, out_shardings=shardings.params)(jax.random.key(cfg.seed))
 
     def _reference_model(self, copy: bool) -> model.Params:
-        """A full DPO run's reference, its starting model: before the first step the state's own parameters
+        """A full DPO or GRPO run's reference, its starting model: before the first step the state's own parameters
         (a `copy` where they must outlive the step, which donates them), on resume rebuilt as they were."""
         if self.resumed:
             with jax.set_mesh(self.mesh):
@@ -389,8 +389,8 @@ class Run:
             if self.starting_weights not in (None, run_start.weights_fingerprint(params, self.mesh)):
                 raise ConfigError(
                     f"init_from {self.cfg.init_from}: not the starting model the run's checkpoints were trained "
-                    "from (its weights changed since), so the run's DPO reference cannot be rebuilt; restore that "
-                    "model, or train in a new out_dir"
+                    "from (its weights changed since), so the run's reference (DPO's, GRPO's) cannot be rebuilt; "
+                    "restore that model, or train in a new out_dir"
                 )
             return params
         if not copy:

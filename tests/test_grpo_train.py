@@ -108,7 +108,7 @@ def _policies(kind: str, base: model.Params, cfg: TrainConfig, eos: int) -> list
     return policies
 
 
-@pytest.mark.slow  # ~25 s on 2 cores: the engine's programs and the log-prob program compile
+@pytest.mark.slow  # ~20 s each on 2 cores: the engine's programs and the log-prob program compile
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, tmp_path, kind):
     """Rollouts by the engine at temperature 1, for one policy and then another handed over to the same engine (the
@@ -152,7 +152,7 @@ def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, t
         first = made.table
 
 
-@pytest.mark.slow  # ~30 s on 2 cores: a GRPO run of 4 steps, and the same rollout made again
+@pytest.mark.slow  # ~20-40 s on 2 cores: a GRPO run of 4 steps, and the same rollout made again
 def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_rollouts(prompts, tmp_path):
     """`meshlm train`'s library call, objective grpo: 4 steps (2 batches of rollouts, each trained twice, in 2
     micro-batches). Step 1's logged loss equals `grpo.policy_loss` recomputed here, micro-batch by micro-batch (trl's
@@ -192,7 +192,7 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     assert got[1]["reward"] == pytest.approx(float(made.metrics["reward"]), rel=1e-6)
 
 
-@pytest.mark.slow  # ~70 s each on 2 cores: three GRPO runs
+@pytest.mark.slow  # three GRPO runs: ~65 s alone on 2 cores, 5-20 s after the file's other tests compiled
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_and_losses(
     prompts, tmp_path, monkeypatch, kind

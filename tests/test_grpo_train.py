@@ -112,11 +112,11 @@ def _policies(kind: str, base: model.Params, cfg: TrainConfig, eos: int) -> list
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, tmp_path, kind):
     """Rollouts by the engine at temperature 1, for one policy and then another handed over to the same engine (the
-    full weights in place, or a LoRA adapter into its slot): every completion stops at EOS (kept as its last token,
-    as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and the old log-probs
-    the training program computes under the policy equal the log-probs the engine's sampler reported for the very
-    tokens it drew (two programs, one distribution), for the second policy too: nothing of the first one (weights,
-    adapter, prefix cache) is left in the engine."""
+    full weights in place, their very buffers, or a LoRA adapter into its slot): every completion stops at EOS (kept
+    as its last token, as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and
+    the old log-probs the training program computes under the policy equal the log-probs the engine's sampler
+    reported for the very tokens it drew (two programs, one distribution), for the second policy too: nothing of the
+    first one (weights, adapter, prefix cache) is left in the engine."""
     cfg = run_config(prompts, tmp_path, {"temperature": 1.0}, **({"lora": {"rank": 4}} if kind == "lora" else {}))
     mesh = make_mesh(None)
     train_ds, val = TokenDataset(cfg.data, "train"), TokenDataset(cfg.data, "val")
@@ -150,6 +150,10 @@ def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, t
         assert float(made.metrics["completions/max_length"]) == lengths.max()
         assert first is None or made.table != first  # the same seeds, another policy: other completions
         first = made.table
+        if kind == "full":  # handed over in place: the engine holds the very buffers the step trains
+            held = {k: v for k, v in rollouts.engine.runner.params.items() if k != "adapters"}
+            pointers = lambda tree: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+            assert pointers(held) == pointers(params)
 
 
 @pytest.mark.slow  # ~20-40 s on 2 cores: a GRPO run of 4 steps, and the same rollout made again

@@ -24,7 +24,7 @@ from meshlm.sharding import make_mesh
 from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import ROW_TOKENS, token_logps
 from tests.helpers.chat_templates import tokenizer_folder
-from tests.helpers.training import REPO
+from tests.helpers.training import REPO, run_cli_error
 
 PROMPT_LEN = 28  # the prompts dataset's seq_len: prompts of up to 29 tokens (these take 23 to 27: more than a KV page)
 MAX_TOKENS = 6
@@ -228,6 +228,28 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_
     for step in (3, 4):
         name = f"completions/step_{step:08d}.jsonl"
         assert (tmp_path / "resumed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+
+
+def refusing_reward(prompts, completions, answer, **columns):
+    """A reward function that fails on the record whose answer is 5 (its prompt asks for 2 + 3)."""
+    if "5" in answer:
+        raise ValueError("no reward for this one")
+    return [1.0] * len(completions)
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: a GRPO run up to its first rollouts
+def test_a_reward_function_that_raises_stops_meshlm_train_in_one_line_naming_it_and_the_record(
+    prompts, tmp_path, capsys
+):
+    """`meshlm train` on a config whose reward raises on one record: one line names the function and the record (the
+    row of the prompts dataset), the exception after them; no checkpoint is written."""
+    cfg = run_config(prompts, tmp_path / "run", {"rewards": [{"function": "tests.test_grpo_train:refusing_reward"}]},
+                     batch_size=32, micro_batches=1)  # fmt: skip
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    err = run_cli_error(capsys, str(config), "--no-progress")
+    assert err == "meshlm train: error: reward refusing_reward raised on record 2: ValueError: no reward for this one"
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
 
 
 def test_the_demos_prompts_are_each_question_once_and_its_rewards_check_fact_and_form(gpt2_bpe_file, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ from meshlm.tokenizer import Tokenizer
 from meshlm.train_step import ROW_TOKENS, batch_shardings, make_logps_step
 
 POLICY_ADAPTER = "policy"  # the engine's name for a LoRA run's adapter
+# The parts of making a batch of rollouts that `time/<part>_s` measure: the engine's sampling, the reward functions,
+# and the step's rows with their advantages and old and reference log-probs
+TIMED = ("generate", "rewards", "batch")
 VALIDATION_STEP = -1  # the "step" validation seeds are drawn from: the same completions' seeds at every validation
 
 
@@ -140,9 +144,12 @@ class Rollouts:
         G = s.num_generations
         rows = prompts.rows.reshape(-1)
         prompt_ids = _prompt_ids(prompts)
+        clock = [time.perf_counter()]
         self.use_policy(params)
         completions = self.generate([p for p in prompt_ids for _ in range(G)], step)
+        clock.append(time.perf_counter())
         per_function, ids, texts_prompts, texts = self.score("train", rows, completions, G)
+        clock.append(time.perf_counter())
         n = len(completions)
         tokens, weights, segments = (np.zeros((n, self.width), np.int32) for _ in range(3))
         truncated = np.array([c.finish_reason == "length" for c in completions])
@@ -162,11 +169,14 @@ class Rollouts:
             arrays["old_logps"] = self._logps(full, arrays)
         if s.beta:
             arrays["ref_logps"] = self._logps(reference, arrays)
+        clock.append(time.perf_counter())
         lengths = np.array([len(c) for c in ids])
         names = [r.name for r in self.rewards]
         metrics = {
             **grpo.reward_metrics(jnp.asarray(per_function), jnp.asarray(self.weights), names, G, s.scale_rewards),
             **grpo.completion_metrics(jnp.asarray(lengths), jnp.asarray(truncated)),
+            # where a batch of rollouts' time goes, beside the steps' (the log's tokens_per_s counts both)
+            **{f"time/{part}_s": jnp.asarray(dt) for part, dt in zip(TIMED, np.diff(clock), strict=True)},
         }
         table = [
             {"prompt": p, "completion": t, "rewards": dict(zip(names, map(_value, f), strict=True)),

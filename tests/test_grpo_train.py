@@ -167,7 +167,8 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     got = logged(tmp_path / "run")
     assert sorted(got) == [1, 2, 3, 4]
     for name in ("reward", "reward_std", "rewards/regex_format/mean", "rewards/exact_match/mean",
-                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio"):  # fmt: skip
+                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "time/generate_s",
+                 "time/rewards_s", "time/batch_s"):  # fmt: skip
         assert name in got[1] and name in got[3] and name not in got[2], name  # logged with their rollout's first step
     for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "grad_norm"):
         assert all(np.isfinite(got[step][name]) for step in got), name
@@ -221,9 +222,9 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_
     train.train(run_config(prompts, tmp_path / "resumed", **lora_section), progress=False)
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4]
-    for step in (3, 4):  # every metric but the clock's and the noise scale's running averages, which restart
+    for step in (3, 4):  # every metric but the clocks' and the noise scale's running averages, which restart
         for name, value in whole[step].items():
-            if name not in ("tokens_per_s", "mfu") and not name.startswith("noise/"):
+            if name not in ("tokens_per_s", "mfu") and not name.startswith(("noise/", "time/")):
                 assert resumed[step][name] == pytest.approx(value, rel=1e-6, nan_ok=True), (step, name)
     for step in (3, 4):
         name = f"completions/step_{step:08d}.jsonl"

@@ -505,7 +505,12 @@ class GrpoConfig:
     log-ratio. `epsilon_high` defaults to `epsilon`. `num_iterations` > 1 reuses a batch of completions
     for that many updates, clipped against the log-probs they were sampled with. `use_bias_correction_kl`
     (trl's default, true) weighs the KL term by the importance ratio, which changes its gradient even where the
-    ratio is 1: the unbiased gradient of KL(policy || reference)."""
+    ratio is 1: the unbiased gradient of KL(policy || reference).
+
+    Besides trl's settings: `rewards`, the reward functions and their weights (trl's `reward_funcs` and
+    `reward_weights`), as `meshlm.rewards.load` reads them: `[{function: module:name | built-in, weight: 1.0,
+    ...options}]`; `log_completions_every`, how often a table of the step's prompts, completions and rewards is
+    written to the run folder (trl's `log_completions`, every so many steps; 0: never)."""
 
     num_generations: int = 8
     max_completion_tokens: int = 512
@@ -520,11 +525,18 @@ class GrpoConfig:
     importance_sampling_level: str = "token"
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
+    rewards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    log_completions_every: int = 10
 
     def __post_init__(self) -> None:
         _check_int("grpo.num_generations", self.num_generations, minimum=2)  # a group needs two to have a spread
         for key in ("max_completion_tokens", "num_iterations"):
             _check_int(f"grpo.{key}", getattr(self, key), minimum=1)
+        _check_int("grpo.log_completions_every", self.log_completions_every, minimum=0)
+        if not isinstance(self.rewards, list) or not all(isinstance(r, dict) for r in self.rewards):
+            raise ConfigError(
+                f"train config: grpo.rewards must be a list of {{function, weight}} entries, got {self.rewards!r}"
+            )
         _check_float("grpo.temperature", self.temperature, lambda v: v > 0, "> 0")
         _check_float("grpo.top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         _check_float("grpo.beta", self.beta, lambda v: v >= 0, ">= 0")
@@ -575,7 +587,9 @@ class TrainConfig:
     overrides all feed this one dataclass; the defaults are the built-in CPU demo."""
 
     model: ModelConfig = PRESETS["gptj-demo"]
-    data: str | None = None  # a prepared dataset folder; None: the built-in demo corpus; demo:chats, demo:pairs
+    data: str | None = (
+        None  # a prepared dataset folder; None: the built-in demo corpus; demo:chats, demo:pairs, demo:prompts
+    )
     val_data: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "folder" or "folder:split"
     out_dir: str = "runs/demo"
     log_dir: str | None = None  # metrics (JSONL, TensorBoard, W&B files): out_dir unless set; local
@@ -697,6 +711,8 @@ class TrainConfig:
                 raise ConfigError(
                     f"train config: {section} settings apply to objective {section}, but objective is {self.objective}"
                 )
+        if self.objective == "grpo":
+            self._check_grpo()
         if self.z_loss and self.objective != "lm":
             raise ConfigError(f"train config: z_loss applies to objective lm only, not {self.objective}")
         if self.lora is not None and self.dpo.reference == "copy":
@@ -711,6 +727,22 @@ class TrainConfig:
                 raise ConfigError(
                     f"train config: base_dtype {self.base_dtype!r} needs a lora section: a frozen base is trained "
                     "only through an adapter (a full fine-tune stores its weights as param_dtype)"
+                )
+
+    def _check_grpo(self) -> None:
+        """A step trains on the completions of whole prompt groups, and a batch of rollouts is trained on for
+        `num_iterations` steps together: checkpoints and the end fall between batches of rollouts."""
+        g = self.grpo
+        if self.batch_size % g.num_generations:
+            raise ConfigError(
+                f"train config: batch_size ({self.batch_size}) counts completions: it must be a multiple of "
+                f"grpo.num_generations ({g.num_generations})"
+            )
+        for key in ("total_steps", "ckpt_every"):
+            if getattr(self, key) % g.num_iterations:
+                raise ConfigError(
+                    f"train config: {key} ({getattr(self, key)}) must be a multiple of grpo.num_iterations "
+                    f"({g.num_iterations}): a batch of rollouts trains that many steps, and a run saves between them"
                 )
 
     @property

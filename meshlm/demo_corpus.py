@@ -1,5 +1,6 @@
 """The built-in demo data: a corpus of text every Python install carries, tokenized in-process (GPT-2 BPE, or
-the tokenizer of the model a run fine-tunes), and synthetic chats and preference pairs for the SFT and DPO demos.
+the tokenizer of the model a run fine-tunes), and synthetic chats, preference pairs and prompts for the SFT, DPO and
+GRPO demos.
 
 The Python reference's topic help (`pydoc_data.topics`) plus the docstrings of a few dozen standard
 library modules, each paragraph reflowed onto one line: about 0.9 million characters of
@@ -106,11 +107,12 @@ def prepare_demo_corpus(
     return folder
 
 
-# The built-in instruction and preference data: `data: demo:chats` (SFT) and `data: demo:pairs` (DPO/ORPO).
-# Questions about a few facts, answered either in a full sentence or in one word; the pairs prefer the full,
-# correct sentence over a one-word or wrong answer, a preference the chats leave open (half and half), so
-# DPO has something to learn that SFT did not already settle.
-DEMO_DATA = {"demo:chats": "messages", "demo:pairs": "preference"}
+# The built-in instruction, preference and prompt data: `data: demo:chats` (SFT), `data: demo:pairs` (DPO/ORPO)
+# and `data: demo:prompts` (GRPO). Questions about a few facts, answered either in a full sentence or in one
+# word; the pairs prefer the full, correct sentence over a one-word or wrong answer, a preference the chats
+# leave open (half and half), so DPO has something to learn that SFT did not already settle. The prompts are
+# the questions with their answers beside them, for rewards that check the fact and the sentence (GRPO).
+DEMO_DATA = {"demo:chats": "messages", "demo:pairs": "preference", "demo:prompts": "prompt"}
 DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m.role == 'system' %}{{ m.content }}\n"
@@ -164,9 +166,14 @@ def _answer(rel: str, x: str, y: str, full: bool) -> str:
 def demo_records(kind: str, n: int, seed: int = 0) -> list[dict]:
     """`n` synthetic records of `kind` ("messages": chats of one to three questions, each answered in a full
     sentence or in one word; "preference": one question, the full correct sentence chosen over a one-word
-    answer or a full sentence with another fact's answer)."""
+    answer or a full sentence with another fact's answer; "prompt": a question with its one-word answer, each
+    fact's each wording once, in a random order, at most `n` of them)."""
     rng = np.random.default_rng(seed)
     facts = _facts()
+    if kind == "prompt":
+        asked = [(QUESTIONS[rel][k].format(x=x), y) for rel, x, y in facts for k in range(len(QUESTIONS[rel]))]
+        return [{"prompt": [{"role": "user", "content": asked[i][0]}], "answer": asked[i][1]}
+                for i in rng.permutation(len(asked))[:n]]  # fmt: skip
     answers = {rel: [y for r, _, y in facts if r == rel] for rel in FACTS}
 
     def question(i: int) -> tuple[str, str, str, str]:
@@ -213,5 +220,7 @@ def prepare_demo_records(folder: str | Path, name: str, seq_len: int, tokenizer:
     template = source / "chat_template.jinja"
     template.write_text(DEMO_CHAT_TEMPLATE, encoding="utf-8")
     path = getattr(tokenizer, "path", None)  # None: GPT-2 BPE
-    prepare([records], folder, seq_len, tokenizer=path, val_fraction=0.1, chat_template=template, overwrite=True)
+    objective = "grpo" if kind == "prompt" else None
+    prepare([records], folder, seq_len, tokenizer=path, val_fraction=0.1, chat_template=template, overwrite=True,
+            objective=objective)  # fmt: skip
     return folder

@@ -7,7 +7,11 @@ The math is trl 1.16's (`DPOTrainer._compute_loss`, `ORPOTrainer.odds_ratio_loss
 - preference rows come interleaved, chosen_0, rejected_0, chosen_1, ...: a pair is rows 2j and 2j + 1;
 - each objective's loss and metrics are means over its units, tokens for `lm` and pairs for `dpo` and
   `orpo`, and a step's micro-batches combine by their unit counts: `lm` is then normalised by the loss
-  tokens of the whole batch (trl's `num_items_in_batch`), and a preference step is the mean over its pairs.
+  tokens of the whole batch (trl's `num_items_in_batch`), and a preference step is the mean over its pairs;
+- `grpo` (trl's `GRPOTrainer._compute_loss`, math in `meshlm.grpo`) counts each micro-batch as one unit: trl
+  divides each micro-batch's grpo, bnpo or dr_grpo loss by the gradient-accumulation steps, so a step is the
+  mean of its micro-batches' losses, and its dapo loss by the whole batch's loss tokens, which the rollout
+  loop hands each micro-batch divided by their number (`dapo_tokens`), so that their mean is trl's sum.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshlm.config import ConfigError, DpoConfig, TrainConfig
+from meshlm import grpo as grpo_math
+from meshlm.config import DpoConfig, TrainConfig
 
 LN2 = 0.6931471805599453
 
@@ -36,6 +41,8 @@ class Inputs(NamedTuple):
     # sum of weights * (nll + z_loss * log_z^2), computed by the model with its gradient (an objective that
     # declares `token_sum`); the same number from nll and log_z costs the backward pass a sweep over the head
     total: jax.Array | None = None
+    entropy: jax.Array | None = None  # [R, T] each prediction's entropy, at the sampling temperature (GRPO)
+    rollout: dict[str, jax.Array] | None = None  # what the rollout loop computed for each row (GRPO: ROLLOUT_KEYS)
 
     @classmethod
     def of(
@@ -45,15 +52,17 @@ class Inputs(NamedTuple):
         batch: dict[str, jax.Array],
         reference: jax.Array | None = None,
         total: jax.Array | None = None,
+        entropy: jax.Array | None = None,
     ) -> Inputs:
         """From the model's per-target outputs and a batch of rows {"tokens", "weights", "segments"}
-        [R, T + 1] (and "examples" [R] for an evaluation batch): a target lies inside a document when its
-        input token belongs to the same one."""
+        [R, T + 1] (and "examples" [R] for an evaluation batch, the `ROLLOUT_KEYS` of a GRPO batch): a
+        target lies inside a document when its input token belongs to the same one."""
         examples = _examples(batch)
         segments = batch["segments"]
         in_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         weights = target_weights(batch)
-        return cls(nll, log_z, weights, in_document * examples[:, None], examples, reference, total)
+        rollout = {k: batch[k] for k in ROLLOUT_KEYS if k in batch} or None
+        return cls(nll, log_z, weights, in_document * examples[:, None], examples, reference, total, entropy, rollout)
 
 
 def _examples(batch: dict[str, jax.Array]) -> jax.Array:
@@ -177,10 +186,39 @@ def _reward_metrics(
     }
 
 
+# A GRPO batch's arrays beside its rows: per row the advantage and DAPO's normaliser, per token (aligned with
+# "tokens", as "weights" are) the log-probs under the rollout's weights (num_iterations > 1) and the reference's
+# (beta > 0), each computed by the rollout loop before the step.
+ROLLOUT_KEYS = ("advantages", "dapo_tokens", "old_logps", "ref_logps")
+
+
+def grpo(cfg: TrainConfig, x: Inputs) -> Result:
+    """GRPO and its variants (`meshlm.grpo.policy_loss`) on the completions' log-probs at the sampling temperature
+    (-nll), the completion tokens' weights as the mask; one unit per micro-batch (see the module's notes)."""
+    r = x.rollout
+    per_token = {k: r[k][:, 1:] for k in ("old_logps", "ref_logps") if k in r}
+    dapo_tokens = r["dapo_tokens"][0] if "dapo_tokens" in r else None
+    loss, metrics = grpo_math.policy_loss(
+        cfg.grpo, -x.nll, x.entropy, r["advantages"], x.weights, per_token.get("old_logps"),
+        per_token.get("ref_logps"), dapo_tokens,
+    )  # fmt: skip
+    return Result(loss, metrics, jnp.ones((), jnp.float32))
+
+
+def rollout_keys(cfg: TrainConfig) -> tuple[str, ...]:
+    """The `ROLLOUT_KEYS` a GRPO run's batches carry: the ones its settings need."""
+    s = cfg.grpo
+    needed = {"advantages": True, "dapo_tokens": s.loss_type == "dapo", "old_logps": s.num_iterations > 1,
+              "ref_logps": s.beta > 0}  # fmt: skip
+    return tuple(k for k in ROLLOUT_KEYS if needed[k]) if cfg.objective == "grpo" else ()
+
+
 @dataclass(frozen=True)
 class Objective:
     loss: Callable[[TrainConfig, Inputs], Result]
-    data: str  # the kind of dataset it trains on: "lm" (text) or "preference" (interleaved pairs)
+    # the kind of dataset it trains on: "lm" (text), "preference" (interleaved pairs) or "prompts" (it trains on
+    # completions sampled for them: its rows are a prompt and a completion, their logits taken whole)
+    data: str
     reference: bool  # whether it needs the reference model's row log-probs (`Inputs.reference`)
     # whether its loss is `Inputs.total` divided by the summed weights: the model then computes its LM
     # head's whole gradient in the forward pass (`meshlm.fused_ce`)
@@ -196,11 +234,5 @@ OBJECTIVES: dict[str, Objective] = {
     "lm": Objective(lm, "lm", reference=False, token_sum=True),
     "dpo": Objective(dpo, "preference", reference=True),
     "orpo": Objective(orpo, "preference", reference=False),
+    "grpo": Objective(grpo, "prompts", reference=False),
 }
-
-
-def check_trainable(cfg: TrainConfig) -> None:
-    """Refuse, in one line, an objective the config accepts but no step trains yet: GRPO's loss exists
-    (`meshlm.grpo`), its rollout loop does not (issue 41)."""
-    if cfg.objective not in OBJECTIVES:
-        raise ConfigError(f"objective {cfg.objective}: the rollout loop is not built yet, so it cannot train")

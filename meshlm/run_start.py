@@ -82,6 +82,11 @@ def open_datasets(
         check_kind(cfg, train_ds)
         return train_ds, {"val": val}
     if cfg.data is None:
+        if OBJECTIVES[cfg.objective].data == "prompts":
+            raise ConfigError(
+                f"objective {cfg.objective} trains on prompts: set data to a folder `meshlm prepare --objective grpo` "
+                'made from {"prompt"} records, or to the built-in demo:prompts'
+            )
         if OBJECTIVES[cfg.objective].data != "lm":
             raise ConfigError(
                 f"objective {cfg.objective} trains on preference pairs: set data to a folder `meshlm prepare` made "
@@ -198,6 +203,12 @@ def resolve(
         )
     if train_ds.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data seq_len {train_ds.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    if cfg.objective == "grpo" and train_ds.seq_len + 1 + cfg.grpo.max_completion_tokens > model_cfg.max_seq_len:
+        raise ConfigError(
+            f"grpo.max_completion_tokens {cfg.grpo.max_completion_tokens}: after prompts of up to "
+            f"{train_ds.seq_len + 1} tokens (the data's rows) a completion would pass the model's max_seq_len "
+            f"{model_cfg.max_seq_len}"
+        )
     if train_ds.eos_id >= model_cfg.vocab_size:
         raise ConfigError(
             f"the data's end-of-text id is {train_ds.eos_id}, beyond the model's vocab_size {model_cfg.vocab_size}; "

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from meshlm import api, footprint, model, run_start
+from meshlm import api, footprint, model, rollout, run_start
 from meshlm.config import (
     RUN_CHECKPOINTS,
     ConfigError,
@@ -42,9 +42,10 @@ from meshlm.formats import native
 from meshlm.loader import LoaderState, TrainLoader, eval_batches
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.metrics import MetricsLog, NoiseScale, flops_per_token, peak_flops
-from meshlm.objectives import OBJECTIVES, check_trainable
+from meshlm.objectives import OBJECTIVES
 from meshlm.paths import as_path
 from meshlm.sharding import describe, make_mesh
+from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import (
     ROW_TOKENS,
     StepProgram,
@@ -119,7 +120,6 @@ def train(
 
     Raises TrainingStopped when the loss turns non-finite or a checkpoint cannot be written (the last good
     checkpoint stays), and Interrupted for a signal that comes before the first step."""
-    check_trainable(cfg)
     if cfg.eval_tasks and cfg.eval_every and evaluate_tasks is None:
         raise ConfigError(
             "eval_tasks are run by an evaluator handed to train(): train(cfg, evaluate_tasks="
@@ -207,22 +207,26 @@ def _train(
 ) -> TrainResult:
     start = run_start.resolve(cfg, ckpts, train_ds, val_sets, mesh)
     cfg = start.cfg
-    program, step_fn, used = compile_step(cfg, mesh, train_ds.seq_len)
+    seq_len = rollout.step_seq_len(cfg, train_ds.seq_len) if cfg.objective == "grpo" else train_ds.seq_len
+    program, step_fn, used = compile_step(cfg, mesh, seq_len)
     _stop_if_signalled(signals)
     run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
     jax.block_until_ready(run.state)  # nothing in flight when a signal stops the run here
     _stop_if_signalled(signals)
     run.prepare_reference(progress, lambda: _stop_if_signalled(signals))
     result = TrainResult(run.out_dir, run.step, memory=used)
-    log = StepLog(cfg, mesh, train_ds.seq_len, run, result, progress)
-    examples = "pairs" if OBJECTIVES[cfg.objective].data == "preference" else "sequences"
+    log = StepLog(cfg, mesh, seq_len, run, result, progress)
+    examples = {"preference": "pairs", "prompts": "prompts"}.get(OBJECTIVES[cfg.objective].data, "sequences")
     run.show(f"meshlm train: {run.describe()} on {describe(mesh)}; {len(train_ds):,} train {examples}")
 
     first = step = run.step
     pending = None
     with jax.set_mesh(mesh), log:
-        while step < cfg.total_steps and not _any_process(bool(signals)):
-            run.state, metrics = step_fn(run.state, run.batch(next(run.loader)), *run.frozen_args)
+        # a run stops between batches of rollouts (each trains `steps_per_batch` steps): it saves no rollouts
+        while step < cfg.total_steps and not (step % run.steps_per_batch == 0 and _any_process(bool(signals))):
+            batch, rollout_metrics = run.next_batch(step)
+            run.state, metrics = step_fn(run.state, batch, *run.frozen_args)
+            metrics |= rollout_metrics
             step += 1
             ckpts.check()  # a background save that failed stops the run now, not at the next save
             if pending:  # a step's metrics are read once the next step is queued: the devices never wait
@@ -301,18 +305,48 @@ class Run:
         # checkpoints, so that a resume that rebuilds the reference knows it for the same model
         self.starting_weights: str | None = None
         self.state, loader_state, self.step = self._initial_state(program, start)
-        if OBJECTIVES[cfg.objective].reference and cfg.lora is None and not self.resumed:
+        reference = OBJECTIVES[cfg.objective].reference or frozen_model(cfg) == "reference"
+        if reference and cfg.lora is None and not self.resumed:
             self.starting_weights = run_start.weights_fingerprint(self.state.params, mesh)
         if frozen_model(cfg) == "reference":
             self.frozen = self._reference_model(copy=True)
         self.reference: dict[str, np.ndarray] | None = None  # precomputed reference log-probs (`prepare_reference`)
         self.last_saved = self.step
         process, processes = jax.process_index(), jax.process_count()
-        self.loader = TrainLoader(
-            train_ds, cfg.batch_size, cfg.micro_batches, cfg.seed, process, processes, loader_state
+        # GRPO's loader reads prompts, each sampled num_generations times
+        examples, micro = (
+            (rollout.prompts_per_step(cfg), 1) if cfg.objective == "grpo" else (cfg.batch_size, cfg.micro_batches)
         )
+        self.loader = TrainLoader(train_ds, examples, micro, cfg.seed, process, processes, loader_state)
         self.eval_fn = make_eval_step(cfg, cfg.model, mesh)
         self.main = jax.process_index() == 0  # only process 0 prints
+        self.rollouts: rollout.Rollouts | None = None
+        self.rollout: rollout.Rollout | None = None  # the batch of rollouts the steps train on now (GRPO)
+        if cfg.objective == "grpo":
+            weights = self.state.params if cfg.lora is None else self.frozen
+            tokenizer = load_tokenizer(None, self.out_dir)
+            self.rollouts = rollout.Rollouts(cfg, mesh, train_ds, val_sets, weights, tokenizer)
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Steps one batch of the loader feeds: GRPO trains `num_iterations` steps on each batch of rollouts."""
+        return self.cfg.grpo.num_iterations if self.rollouts is not None else 1
+
+    def next_batch(self, step: int) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """The batch of step `step` + 1, laid out over the mesh, and the metrics of its making: a GRPO run's
+        rollouts, made anew every `steps_per_batch` steps, with their rewards (logged with their first step), and
+        every `log_completions_every` steps their completions to the run's log folder."""
+        if self.rollouts is None:
+            return self.batch(next(self.loader)), {}
+        metrics = {}
+        if step % self.steps_per_batch == 0:
+            # the KL's reference (beta > 0): the frozen starting model, or a LoRA run's base with the adapter off
+            self.rollout = self.rollouts.make(self.state.params, self.full(), self.frozen, next(self.loader), step)
+            metrics = self.rollout.metrics
+        every = self.cfg.grpo.log_completions_every
+        if every and (step + 1) % every == 0 and self.main:
+            rollout.write_table(Path(self.cfg.metrics_dir), step + 1, self.rollout.table)
+        return _place(self.rollout.batch, self.program.inputs[1]), metrics
 
     def _initial_state(self, program: StepProgram, start: run_start.Start) -> tuple[TrainState, LoaderState, int]:
         cfg, shardings = self.cfg, program.shardings
@@ -347,7 +381,7 @@ class Run:
         return jax.jit(init, out_shardings=shardings.params)(jax.random.key(cfg.seed))
 
     def _reference_model(self, copy: bool) -> model.Params:
-        """A full DPO run's reference, its starting model: before the first step the state's own parameters
+        """A full DPO or GRPO run's reference, its starting model: before the first step the state's own parameters
         (a `copy` where they must outlive the step, which donates them), on resume rebuilt as they were."""
         if self.resumed:
             with jax.set_mesh(self.mesh):
@@ -355,8 +389,8 @@ class Run:
             if self.starting_weights not in (None, run_start.weights_fingerprint(params, self.mesh)):
                 raise ConfigError(
                     f"init_from {self.cfg.init_from}: not the starting model the run's checkpoints were trained "
-                    "from (its weights changed since), so the run's DPO reference cannot be rebuilt; restore that "
-                    "model, or train in a new out_dir"
+                    "from (its weights changed since), so the run's reference (DPO's, GRPO's) cannot be rebuilt; "
+                    "restore that model, or train in a new out_dir"
                 )
             return params
         if not copy:
@@ -475,8 +509,11 @@ class Run:
 
     def validate(self) -> dict[str, float]:
         """The objective on each validation set's first `val_batches` batches: its mean loss (per token, or
-        per pair) as `val/<name>`, and its other metrics (trl's, for preference data) as `val/<name>/<metric>`."""
+        per pair) as `val/<name>`, and its other metrics (trl's, for preference data) as `val/<name>/<metric>`;
+        for GRPO, the rewards of completions of its prompts (`Rollouts.validate`)."""
         cfg, values = self.cfg, {}
+        if self.rollouts is not None:
+            return self.rollouts.validate(self.state.params)
         for name, ds in self.val_sets.items():
             spec = abstract_batch(self.mesh, eval_keys(cfg), (rows_per_micro_batch(cfg),), ds.seq_len)
             sums: dict[str, float] = {}
@@ -556,6 +593,8 @@ class StepLog:
             if "rewards/margins" in values:  # a preference objective: what it is learning, beside its loss
                 margin, accuracy = values["rewards/margins"], values["rewards/accuracies"]
                 rewards = f", reward margin {margin:.3f}, accuracy {accuracy:.2f}"
+            if "reward" in values:  # GRPO, on a step that made rollouts: their mean reward
+                rewards = f", reward {values['reward']:.3f}"
             self.say(
                 f"step {step}: loss {values['loss']:.4f}{rewards}, lr {values['lr']:.3e}, grad norm "
                 f"{values['grad_norm']:.3f}, {values['tokens_per_s']:,.0f} tokens/s, MFU {values['mfu']:.1%}"

@@ -3,7 +3,7 @@ accumulation over micro-batches inside it, built before anything is allocated (`
 `meshlm train` runs and `meshlm plan` measures the same compiled program.
 
 The step runs the model on a batch of rows (tokens, loss weights, document segments) and takes the loss
-from the objective table (`meshlm.objectives`): next-token loss, DPO or ORPO, never a branch here.
+from the objective table (`meshlm.objectives`): next-token loss, DPO, ORPO or GRPO, never a branch here.
 
 Parameters are kept in `param_dtype` and cast to `compute_dtype` inside the model; the optimizer state
 takes the parameters' shardings, so with an `fsdp` axis it is sharded ZeRO-3 style. With a `lora`
@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshlm import footprint, model
+from meshlm import footprint, grpo, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, Policy, TrainConfig
 from meshlm.lora import base_storage
-from meshlm.objectives import OBJECTIVES, Inputs, Result, sequence_logps, target_weights
+from meshlm.objectives import OBJECTIVES, Inputs, Result, rollout_keys, sequence_logps, target_weights
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
 from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
@@ -64,17 +64,23 @@ def abstract_state(
     return with_shardings(abstract, shardings.params), with_shardings(opt, shardings.opt_state)
 
 
-# The arrays of a batch: per row and token [..., rows, seq_len + 1], or per row [..., rows].
+# The arrays of a batch: per row and token [..., rows, seq_len + 1], or per row [..., rows]. A GRPO batch's
+# per-token log-probs are aligned with its tokens, as the weights are (0 at the first token).
 ROW_TOKENS = {"tokens": jnp.int32, "weights": jnp.float32, "segments": jnp.int32}
-PER_ROW = {"reference": jnp.float32, "examples": jnp.float32, "rows": jnp.int32}
+PER_TOKEN = {**ROW_TOKENS, "old_logps": jnp.float32, "ref_logps": jnp.float32}
+PER_ROW = {"reference": jnp.float32, "examples": jnp.float32, "rows": jnp.int32, "advantages": jnp.float32,
+           "dapo_tokens": jnp.float32}  # fmt: skip
 
 
 def frozen_model(cfg: TrainConfig) -> str | None:
     """What the step's frozen argument (after the batch) is: a LoRA run's "base", a full DPO run's frozen copy
-    of its starting model ("reference", with `dpo.reference: copy`), or None: no such argument."""
+    of its starting model ("reference", with `dpo.reference: copy`; a full GRPO run's with beta > 0, whose
+    reference log-probs the rollout loop computes from it), or None: no such argument."""
     if cfg.lora is not None:
         return "base"
     if OBJECTIVES[cfg.objective].reference and cfg.dpo.reference == "copy":
+        return "reference"
+    if cfg.objective == "grpo" and cfg.grpo.beta:
         return "reference"
     return None
 
@@ -89,7 +95,7 @@ def batch_keys(cfg: TrainConfig) -> tuple[str, ...]:
     """The arrays of a training batch: the rows, and for a full DPO run without a frozen copy the reference
     log-probs precomputed before training."""
     precomputed = OBJECTIVES[cfg.objective].reference and not reference_in_step(cfg)
-    return (*ROW_TOKENS, *(("reference",) if precomputed else ()))
+    return (*ROW_TOKENS, *(("reference",) if precomputed else ()), *rollout_keys(cfg))
 
 
 def rows_per_micro_batch(cfg: TrainConfig) -> int:
@@ -100,15 +106,15 @@ def rows_per_micro_batch(cfg: TrainConfig) -> int:
 def batch_shardings(mesh: Mesh, keys: tuple[str, ...], leading: int = 0) -> dict[str, NamedSharding]:
     """Rows split over the mesh's batch axes; `leading` axes (the micro-batches) whole."""
     lead = (None,) * leading
-    return {k: named_sharding(mesh, (*lead, "batch", "seq") if k in ROW_TOKENS else (*lead, "batch")) for k in keys}
+    return {k: named_sharding(mesh, (*lead, "batch", "seq") if k in PER_TOKEN else (*lead, "batch")) for k in keys}
 
 
 def abstract_batch(mesh: Mesh, keys: tuple[str, ...], rows: tuple[int, ...], seq_len: int) -> dict[str, Any]:
     """ShapeDtypeStructs with shardings of a batch's arrays, `rows` [..., rows] of `seq_len + 1` tokens each."""
     shardings = batch_shardings(mesh, keys, len(rows) - 1)
     return {
-        k: jax.ShapeDtypeStruct((*rows, seq_len + 1), ROW_TOKENS[k], sharding=s)
-        if k in ROW_TOKENS
+        k: jax.ShapeDtypeStruct((*rows, seq_len + 1), PER_TOKEN[k], sharding=s)
+        if k in PER_TOKEN
         else jax.ShapeDtypeStruct(rows, PER_ROW[k], sharding=s)
         for k, s in shardings.items()
     }
@@ -121,16 +127,38 @@ def row_logps(params: model.Params, batch: dict[str, jax.Array], model_cfg: Mode
     return sequence_logps(nll, batch["weights"][:, 1:])
 
 
+def token_logps(
+    params: model.Params,
+    batch: dict[str, jax.Array],
+    model_cfg: ModelConfig,
+    policy: Policy,
+    temperature: float,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Each target's log-prob and each prediction's entropy [R, T] of rows {"tokens", "segments"} [R, T + 1]
+    under the logits over the sampling temperature (`grpo.token_logps_and_entropy`): what a GRPO step trains
+    on, and what the rollout loop computes its old and reference log-probs with. The logits exist whole."""
+    tokens, segments = batch["tokens"], batch["segments"]
+    x = model.hidden_states(
+        params, tokens[:, :-1], model_cfg, policy, segments=segments[:, :-1], dropout_key=dropout_key
+    )
+    return grpo.token_logps_and_entropy(model.unembed(params, x, model_cfg), tokens[:, 1:], temperature)
+
+
 def objective_forward(cfg: TrainConfig, model_cfg: ModelConfig, policy: Policy) -> Callable[..., Result]:
     """`forward(params, frozen, batch, dropout_key=None) -> Result`: the run's objective on a batch of rows.
     The model is `params`, or a LoRA run's `frozen` base with `params` as its adapter; DPO's reference
-    log-probs come with the batch, or from the `frozen` model (a LoRA run's base: the adapter switched off)."""
+    log-probs come with the batch, or from the `frozen` model (a LoRA run's base: the adapter switched off).
+    An objective on prompts (GRPO) sees the targets' log-probs and entropies at the sampling temperature."""
     objective = OBJECTIVES[cfg.objective]
 
     def forward(
         params: model.Params, frozen: model.Params | None, batch: dict[str, jax.Array], key: jax.Array | None = None
     ) -> Result:
         full = params if cfg.lora is None else {**frozen, "lora": params}
+        if objective.data == "prompts":
+            logps, entropy = token_logps(full, batch, model_cfg, policy, cfg.grpo.temperature, key)
+            return objective.loss(cfg, Inputs.of(-logps, jnp.zeros_like(logps), batch, entropy=entropy))
         weights = target_weights(batch) if objective.token_sum else None
         tokens, segments = batch["tokens"], batch["segments"]
         out = model.target_nll(
@@ -319,6 +347,19 @@ def make_reference_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) ->
         in_shardings=(None, batch_shardings(mesh, (*ROW_TOKENS, "rows"))),
         out_shardings=(replicated, replicated),
     )
+
+
+def make_logps_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Callable[..., jax.Array]:
+    """`logps(params, batch) -> [rows, seq_len + 1]`: `token_logps` of a GRPO micro-batch under the model
+    `params` (the policy, or its reference), without dropout, aligned with the tokens as the step's
+    "old_logps" and "ref_logps" are (0 before the first target)."""
+    policy = replace(cfg.policy, remat="none")
+
+    def logps(params: model.Params, batch: dict[str, jax.Array]) -> jax.Array:
+        values, _ = token_logps(params, batch, model_cfg, policy, cfg.grpo.temperature)
+        return jnp.pad(values, ((0, 0), (1, 0)))
+
+    return jax.jit(logps, in_shardings=(None, batch_shardings(mesh, tuple(ROW_TOKENS))))
 
 
 def check_batch(cfg: TrainConfig, mesh: Mesh) -> None:

@@ -16,7 +16,7 @@ FLOORS = {
     4: "formats data prepare loader corpus demo_corpus",
     5: "train_step optim metrics objectives grpo rewards",
     6: "api __init__ generate grammar",  # generate, grammar: the serving wing's deprecated re-exports
-    7: "train planner run_start distributed",
+    7: "train rollout planner run_start distributed",
     8: "http evaluate",  # the HTTP wing (meshlm/http/): its own floors are HTTP_FLOORS below
     9: "cli __main__",
 }

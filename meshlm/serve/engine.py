@@ -182,6 +182,17 @@ class Engine:
         """A clear error (InputError) for a request that can never run."""
         self.scheduler.check(prompt_len, max_new)
 
+    def update_weights(self, params: model.Params) -> None:
+        """Generate with new weights of the same model from now on (a trainer's policy after its update): they
+        replace the engine's own, laid out by its `rules` (a trainer's weights laid out so are not copied). Only
+        while no request is queued or running; the prefix cache, computed with the old weights, is emptied."""
+        with self._device:
+            if self.scheduler.has_work() or (self._loop is not None and self._loop.waiting):
+                raise InputError("an engine's weights change only while no request is queued or running")
+            self.runner.set_weights(params)
+            self.scheduler.pool.recycle(self.runner.zero_pages)
+            self.scheduler.pool.reset()
+
     # adapters -------------------------------------------------------------------------------------
 
     def adapter_sources(self) -> dict[str, str]:

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from meshlm import kv_cache, lora, model, quant
-from meshlm.config import ModelConfig, dtype_of
+from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
 from meshlm.param import axes_of, is_param
 from meshlm.serve.batch import (
@@ -503,6 +503,16 @@ class Runner:
         self.compiled_shapes, self.compile_seconds = 0, 0.0
         self.compiles_since_warm_up = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
         self.reset()
+
+    def set_weights(self, params: model.Params) -> None:
+        """New weights of the same shapes and dtypes (a trainer's policy after an update), laid out by the runner's
+        rules (not copied where they lie so already); the adapter slots stay. Every compiled program serves them."""
+        old = {k: v for k, v in self.params.items() if k != "adapters"}
+        shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+        if jax.tree.structure(params) != jax.tree.structure(old) or shapes(params) != shapes(old):
+            raise InputError("new weights must have the shapes and dtypes of the engine's own")
+        slots = {"adapters": self.params["adapters"]} if "adapters" in self.params else {}
+        self.params = {**place(params, self.cfg, self.mesh, self.rules), **slots}
 
     # adapter slots --------------------------------------------------------------------------------
 

@@ -200,6 +200,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_a_crash(tmp_path, dataset):
             assert saved == metrics_losses(run)[-1][0]  # the final checkpoint is the last step run
 
 
+@pytest.mark.slow
 def test_resumed_metrics_hold_each_step_once(tmp_path, dataset):
     cfg = tiny_config(dataset, tmp_path / "run", total_steps=6, ckpt_every=3)
     train.train(cfg, progress=False)

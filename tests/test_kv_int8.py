@@ -73,6 +73,7 @@ def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=tolerance, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
 def test_a_model_decodes_over_an_int8_pool_as_over_a_float_pool(attention):
     """A fixed text's log-probabilities, prompt by prefill then token by token, differ from the float32

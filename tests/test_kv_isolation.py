@@ -67,6 +67,7 @@ def lm(tmp_path_factory) -> meshlm.LanguageModel:
     return meshlm.load(Path(base), adapters={"nan": folder})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["xla", "pallas"])  # the pool gathered, or read in place by a paged kernel
 def test_a_failed_rows_pages_reach_no_later_row(lm, attention):
     engine = lm.engine(attention=attention, adapters=lm.adapters, max_batch=2, kv_tokens=4 * PAGE)

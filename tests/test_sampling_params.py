@@ -458,6 +458,7 @@ def test_a_slots_output_counts_start_again_for_its_next_row(lm, hf_tiny, rows):
 TEXTS = ["Hello world, this is", "The quick brown fox"]
 
 
+@pytest.mark.slow
 def test_include_stop_str_in_output_keeps_the_stop_string(text_lm):
     free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop_token_ids=[])
     stop = free[0][6:10]

@@ -109,28 +109,21 @@ def test_test_modules_share_helpers_and_fixtures_never_each_other():
     assert {name: sorted(found) for name, found in reaching.items() if found} == {}
 
 
-def test_every_serving_module_has_a_floor_in_the_wing():
-    wing = {m.removeprefix("serve.") for m in modules() if table_name(m) == "serve"}
-    assert sorted(wing ^ set(SERVE_FLOOR)) == []
+WING_FLOOR = {"serve": SERVE_FLOOR, "http": HTTP_FLOOR}  # each wing's own floors, by module name inside it
 
 
-@pytest.mark.parametrize("module", sorted(m for m in modules() if table_name(m) == "serve"))
-def test_serving_imports_point_down_inside_the_wing(module):
-    here = SERVE_FLOOR[module.removeprefix("serve.")]
-    inside = {m.removeprefix("serve.") for m in imports(modules()[module]) if m.startswith("serve.")}
-    above = {m for m in inside if SERVE_FLOOR[m] > here}
+@pytest.mark.parametrize("wing", sorted(WING_FLOOR))
+def test_every_module_of_a_wing_has_a_floor_in_it(wing):
+    found = {m.removeprefix(f"{wing}.") for m in modules() if table_name(m) == wing}
+    assert sorted(found ^ set(WING_FLOOR[wing])) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules() if table_name(m) in WING_FLOOR))
+def test_imports_point_down_inside_each_wing(module):
+    wing = table_name(module)
+    floor = WING_FLOOR[wing]
+    here = floor[module.removeprefix(f"{wing}.")]
+    inside = {m.removeprefix(f"{wing}.") for m in imports(modules()[module]) if m.startswith(f"{wing}.")}
+    above = {m for m in inside if floor[m] > here}
     assert not above, f"{module} (wing floor {here}) imports {sorted(above)} from above"
     assert not (module == "serve.scheduler" and "runner" in inside), "the scheduler and the runner sit side by side"
-
-
-def test_every_http_module_has_a_floor_in_the_wing():
-    wing = {m.removeprefix("http.") for m in modules() if table_name(m) == "http"}
-    assert sorted(wing ^ set(HTTP_FLOOR)) == []
-
-
-@pytest.mark.parametrize("module", sorted(m for m in modules() if table_name(m) == "http"))
-def test_http_imports_point_down_inside_the_wing(module):
-    here = HTTP_FLOOR[module.removeprefix("http.")]
-    inside = {m.removeprefix("http.") for m in imports(modules()[module]) if m.startswith("http.")}
-    above = {m for m in inside if HTTP_FLOOR[m] > here}
-    assert not above, f"{module} (wing floor {here}) imports {sorted(above)} from above"

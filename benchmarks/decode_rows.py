@@ -4,7 +4,9 @@ each row count, against the bandwidth roofline measured in the same run.
 A decode step reads every weight once and each row's cached keys and values once, so until the chip is
 compute-bound it should cost about the same at 1 row as at 16 or 64 (issue 38). Each row holds
 `--context` tokens in its own pages (of a pool sized for `--context + 2 * --steps` slots a row, as in
-`benchmarks/gpu.py`), and `--steps` greedy steps run on the device in one call (no host round-trip).
+`benchmarks/gpu.py`), and `--steps` greedy steps are timed, one program call each with the pool donated, as
+the engine's runner calls its step (a device-side loop of steps would carry the pool through a while loop,
+whose layout XLA may choose apart from the paged kernel's, copying the pool in every layer).
 The roofline is (weight bytes + the KV bytes the rows hold) / the GB/s of a large array copy timed here;
 on a TPU with a bfloat16 pool the attention reads the pages in place (the paged kernel), elsewhere it
 gathers the rows' pages (see `meshlm.attention.resolve`). Best of `--repeats` calls per row count.
@@ -16,6 +18,7 @@ gathers the rows' pages (see `meshlm.attention.resolve`). Best of `--repeats` ca
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import meshlm
 from meshlm import config, kv_cache, model
 from meshlm.attention import resolve
 from meshlm.serve.runner import PAGE_SIZE
@@ -55,16 +59,20 @@ def main() -> None:
     parser.add_argument("--preset", default="gptj-tiny")
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts")
     parser.add_argument("--context", type=int, default=512, help="tokens each row already holds")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed device call")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps (one program call each) per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row count (best kept)")
     parser.add_argument("--dtype", default="bfloat16", help="weights, compute and the pool")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the array whose copy gives the GB/s")
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
+    parser.add_argument("--profile", default="", help="a folder for a profile of the last row count's call")
     args = parser.parse_args()
 
     cfg = config.preset(args.preset)
     policy = config.Policy(param_dtype=args.dtype, compute_dtype=args.dtype, attention=args.attention)
     device = jax.devices()[0]
+    pool_dtype = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     kernel = resolve(
         phase="decode",
         kind="global",
@@ -73,37 +81,40 @@ def main() -> None:
         kv_len=args.context,
         heads=cfg.n_head,
         head_dim=cfg.d_head,
-        dtype=args.dtype,
+        dtype=pool_dtype,
     )
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"jax {jax.__version__}; device {device.device_kind} ({device.platform}) x {jax.device_count()}")
     print(
-        f"preset {args.preset}, {args.dtype}, context {args.context}, {args.steps} steps a call, best of "
+        f"preset {args.preset}, {args.dtype}, weights {args.quantize or args.dtype}, pool {pool_dtype}, "
+        f"context {args.context}, {args.steps} steps timed, best of "
         f"{args.repeats}; decode attention {kernel.name}; load average before: {load}"
     )
     gbs = copy_gbs(args.copy_mb, args.repeats)
     print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB)")
 
-    params = jax.jit(lambda key: model.init(cfg, key, args.dtype))(jax.random.key(0))
+    params = meshlm.from_config(cfg, None, args.dtype, seed=0, quantize=args.quantize).params
     weight_bytes = tree_bytes(params)
-    per_token = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * jnp.dtype(args.dtype).itemsize  # K and V
+    per_token = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * jnp.dtype(pool_dtype).itemsize  # K and V
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
+        """One greedy step, one program call, the pool donated: as the engine's runner calls it."""
+        logits, cache = model.decode(params, token[:, None], cache, table, length, cfg, policy)
+        return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32), length + 1
 
     def steps(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
-        def body(_: int, carry: tuple) -> tuple:
-            cache, token, length = carry
-            logits, cache = model.decode(params, token[:, None], cache, table, length, cfg, policy)
-            return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32), length + 1
+        for _ in range(args.steps):
+            cache, token, length = step(params, cache, table, token, length)
+        return cache, token, length
 
-        return jax.lax.fori_loop(0, args.steps, body, (cache, token, length))
-
-    steps = jax.jit(steps, donate_argnums=1)
     slots = args.context + 2 * args.steps
     per_row = -(-slots // PAGE_SIZE)
     print(f"{'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
     first = None
     for rows in (int(r) for r in args.rows.split(",")):
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
-        state = [kv_cache.init_cache(cfg, rows * per_row + 1, PAGE_SIZE, args.dtype)]
+        state = [kv_cache.init_cache(cfg, rows * per_row + 1, PAGE_SIZE, pool_dtype)]
         start = jnp.full((rows,), args.context, jnp.int32)
         token = jnp.zeros((rows,), jnp.int32)
 
@@ -114,6 +125,9 @@ def main() -> None:
             return out
 
         step_s = best_of(call, args.repeats) / args.steps
+        if args.profile and rows == int(args.rows.split(",")[-1]):
+            with jax.profiler.trace(args.profile):
+                jax.block_until_ready(call())
         first = first or step_s
         read = weight_bytes + rows * (args.context + args.steps / 2) * per_token
         print(

@@ -88,6 +88,7 @@ def run_case(name: str, args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     result["base_init_s"] = time.perf_counter() - start
     result["base_gb"] = sum(x.nbytes for x in jax.tree.leaves(base)) / 1e9
     result["peak_gb_after_base"] = _peak_gb()
+    print(f"  {name}: {base_kind} base of {result['base_gb']:.2f} GB in {result['base_init_s']:.0f} s", flush=True)
     del lm
     for batch in args.batches:
         tcfg = train_config(args, base_kind, objective, batch)
@@ -97,6 +98,7 @@ def run_case(name: str, args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
             compiled = program.compile()
             compile_s = time.perf_counter() - start
             used = Footprint.of(compiled)
+            print(f"  {name}: batch {batch} compiled in {compile_s:.0f} s, {gib(used.total)}", flush=True)
             capacity = device_capacity(mesh.devices.flat[0])
             if capacity is not None and used.total > capacity:
                 raise OutOfMemory(f"the step needs {gib(used.total)}", used.total, capacity)

@@ -61,9 +61,12 @@ class Footprint:
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    """A program or an allocation refused for want of device memory (XLA's RESOURCE_EXHAUSTED, a MemoryError)."""
+    """A program or an allocation refused for want of device memory: XLA's RESOURCE_EXHAUSTED, a MemoryError,
+    or meshlm's own OutOfMemory (a compiled footprint over the device's capacity)."""
     text = str(err)
-    return isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    if isinstance(err, (MemoryError, OutOfMemory)):
+        return True
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def compile_for(lowered: Any) -> Any:

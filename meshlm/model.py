@@ -203,8 +203,9 @@ def norm(x: jax.Array, p: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def rotary_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """sin and cos [B, T, rotary_dim] for each position, laid out as `rotate` pairs the dimensions:
-    each frequency repeated for its (even, odd) pair (interleaved), or the frequencies twice (half)."""
+    """sin and cos [B, T, d_head] for each position, laid out as `rotation` pairs the dimensions: each
+    frequency repeated for its (even, odd) pair (interleaved), or the frequencies twice (half); past
+    `rotary_dim`, sin 0 and cos 1, so those dimensions pass through unchanged."""
     rot = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rotary_base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
@@ -212,26 +213,38 @@ def rotary_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ja
         angles = jnp.repeat(angles, 2, axis=-1)
     else:
         angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.sin(angles), jnp.cos(angles)
+    rest = [(0, 0)] * positions.ndim + [(0, cfg.d_head - rot)]
+    return jnp.pad(jnp.sin(angles), rest), jnp.pad(jnp.cos(angles), rest, constant_values=1.0)
 
 
-def rotate(x: jax.Array, style: str) -> jax.Array:
-    """interleaved: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...); half: (a, b) -> (-b, a)."""
-    if style == "interleaved":
-        return jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
-    first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-second, first], axis=-1)
+def rotation(cfg: ModelConfig) -> np.ndarray:
+    """The signed permutation R [d_head, d_head] with x @ R the rotated partner of each rotary dimension:
+    interleaved, (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...); half, (a, b) -> (-b, a); zero past
+    `rotary_dim`. A matmul rather than strided slices and a stack: on a TPU those move the head dimension
+    off its 128 lanes, which cost a third of a GPT-J training step (benchmarks/results, 2026-12-06)."""
+    rot, r = cfg.rotary_dim, np.zeros((cfg.d_head, cfg.d_head), np.float32)
+    source = np.arange(rot)
+    if cfg.rotary_style == "interleaved":
+        partner, sign = source ^ 1, np.where(source % 2, 1.0, -1.0)
+    else:
+        partner, sign = (source + rot // 2) % rot, np.where(source < rot // 2, -1.0, 1.0)
+    r[partner, source] = sign  # output dim j reads input dim partner[j]
+    return r
 
 
-def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array, style: str) -> jax.Array:
-    """Rotate the first `rotary_dim` dims of each head of x [B, T, H, K]; the rest pass through."""
-    rot = sin.shape[-1]
-    if rot == 0:
+def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotate the first `rotary_dim` dims of each head of x [B, T, H, K] in float32; the rest pass through.
+    The permutation's products are exact (each output one input times +-1), in x's own dtype. The matrix
+    carries the rows' batch dimension so that the `dots_no_batch` remat policy, which keeps every unbatched
+    matmul's output, does not keep these float32 partners as well as the projections."""
+    if cfg.rotary_dim == 0:
         return x
+    r = jnp.broadcast_to(jnp.asarray(rotation(cfg), x.dtype), (x.shape[0], cfg.d_head, cfg.d_head))
+    partner = jnp.einsum(
+        "bthk,bkj->bthj", x, r, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
     sin, cos = sin[:, :, None, :], cos[:, :, None, :]
-    x_rot = x[..., :rot].astype(jnp.float32)
-    x_rot = (x_rot * cos + rotate(x_rot, style) * sin).astype(x.dtype)
-    return jnp.concatenate([x_rot, x[..., rot:]], axis=-1)
+    return (x.astype(jnp.float32) * cos + partner * sin).astype(x.dtype)
 
 
 def t5_buckets(length: int) -> np.ndarray:
@@ -332,8 +345,8 @@ def attention(
     (in place by a paged kernel for a decode step, else gathered). Each kind of layer runs the kernel
     `ctx.kernels` names for it."""
     p = layer.params["attn"]
-    q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg.rotary_style)
-    k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg.rotary_style)
+    q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg)
+    k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg)
     v = _qkv(h, layer, ctx, "v")
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), ("q", "k", "v"), strict=True))

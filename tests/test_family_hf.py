@@ -332,3 +332,31 @@ def test_a_folder_that_does_not_match_its_config_is_refused_in_one_line(family, 
         assert not (tmp_path / to).exists()
     with pytest.raises(ConfigError, match=message):
         meshlm.load(folder)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_rotary_is_a_signed_permutation_and_the_forward_slices_no_head(style):
+    """The rotation matrix gives each rotary dimension its textbook partner (GPT-J's every-two pairs, NeoX's
+    halves), the rest zero; the model's lowered forward slices nothing (the old rotary sliced each head, with
+    a stride for GPT-J's pairs, which on a TPU moves the head dimension off its 128 lanes: a third of a GPT-J
+    training step; BENCHMARKS.md)."""
+    from meshlm import model
+
+    cfg = config.preset("gptj-tiny").replace(rotary_style=style)
+    rot = cfg.rotary_dim
+    assert 0 < rot < cfg.d_head
+    x = np.random.default_rng(0).normal(size=(3, cfg.d_head)).astype(np.float32)
+    head = x[:, :rot]
+    if style == "interleaved":
+        textbook = np.stack([-head[:, 1::2], head[:, ::2]], axis=-1).reshape(head.shape)
+    else:
+        textbook = np.concatenate([-head[:, rot // 2 :], head[:, : rot // 2]], axis=-1)
+    turned = x @ model.rotation(cfg)
+    np.testing.assert_array_equal(turned[:, :rot], textbook)
+    np.testing.assert_array_equal(turned[:, rot:], 0)
+
+    params = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0), "float32"))
+    tokens = jax.ShapeDtypeStruct((2, 16), np.int32)
+    text = jax.jit(lambda p, t: model.forward(p, t, cfg)).lower(params, tokens).as_text()
+    slices = [line.strip() for line in text.splitlines() if "stablehlo.slice" in line]
+    assert not slices, slices[:2]

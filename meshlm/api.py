@@ -148,8 +148,8 @@ class LanguageModel:
         implementation for this engine ("xla" turns the GPU paged-attention kernel off; see `Policy`).
         `kv_cache_dtype`: "int8" stores the KV cache in half a bfloat16 pool's bytes (vLLM's option name;
         None: the compute dtype).
-        `adapters` (name -> a PEFT folder or a meshlm LoRA run) are read here, and the engine's
-        `load_adapter` reads with `read_adapter`: the engine itself reads no files."""
+        `adapters` (name -> a PEFT folder or a meshlm LoRA run) are read here: the engine itself reads no
+        files. Add one later by its weights: `engine.add_adapter(name, lm.read_adapter(name, path))`."""
         config = (config or EngineConfig()).replace(**settings)
         weights = {name: read_adapter(name, path, self.config) for name, path in (adapters or {}).items()}
         if draft is not None and draft.mesh != self.mesh:
@@ -157,7 +157,6 @@ class LanguageModel:
         return Engine(
             self.params, self.config, self.policy, self.mesh, config, tokenizer=tokenizer, adapters=weights or None,
             draft=None if draft is None else Draft(draft.params, draft.config, draft.policy), rules=rules,
-            read_adapter=functools.partial(read_adapter, cfg=self.config),
         )  # fmt: skip
 
     @functools.cached_property
@@ -166,13 +165,18 @@ class LanguageModel:
         with a slot per added adapter."""
         return self.engine(max_batch=GENERATE_BATCH, **({"adapters": self.adapters} if self.adapters else {}))
 
+    def read_adapter(self, name: str, path: str | Path) -> Adapter:
+        """The LoRA adapter in folder `path` (a PEFT folder or a meshlm LoRA run) as an engine of this model
+        takes it (`Engine.add_adapter`); ConfigError when it does not fit this model."""
+        return read_adapter(name, path, self.config)
+
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Add a LoRA adapter (a PEFT folder or a meshlm LoRA run) that `generate(..., adapter=name)` runs on
         this model: prompts of any mix of adapters (and the base) decode together in one batch. An engine of
         your own takes them as `engine(adapters={name: path, ...})`."""
         if "_engine" in self.__dict__ and self._engine.adapters is not None:
             self._engine.check_adapter_name(name)  # before reading the files
-            self._engine.add_adapter(name, read_adapter(name, path, self.config))
+            self._engine.add_adapter(name, self.read_adapter(name, path))
         else:  # the shared engine, when it is made, has a slot for each
             self.__dict__.pop("_engine", None)
             if not Path(path).exists():

@@ -100,10 +100,10 @@ def test_prefix_caching_keys_on_the_adapter(engine):
 
 
 @pytest.mark.slow
-def test_full_slots_swap_idle_adapters_and_refuse_busy_ones(folders, engine):
+def test_full_slots_swap_idle_adapters_and_refuse_busy_ones(folders, lm, engine):
     """Three slots, four adapters: an idle one gives its slot up (and comes back when asked for); when every
     slot runs live requests, the fourth adapter is refused."""
-    engine.load_adapter("qv-again", folders["qv"])
+    engine.add_adapter("qv-again", lm.read_adapter("qv-again", folders["qv"]))
     want = {name: alone(engine, PROMPTS[1], name).tokens for name in ("qv", "mlp", "all")}
     assert alone(engine, PROMPTS[1], "qv-again").tokens == want["qv"]  # in the slot of the least recently used
     again = engine.generate([PROMPTS[1]] * 4, [greedy(NEW)] * 4, adapters=["all", "mlp", None, "qv"])
@@ -121,18 +121,18 @@ def test_full_slots_swap_idle_adapters_and_refuse_busy_ones(folders, engine):
     assert list(engine.adapter_sources()) == ["qv", "mlp", "all"]
 
 
-def test_bad_adapters_are_refused_in_one_line(base, folders, engine, tmp_path):
+def test_bad_adapters_are_refused_in_one_line(base, folders, lm, engine, tmp_path):
     other = oracle.make_hf_model(tmp_path / "other", seed=0, **{**ARCHS["gptj"], "n_embd": 32}).path
     peft_model(other, "gptj").save_pretrained(tmp_path / "other-adapter")
     with pytest.raises(ConfigError, match="adapter does not match the base"):
-        engine.load_adapter("other", tmp_path / "other-adapter")
+        engine.add_adapter("other", lm.read_adapter("other", tmp_path / "other-adapter"))
     peft_model(base, "gptj", r=16).save_pretrained(tmp_path / "wide")
     with pytest.raises(ConfigError, match="rank 16 exceeds the adapter slots' rank 8"):
-        engine.load_adapter("wide", tmp_path / "wide")
+        engine.add_adapter("wide", lm.read_adapter("wide", tmp_path / "wide"))
     with pytest.raises(InputError, match="does not exist"):
-        engine.load_adapter("gone", tmp_path / "gone")
+        engine.add_adapter("gone", lm.read_adapter("gone", tmp_path / "gone"))
     with pytest.raises(InputError, match="loaded already"):
-        engine.load_adapter("qv", folders["qv"])
+        engine.add_adapter("qv", lm.read_adapter("qv", folders["qv"]))
     with pytest.raises(InputError, match="no adapter named 'nope'"):
         engine.add_request(PROMPTS[0], greedy(NEW), adapter="nope")
     assert list(engine.adapter_sources()) == ["qv", "mlp", "all"]  # nothing half-registered

@@ -17,7 +17,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from jax.sharding import Mesh
 
@@ -118,8 +117,8 @@ class Engine:
     adapters that requests may name; they run in the config's `max_adapters` device slots (default: one per
     adapter given) of rank `max_lora_rank` (default: the largest given, else DEFAULT_LORA_RANK), rows of any
     mix of adapters and the base in one batch. An engine without them has no slots; `add_adapter` then needs
-    `max_adapters` > 0. The engine reads no files: `load_adapter` reads a folder with `read_adapter` (name,
-    folder -> `Adapter`), the front door's (`LanguageModel.engine` gives it). `rules` lays the weights
+    `max_adapters` > 0. The engine reads no files: adapters come as weights (`LanguageModel.read_adapter`
+    reads a folder). `rules` lays the weights
     out on the mesh (`sharding.SERVING`: split over `model` only, so a decode step gathers none)."""
 
     def __init__(
@@ -134,7 +133,6 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         adapters: Mapping[str, Adapter] | None = None,
         rules: Rules = SERVING,
-        read_adapter: Callable[[str, str | Path], Adapter] | None = None,
     ):
         config = config or EngineConfig()
         max_len = config.context(cfg.max_seq_len)
@@ -145,7 +143,6 @@ class Engine:
         policy = dataclasses.replace(policy, kv_cache_dtype=kv_cache_dtype, attention=attention)
         self.config, self.cfg, self.tokenizer = config, cfg, tokenizer
         given = {name: adapter.weights for name, adapter in (adapters or {}).items()}
-        self._read_adapter = read_adapter
         self.adapters: AdapterSlots | None = None
         if given or config.max_adapters:
             rank = config.max_lora_rank or max((_rank(w) for w in given.values()), default=DEFAULT_LORA_RANK)
@@ -214,14 +211,6 @@ class Engine:
         it. Compiles nothing: every program serves any adapter in any slot."""
         self.check_adapter_name(name)
         self._register(name, adapter.weights, adapter.source)
-
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        """Register the LoRA adapter in folder `path` (a PEFT folder or a meshlm LoRA run) under `name`, read by
-        the front door's `read_adapter` this engine was given (`meshlm.api`'s, for `LanguageModel.engine`)."""
-        self.check_adapter_name(name)  # before reading the files
-        if self._read_adapter is None:
-            raise InputError("this engine was given no adapter reader: add adapters by their weights (add_adapter)")
-        self._register(name, *self._read_adapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` (InputError while a queued or running request uses it)."""

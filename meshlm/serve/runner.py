@@ -143,7 +143,7 @@ def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
 # returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
 STATIC = ("cfg", "policy", "draft")
 DONATED = ("cache", "rows", "draft_cache")
-Out = tuple[kv_cache.KVCache, kv_cache.KVCache | None, Rows, tuple[jax.Array, ...]]
+Out = tuple[kv_cache.KVCache, kv_cache.KVCache | None, Rows, Step]  # Step's fields as device arrays
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
@@ -195,8 +195,11 @@ def _prefill(
     out = _choose(logits[:, 0], new, cfg, allowed=allowed)
     emitted = ~new.done
     new = _advance(new, out[0])
-    produced = (*(o[:, None] for o in out), emitted[:, None], new.done)
-    return cache, draft_cache, _scatter(rows, slots, new), (*produced, None, *scores)
+    token, logprob, top_ids, top_logprobs = (o[:, None] for o in out)
+    lp, ids, lps = scores
+    step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted[:, None], done=new.done,
+                prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=lps)  # fmt: skip
+    return cache, draft_cache, _scatter(rows, slots, new), step
 
 
 def _prompt_scores(
@@ -284,7 +287,9 @@ def _decode(
         return i + 1, active, cache, bufs
 
     _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
-    return cache, draft_cache, _scatter(rows, slots, active), (*bufs, active.done)
+    token, logprob, top_ids, top_logprobs, emitted = bufs
+    step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done)
+    return cache, draft_cache, _scatter(rows, slots, active), step
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
@@ -331,8 +336,9 @@ def _speculate(
         return (active, running & (out[0] == offered[:, j])), (*out, running)
 
     (active, _), outs = jax.lax.scan(position, (active, jnp.ones(B, bool)), jnp.arange(k + 1))
-    outs = tuple(jnp.moveaxis(o, 0, 1) for o in outs)  # [k + 1, B, ...] -> [B, k + 1, ...]
-    return cache, draft_cache, _scatter(rows, slots, active), (*outs, active.done, offered)
+    token, logprob, top_ids, top_logprobs, emitted = (jnp.moveaxis(o, 0, 1) for o in outs)  # [B, k + 1, ...]
+    step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done, proposed=offered)
+    return cache, draft_cache, _scatter(rows, slots, active), step
 
 
 def _propose(
@@ -619,7 +625,7 @@ class Runner:
             draft = dict(draft_params=self.draft.params, draft_cache=self.draft_cache, draft=self.draft[1:])
         return (self.params, self.cache, self.rows), dict(cfg=self.cfg, policy=self.policy, **draft)
 
-    def _call(self, fn: Any, *args: Any) -> tuple[jax.Array | None, ...]:
+    def _call(self, fn: Any, *args: Any) -> Step:
         """Run a compiled step on the pools and the slots, which it updates in place; what it produced."""
         state, options = self._state()
         with jax.set_mesh(self.mesh):
@@ -699,7 +705,9 @@ class Runner:
         if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
             settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
         out = self._call(_prefill, *jax.tree.map(self._from_host, batch._replace(settings=settings)))
-        return _on_host(out if batch.scored.any() else out[: Step._fields.index("proposed")])
+        if not batch.scored.any():  # only a scoring prefill's prompt logprobs are worth the copy to the host
+            out = out._replace(prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
+        return _on_host(out)
 
     def decode(self, batch: Decode) -> Step:
         slots, table, allowed = map(self._from_host, (batch.slots, batch.table, batch.allowed))
@@ -714,7 +722,7 @@ def _zero_pages(cache: kv_cache.KVCache, pages: jax.Array) -> kv_cache.KVCache:
     return jax.tree.map(lambda pool: pool.at[:, :, pages].set(0, mode="drop"), cache)
 
 
-def _on_host(out: tuple[jax.Array | None, ...]) -> Step:
+def _on_host(out: Step) -> Step:
     """A step's outputs, copied to the host (the fields left out are None)."""
     return Step(*(None if x is None else to_host(x) for x in out))
 

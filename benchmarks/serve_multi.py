@@ -36,6 +36,7 @@ from meshlm import lora, model
 from meshlm.config import LoraConfig
 from meshlm.formats import adapters as adapter_files
 from meshlm.formats import hf
+from meshlm.serve.config import EngineConfig
 from meshlm.serve.grammar import Constraint, Grammars
 from meshlm.serve.params import SamplingParams
 
@@ -157,9 +158,9 @@ def main() -> None:
         from meshlm import planner
 
         six_b = meshlm.preset("gptj-6b")
-        kw = dict(rows=8, context=2048, search=False, capacity=80 * 2**30)
-        base = planner.plan_serve(six_b, "cpu", **kw)
-        slots = planner.plan_serve(six_b, "cpu", adapters=8, lora_rank=args.rank, **kw)
+        engine, kw = EngineConfig(max_batch=8, max_len=2048), dict(search=False, capacity=80 * 2**30)
+        base = planner.plan_serve(six_b, "cpu", engine, **kw)
+        slots = planner.plan_serve(six_b, "cpu", engine.replace(max_adapters=8, max_lora_rank=args.rank), **kw)
         extra = slots.config.adapters
         print(f"memory (GPT-J-6B, bf16, 8 rows x 2048): weights {base.config.weights / 2**30:.2f} GiB; 8 adapter "
               f"slots of rank {args.rank} {extra / 2**20:.0f} MiB ({extra / base.config.weights:.2%} of the weights); "

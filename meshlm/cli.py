@@ -528,17 +528,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         p = planner.plan_serve(
             cfg.model,
             args.target,
+            engine,
             mesh=args.mesh,
-            context=engine.max_len,
-            rows=engine.max_batch,
             dtype=args.dtype,
             quantize=args.quantize,
             search=not args.no_search,
             capacity=capacity,
             progress=print,
-            adapters=engine.max_adapters,
-            lora_rank=engine.max_lora_rank,
-            kv_cache_dtype=engine.kv_cache_dtype,
         )
         print(planner.describe_serve(p, cfg.model))
         return

@@ -30,6 +30,8 @@ from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
 from meshlm.serve import runner
+from meshlm.serve.config import EngineConfig
+from meshlm.serve.engine import DEFAULT_LORA_RANK
 from meshlm.serve.pages import pages_for
 from meshlm.sharding import (
     MESH_AXES,
@@ -513,24 +515,24 @@ def fit_serve(
 def plan_serve(
     cfg: ModelConfig,
     target_spec: str,
+    engine: EngineConfig | None = None,
     *,
     mesh: str | None = None,
-    context: int | None = None,
-    rows: int = 1,
     dtype: str = "bfloat16",
     quantize: str | None = None,
     search: bool = True,
     max_rows: int = 4096,
     capacity: int | None = None,
     progress: Callable[[str], None] | None = None,
-    adapters: int = 0,
-    lora_rank: int = 16,
-    kv_cache_dtype: str | None = None,
 ) -> ServePlan:
-    """Weights and KV cache per device for `rows` concurrent rows of `context` tokens (default: the model's
-    context), and with `search` the most rows that fit. `capacity` (bytes per device) replaces the target's.
-    `adapters`: LoRA adapter slots of `lora_rank` beside the weights (`meshlm serve --max-adapters`);
-    `kv_cache_dtype` as `meshlm serve --kv-cache-dtype` (None: `dtype`)."""
+    """Weights and KV cache per device for an engine of `engine`'s settings, the `EngineConfig` that `meshlm
+    serve` and `LanguageModel.engine` take (None: its defaults): `max_batch` concurrent rows of `max_len` tokens
+    (None: the model's context), `max_adapters` LoRA slots of `max_lora_rank` beside the weights, the KV pool
+    in `kv_cache_dtype` (None: `dtype`). With `search`, the most rows that fit. `capacity` (bytes per device)
+    replaces the target's."""
+    engine = engine or EngineConfig()
+    rows, context, kv_cache_dtype = engine.max_batch, engine.max_len, engine.kv_cache_dtype
+    adapters, lora_rank = engine.max_adapters or 0, engine.max_lora_rank or DEFAULT_LORA_RANK
     tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
     if mesh is None and tgt.n_devices and tgt.n_devices > 1:  # tensor parallel as far as the heads allow
         ways = max(d for d in _divisors(tgt.n_devices) if cfg.n_head % d == 0)

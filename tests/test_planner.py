@@ -13,6 +13,7 @@ import pytest
 from meshlm import cli, footprint, model, planner, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig, preset
 from meshlm.lora import adapter_size
+from meshlm.serve.config import EngineConfig
 from tests.helpers.training import SEQ, write_dataset
 
 TINY = preset("test-tiny")
@@ -184,7 +185,8 @@ def test_serve_plan_finds_the_most_rows():
     assert four.cache - one.cache >= 3 * per_row
     five = planner.fit_serve(TINY, tgt, mesh, 5, 128, "float32", None)
     capacity = (four.total + five.total) // 2
-    plan = planner.plan_serve(TINY, "cpu", mesh="data=1", context=128, dtype="float32", capacity=capacity, max_rows=5)
+    engine = EngineConfig(max_batch=1, max_len=128)
+    plan = planner.plan_serve(TINY, "cpu", engine, mesh="data=1", dtype="float32", capacity=capacity, max_rows=5)
     assert plan.largest == 4
     assert np.isclose(plan.config.weights, four.weights)
 

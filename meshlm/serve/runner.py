@@ -138,32 +138,33 @@ def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
     return jax.tree.map(lambda dst, src: dst.at[slots].set(src, mode="drop"), rows, new)
 
 
-# Every compiled step takes the target's weights, its KV pool and the slots, then its own arguments; with
-# a draft model also the draft's weights and pool (`draft` names its static config and policy). It
-# returns the updated pool, the draft's pool (None without a draft), the slots and what each row produced.
+class Weights(NamedTuple):
+    """What every compiled step reads and never writes: the target's weights, and a draft model's."""
+
+    params: model.Params
+    draft: model.Params | None = None
+
+
+class DeviceState(NamedTuple):
+    """What every compiled step updates in place (donated): the KV pool, the rows' slots, a draft's pool."""
+
+    cache: kv_cache.KVCache
+    rows: Rows
+    draft_cache: kv_cache.KVCache | None = None
+
+
+# Every compiled step takes the weights, the device state and its batch whole (`Prefill`, `Decode` or
+# `Speculate` of device arrays), with the static configs (`draft`: the draft model's config and policy), and
+# returns the updated state and what each row produced (a `Step` of device arrays).
 STATIC = ("cfg", "policy", "draft")
-DONATED = ("cache", "rows", "draft_cache")
-Out = tuple[kv_cache.KVCache, kv_cache.KVCache | None, Rows, Step]  # Step's fields as device arrays
+Out = tuple[DeviceState, Step]
 
 
-@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+@partial(jax.jit, static_argnames=STATIC, donate_argnames="state")
 def _prefill(
-    params: model.Params,
-    cache: kv_cache.KVCache,
-    rows: Rows,
-    slots: jax.Array,
-    tokens: jax.Array,
-    mask: jax.Array,
-    table: jax.Array,
-    start: jax.Array,
-    seen: jax.Array,
-    settings: Settings,
-    refed: jax.Array,
-    scored: jax.Array,
-    adapter: jax.Array,
-    allowed: jax.Array,
-    draft_params: model.Params | None = None,
-    draft_cache: kv_cache.KVCache | None = None,
+    weights: Weights,
+    state: DeviceState,
+    batch: Prefill,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -177,29 +178,30 @@ def _prefill(
     prefix's last token again first (not written), for the logits that score the token after it. Row b
     runs adapter slot `adapter[b]` (0: the base alone), from now on; its first token is one `allowed[b]` allows
     (a bitmask, zeros: any)."""
-    n_new = mask.sum(-1, dtype=jnp.int32)
+    b, params, draft_cache = batch, weights.params, state.draft_cache
+    n_new = b.mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
-    length = start - refed
-    x, cache = model.decode(params, tokens, cache, table, length, cfg, policy, mask=mask, write_from=refed,
-                            hidden=True, adapter_rows=adapter)  # fmt: skip
-    scores = _prompt_scores(params, x, tokens, scored, cfg)
+    length = b.start - b.refed
+    x, cache = model.decode(params, b.tokens, state.cache, b.table, length, cfg, policy, mask=b.mask,
+                            write_from=b.refed, hidden=True, adapter_rows=b.adapter)  # fmt: skip
+    scores = _prompt_scores(params, x, b.tokens, b.scored, cfg)
     logits = model.unembed(params, jnp.take_along_axis(x, at[:, None, None], axis=1), cfg)
     if draft is not None:
         _, draft_cache = model.decode(
-            draft_params, tokens, draft_cache, table, length, *draft, mask=mask, at=at, write_from=refed
+            weights.draft, b.tokens, draft_cache, b.table, length, *draft, mask=b.mask, at=at, write_from=b.refed
         )
-    zeros = jnp.zeros_like(start)
+    zeros = jnp.zeros_like(b.start)
     # a new row's output counts start at zero (the slot's previous row's are overwritten)
-    new = Rows(zeros, seen, zeros, settings.max_new <= 0, length + n_new, settings, jnp.zeros(seen.shape, jnp.int32),
-               adapter)  # fmt: skip
-    out = _choose(logits[:, 0], new, cfg, allowed=allowed)
+    new = Rows(zeros, b.seen, zeros, b.settings.max_new <= 0, length + n_new, b.settings,
+               jnp.zeros(b.seen.shape, jnp.int32), b.adapter)  # fmt: skip
+    out = _choose(logits[:, 0], new, cfg, allowed=b.allowed)
     emitted = ~new.done
     new = _advance(new, out[0])
     token, logprob, top_ids, top_logprobs = (o[:, None] for o in out)
     lp, ids, lps = scores
     step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted[:, None], done=new.done,
                 prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=lps)  # fmt: skip
-    return cache, draft_cache, _scatter(rows, slots, new), step
+    return DeviceState(cache, _scatter(state.rows, b.slots, new), draft_cache), step
 
 
 def _prompt_scores(
@@ -242,28 +244,23 @@ def _write_slot(slots: model.Params, slot: jax.Array, weights: model.Params) -> 
     return jax.tree.map(lambda s, w: s.at[:, slot].set(w.astype(s.dtype)), slots, weights)
 
 
-@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+@partial(jax.jit, static_argnames=STATIC, donate_argnames="state")
 def _decode(
-    params: model.Params,
-    cache: kv_cache.KVCache,
-    rows: Rows,
-    slots: jax.Array,
-    table: jax.Array,
-    n_steps: jax.Array,
-    allowed: jax.Array,
-    draft_params: model.Params | None = None,
-    draft_cache: kv_cache.KVCache | None = None,
+    weights: Weights,
+    state: DeviceState,
+    batch: Decode,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
     draft: tuple[ModelConfig, model.Policy] | None = None,
 ) -> Out:
-    """Up to `n_steps` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
+    """Up to `chunk` (<= MAX_CHUNK) decode steps of the rows in `slots` (padding: out of range), in one
     `while_loop` that stops early once every row is done. (An engine with a draft model speculates instead.)
     Every step chooses among the tokens `allowed` [B, words] allows: a batch with output constraints runs one
     step, for its next masks depend on the token chosen."""
-    active = _active(rows, slots)
-    B = slots.shape[0]
+    params, table, allowed = weights.params, batch.table, batch.allowed
+    active = _active(state.rows, batch.slots)
+    B = batch.slots.shape[0]
     bufs = (
         jnp.full((B, MAX_CHUNK), -1, jnp.int32),
         jnp.zeros((B, MAX_CHUNK), jnp.float32),
@@ -274,7 +271,7 @@ def _decode(
 
     def cond(carry: tuple) -> jax.Array:
         i, active, _, _ = carry
-        return (i < n_steps) & ~jnp.all(active.done)
+        return (i < batch.chunk) & ~jnp.all(active.done)
 
     def body(carry: tuple) -> tuple:
         i, active, cache, bufs = carry
@@ -286,22 +283,17 @@ def _decode(
         active = _advance(active, out[0])._replace(length=active.length + running)
         return i + 1, active, cache, bufs
 
-    _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, cache, bufs))
+    _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, state.cache, bufs))
     token, logprob, top_ids, top_logprobs, emitted = bufs
     step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done)
-    return cache, draft_cache, _scatter(rows, slots, active), step
+    return state._replace(cache=cache, rows=_scatter(state.rows, batch.slots, active)), step
 
 
-@partial(jax.jit, static_argnames=STATIC, donate_argnames=DONATED)
+@partial(jax.jit, static_argnames=STATIC, donate_argnames="state")
 def _speculate(
-    params: model.Params,
-    cache: kv_cache.KVCache,
-    rows: Rows,
-    slots: jax.Array,
-    table: jax.Array,
-    proposals: jax.Array,
-    draft_params: model.Params | None = None,
-    draft_cache: kv_cache.KVCache | None = None,
+    weights: Weights,
+    state: DeviceState,
+    batch: Speculate,
     *,
     cfg: ModelConfig,
     policy: model.Policy,
@@ -314,15 +306,16 @@ def _speculate(
 
     `proposals` [B, k] are prompt lookup's (-1 past a row's own); with a draft model they are -1 and
     only their shape counts: the draft proposes k tokens per row itself, from its distribution q."""
-    active = _active(rows, slots)
+    table, proposals, draft_cache = batch.table, batch.proposals, state.draft_cache
+    active = _active(state.rows, batch.slots)
     B, k = proposals.shape
     q = None
     if draft is not None:
-        proposals, q, draft_cache = _propose(draft_params, draft_cache, active, table, k, draft, cfg.vocab_size)
+        proposals, q, draft_cache = _propose(weights.draft, draft_cache, active, table, k, draft, cfg.vocab_size)
         q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # nothing is proposed after the last
     tokens = jnp.concatenate([active.token[:, None], jnp.maximum(proposals, 0)], axis=1)
     mask = jnp.concatenate([jnp.ones((B, 1), bool), proposals >= 0], axis=1)
-    logits, cache = model.decode(params, tokens, cache, table, active.length, cfg, policy, mask=mask,
+    logits, cache = model.decode(weights.params, tokens, state.cache, table, active.length, cfg, policy, mask=mask,
                                  adapter_rows=active.adapter)  # fmt: skip
     offered = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)
 
@@ -338,7 +331,7 @@ def _speculate(
     (active, _), outs = jax.lax.scan(position, (active, jnp.ones(B, bool)), jnp.arange(k + 1))
     token, logprob, top_ids, top_logprobs, emitted = (jnp.moveaxis(o, 0, 1) for o in outs)  # [B, k + 1, ...]
     step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done, proposed=offered)
-    return cache, draft_cache, _scatter(rows, slots, active), step
+    return DeviceState(cache, _scatter(state.rows, batch.slots, active), draft_cache), step
 
 
 def _propose(
@@ -433,36 +426,38 @@ def place(params: model.Params, cfg: ModelConfig, mesh: Mesh, rules: Rules = SER
     return jax.device_put(params, plan(params, weight_axes(params, cfg), mesh, rules))
 
 
-def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> tuple[Any, ...]:
-    """Shapes of `_prefill`'s per-call arguments for `rows` prompts of (bucketed) `length` new tokens."""
+def prefill_args(cfg: ModelConfig, mesh: Mesh, rows: int, length: int, table_width: int) -> Prefill:
+    """The shapes of a `Prefill` of `rows` prompts of (bucketed) `length` new tokens, as `_prefill` takes it."""
     settings = jax.tree.map(lambda x: _batch_spec(mesh, (rows, *x.shape[1:]), x.dtype), settings_for([], 1))
     spec = partial(_batch_spec, mesh)
-    return (
-        spec((rows,), np.int32),  # slots
-        spec((rows, length), np.int32),  # tokens
-        spec((rows, length), bool),  # mask
-        spec((rows, table_width), np.int32),  # table
-        spec((rows,), np.int32),  # start
-        spec((rows, cfg.vocab_size), bool),  # seen
-        settings,
-        spec((rows,), np.int32),  # refed
-        spec((rows,), np.int32),  # scored
-        spec((rows,), np.int32),  # adapter
-        spec((rows, bitmask_words(cfg.vocab_size)), np.int32),  # allowed
+    return Prefill(
+        slots=spec((rows,), np.int32),
+        tokens=spec((rows, length), np.int32),
+        mask=spec((rows, length), bool),
+        table=spec((rows, table_width), np.int32),
+        start=spec((rows,), np.int32),
+        seen=spec((rows, cfg.vocab_size), bool),
+        settings=settings,
+        refed=spec((rows,), np.int32),
+        scored=spec((rows,), np.int32),
+        adapter=spec((rows,), np.int32),
+        allowed=spec((rows, bitmask_words(cfg.vocab_size)), np.int32),
     )
 
 
-def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> tuple[Any, ...]:
-    """Shapes of `_speculate`'s per-call arguments: slots, page tables and k proposals per row."""
+def speculate_args(mesh: Mesh, rows: int, table_width: int, k: int) -> Speculate:
+    """The shapes of a `Speculate`: slots, page tables and k proposals per row."""
     spec = partial(_batch_spec, mesh)
-    return spec((rows,), np.int32), spec((rows, table_width), np.int32), spec((rows, k), np.int32)
+    return Speculate(slots=spec((rows,), np.int32), table=spec((rows, table_width), np.int32),
+                     proposals=spec((rows, k), np.int32))  # fmt: skip
 
 
-def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> tuple[Any, ...]:
-    """Shapes of `_decode`'s per-call arguments for `rows` rows of up to `table_width` pages."""
+def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> Decode:
+    """The shapes of a `Decode` of `rows` rows of up to `table_width` pages (its chunk a traced scalar)."""
     spec = partial(_batch_spec, mesh)
     allowed = spec((rows, bitmask_words(cfg.vocab_size)), np.int32)
-    return spec((rows,), np.int32), spec((rows, table_width), np.int32), np.int32(1), allowed
+    return Decode(slots=spec((rows,), np.int32), table=spec((rows, table_width), np.int32), chunk=np.int32(1),
+                  allowed=allowed)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -618,18 +613,18 @@ class Runner:
         """A host array split over the batch axes (the same on every process when there are several)."""
         return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
 
-    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """What every compiled step takes besides its own arguments (see STATIC)."""
-        draft = {}
-        if self.draft is not None:
-            draft = dict(draft_params=self.draft.params, draft_cache=self.draft_cache, draft=self.draft[1:])
-        return (self.params, self.cache, self.rows), dict(cfg=self.cfg, policy=self.policy, **draft)
+    def _inputs(self) -> tuple[Weights, DeviceState, dict[str, Any]]:
+        """What every compiled step takes besides its batch: the weights, the device state, the static configs."""
+        drafting = self.draft is not None
+        weights = Weights(self.params, self.draft.params if drafting else None)
+        options = dict(cfg=self.cfg, policy=self.policy, draft=self.draft[1:] if drafting else None)
+        return weights, DeviceState(self.cache, self.rows, self.draft_cache), options
 
-    def _call(self, fn: Any, *args: Any) -> Step:
+    def _call(self, fn: Any, batch: Prefill | Decode | Speculate) -> Step:
         """Run a compiled step on the pools and the slots, which it updates in place; what it produced."""
-        state, options = self._state()
+        weights, state, options = self._inputs()
         with jax.set_mesh(self.mesh):
-            self.cache, self.draft_cache, self.rows, out = fn(*state, *args, **options)
+            (self.cache, self.rows, self.draft_cache), out = fn(weights, state, batch, **options)
         return out
 
     # compiling ------------------------------------------------------------------------------------
@@ -646,9 +641,9 @@ class Runner:
                     programs.append((_speculate, speculate_args(self.mesh, b, n, self.speculate)))
                 if not self.draft:  # prompt lookup decodes plainly when it has nothing to propose
                     programs.append((_decode, decode_args(self.cfg, self.mesh, b, n)))
-        state, options = self._state()
+        weights, state, options = self._inputs()
         with jax.set_mesh(self.mesh):
-            lowered = [fn.lower(*state, *args, **options) for fn, args in programs]
+            lowered = [fn.lower(weights, state, batch, **options) for fn, batch in programs]
 
         def compile(lowered: Any) -> Footprint:
             with jax.set_mesh(self.mesh):  # the compilation cache is keyed by the thread's mesh context too
@@ -662,8 +657,8 @@ class Runner:
             except BaseException:  # a refusal or Ctrl-C: the programs not started yet are dropped
                 pool.shutdown(cancel_futures=True)
                 raise
-        for fn, args in programs:
-            jax.block_until_ready(self._call(fn, *self._padding(args)))
+        for fn, batch in programs:
+            jax.block_until_ready(self._call(fn, self._padding(batch)))
         self.zero_pages([])  # compiles it
         if "adapters" in self.params:  # slot 0 (the base's) is zeros: writing zeros there compiles the write
             self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
@@ -684,11 +679,11 @@ class Runner:
                 free,
             )
 
-    def _padding(self, args: tuple[Any, ...]) -> list[Any]:
-        """Arguments of the given shapes for padding rows only: slots out of range, pages all page 0."""
-        slots, *rest = args
+    def _padding(self, batch: Prefill | Decode | Speculate) -> Prefill | Decode | Speculate:
+        """A batch of these shapes for padding rows only: slots out of range, everything else zeros (page 0)."""
         zeros = lambda x: self._from_host(np.zeros(x.shape, x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else x
-        return [self._from_host(np.full(slots.shape, self.max_batch, np.int32)), *jax.tree.map(zeros, rest)]
+        padded = jax.tree.map(zeros, batch)
+        return padded._replace(slots=self._from_host(np.full(batch.slots.shape, self.max_batch, np.int32)))
 
     # requests -------------------------------------------------------------------------------------
 
@@ -704,17 +699,18 @@ class Runner:
         settings = batch.settings
         if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
             settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
-        out = self._call(_prefill, *jax.tree.map(self._from_host, batch._replace(settings=settings)))
+        out = self._call(_prefill, jax.tree.map(self._from_host, batch._replace(settings=settings)))
         if not batch.scored.any():  # only a scoring prefill's prompt logprobs are worth the copy to the host
             out = out._replace(prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
         return _on_host(out)
 
     def decode(self, batch: Decode) -> Step:
-        slots, table, allowed = map(self._from_host, (batch.slots, batch.table, batch.allowed))
-        return _on_host(self._call(_decode, slots, table, np.int32(batch.chunk), allowed))
+        arrays = dict(slots=batch.slots, table=batch.table, allowed=batch.allowed)
+        on_device = batch._replace(chunk=np.int32(batch.chunk), **{k: self._from_host(v) for k, v in arrays.items()})
+        return _on_host(self._call(_decode, on_device))
 
     def verify(self, batch: Speculate) -> Step:
-        return _on_host(self._call(_speculate, *map(self._from_host, batch)))
+        return _on_host(self._call(_speculate, jax.tree.map(self._from_host, batch)))
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -770,12 +766,12 @@ def lower(
     """The "prefill" (of `rows` prompts of `length` tokens) or "decode" program, lowered for abstract weights
     (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages and `rows` slots of up to `width`
     pages: what the planner compiles for a target it does not have."""
-    cache, slots = abstract_state(cfg, policy, mesh, pages, PAGE_SIZE, rows)
+    state = DeviceState(*abstract_state(cfg, policy, mesh, pages, PAGE_SIZE, rows))
     if program == "prefill":
-        fn, args = _prefill, prefill_args(cfg, mesh, rows, length, width)
+        fn, batch = _prefill, prefill_args(cfg, mesh, rows, length, width)
     elif program == "decode":
-        fn, args = _decode, decode_args(cfg, mesh, rows, width)
+        fn, batch = _decode, decode_args(cfg, mesh, rows, width)
     else:
         raise ValueError(f"program must be 'prefill' or 'decode', got {program!r}")
     with jax.set_mesh(mesh):
-        return fn.lower(params, cache, slots, *args, cfg=cfg, policy=policy)
+        return fn.lower(Weights(params), state, batch, cfg=cfg, policy=policy)

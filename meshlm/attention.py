@@ -12,7 +12,8 @@ kernel; the model runs what it names. Every kernel's limits are written here and
 - `cudnn`: GPU (`jax.nn.dot_product_attention(implementation="cudnn")`). Any phase over contiguous keys,
   with the mask and a bias. float16 / bfloat16 under "auto"; what cuDNN refuses falls back to XLA.
 - `paged_tpu`: TPU (`jax.experimental.pallas.ops.tpu.paged_attention`). Decode steps (one query per row)
-  read in place from the paged pool. Limits: bfloat16 or int8 pools; no bias, no local window.
+  read in place from the paged pool. Limits: bfloat16 or int8 pools; head sizes of a multiple of 128 (its
+  lanes: a Pythia or GPT-Neo head of 64 does not lower); no bias, no local window.
 - `paged_gpu`: GPU (`jax.experimental.pallas.ops.gpu.paged_attention`; interpreted on a CPU with
   `attention: pallas`). Decode steps, as above. Limits: no bias, no local window.
 - `xla`: everywhere, everything: einsum-softmax-einsum with float32 scores over a [B, T, S] mask, whose
@@ -40,6 +41,7 @@ from meshlm.sharding import spec_for
 PHASES = ("train", "prefill", "decode")  # a forward pass without the cache; a prompt over the cache; one token
 KINDS = ("global", "local")  # causal over every earlier token; causal within a window
 SPLASH_LANES = 128  # the splash kernel tiles sequences in blocks of multiples of 128
+TPU_LANES = 128  # the TPU paged kernel's blocks span whole heads: a head size of a multiple of this
 SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the sequence is the block
 SPLASH_DTYPES = ("float32", "bfloat16")
 
@@ -78,8 +80,8 @@ def resolve(
     `phase` one of PHASES, `kind` one of KINDS, `impl` the policy's preference, `backend` JAX's default
     when None, `dtype` the compute dtype's name (a decode step's pool is stored in it), `biased` whether
     the scores carry an additive bias (the seed's t5 positions), `shards` how many ways the mesh splits
-    rows (data x fsdp) and heads (model). No kernel is limited by `head_dim` today: splash and its
-    backward pass compile for a TPU v5e at 64, 80, 128 and 256 (tests/test_attention.py)."""
+    rows (data x fsdp) and heads (model). Splash and its backward pass compile for a TPU v5e at head sizes
+    64, 80, 128 and 256 (tests/test_attention.py); the TPU paged kernel only at multiples of 128."""
     if phase not in PHASES or kind not in KINDS:
         raise ValueError(f"attention phase {phase!r} / kind {kind!r}: phases are {PHASES}, kinds {KINDS}")
     backend = backend or jax.default_backend()
@@ -88,6 +90,9 @@ def resolve(
             why = "an additive bias" if biased else "a local window"
             return _contiguous(impl, backend, dtype, f"the paged kernels take no {why}; the pool is gathered")
         if backend == "tpu" and impl in ("auto", "pallas"):
+            if head_dim % TPU_LANES:
+                why = f"the TPU paged kernel takes heads of a multiple of {TPU_LANES} lanes, not {head_dim}"
+                return _contiguous(impl, backend, dtype, why + "; the pool is gathered")
             if dtype in ("bfloat16", "int8"):
                 return Kernel("paged_tpu", f"decode step on a TPU over a {dtype} pool")
             return _contiguous(impl, backend, dtype, f"the TPU paged kernel reads bfloat16 and int8 pools, not {dtype}")

@@ -97,13 +97,15 @@ class CacheView(NamedTuple):
         """Store this layer's new keys and values [B, T, H, K] at the rows' slots, in place.
 
         On a backend of `ROW_WRITE_BACKENDS` a decode step (one token per row) writes each row's token
-        with its own dynamic-update-slice. There one scatter of every row's [H, K] gives the pool a
-        heads-minor layout (the scatter's window spans the major heads axis), and the pool is copied
-        whole to and from the layout the paged kernel reads, for keys and for values, in every layer:
-        the step's cost grew with the pool, so with its rows (gptj-1b on a v5e at 1 / 16 / 64 rows:
-        7.1 / 102 / 396 ms a step; row by row 4.2 / 15.2 / 48.9). On a CPU the scatter of a float32
-        pool is in place; a bfloat16 one XLA widens to float32 and back around the scatter, and the
-        same around row-by-row writes (which measured slower still). A prompt goes in one scatter."""
+        head by head, a [K] vector per dynamic-update-slice. There a write whose window spans the heads
+        (one scatter of every row's [H, K], or a row's [H, K] at once) makes XLA's TPU layout assignment
+        keep the pool heads-minor through the decode program's loops (its chunk of steps, the layer
+        scan), so the pool was copied whole to and from the layout the paged kernel reads, for keys and
+        values, in every layer of every step: the step's cost grew with the pool, so with its rows
+        (gptj-1b on a v5e, 1 / 16 rows: 4.9 / 75.9 ms). tests/test_kv_in_place.py compiles the engine's
+        decode program for a v5e and finds no copy of the pool. On a CPU the scatter of a float32 pool
+        is in place; a bfloat16 one XLA widens to float32 and back around the scatter, and the same
+        around row-by-row writes (which measured slower still). A prompt goes in one scatter."""
         written = self.slots != NOT_WRITTEN
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
         B, T = self.slots.shape
@@ -114,10 +116,12 @@ class CacheView(NamedTuple):
                 dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
                 return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
             for b in range(B):
-                at = (0, layer, jnp.maximum(pages[b, 0], 0), offsets[b, 0], 0)
-                value = new[b, 0][:, None, None, None, :]
-                value = jnp.where(written[b, 0], value, jax.lax.dynamic_slice(pool, at, value.shape))
-                pool = jax.lax.dynamic_update_slice(pool, value, at)
+                page = jnp.maximum(pages[b, 0], 0)
+                for h in range(pool.shape[0]):
+                    at = (h, layer, page, offsets[b, 0], 0)
+                    value = new[b, 0, h][None, None, None, None, :]
+                    value = jnp.where(written[b, 0], value, jax.lax.dynamic_slice(pool, at, value.shape))
+                    pool = jax.lax.dynamic_update_slice(pool, value, at)
             return pool
 
         if not self.cache.quantized:

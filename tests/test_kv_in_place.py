@@ -57,7 +57,7 @@ def test_a_row_by_row_decode_step_writes_without_a_scatter(row_writes: None):
     lowered = jitted(donate_argnums=1).lower(*arguments())
     text = lowered.as_text()
     assert "scatter" not in text  # the layout a TPU gives a scatter into the pool copies it every layer
-    assert text.count("dynamic_update_slice") == 2 * ROWS  # keys and values of each row, in the layer scan
+    assert text.count("dynamic_update_slice") == 2 * ROWS * CFG.n_head  # keys and values of each row and head
     pool_bytes = sum(x.nbytes for x in jax.tree.leaves(arguments()[1]))
     assert lowered.compile().memory_analysis().alias_size_in_bytes >= pool_bytes
 
@@ -69,3 +69,35 @@ def test_row_by_row_writes_store_what_the_scatter_stores(monkeypatch: pytest.Mon
     np.testing.assert_array_equal(row_logits, logits)
     for row_pool, pool in zip(row_cache, cache, strict=True):
         np.testing.assert_array_equal(row_pool, pool)
+
+
+@pytest.mark.slow
+def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch: pytest.MonkeyPatch):
+    """Ahead of time, without a chip: the engine's decode program (a loop of steps over the layer scan, the
+    paged kernel reading the pool) compiled for a TPU v5e holds no copy of the pool, whose layout the writes
+    could otherwise set apart from the kernel's (a copy per layer and step: a step's cost grew with its rows).
+    Traced as on a TPU host: JAX's default backend decides the write path and the decode kernel."""
+    pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
+    import re
+
+    from meshlm import planner
+    from meshlm.serve import runner
+    from meshlm.sharding import SERVING, plan, with_shardings
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    cfg = config.preset("gptj-tiny").replace(n_head=2)  # heads of 128: the TPU paged kernel's lane width
+    mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
+    policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = model.abstract_params(cfg, "bfloat16")
+    params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
+    rows, width = 4, 4
+    pages = rows * width + 1
+    with jax.set_mesh(mesh):
+        lowered = runner.lower("decode", cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params)
+        text = lowered.compile().as_text()
+    assert "tpu_custom_call" in text  # the paged kernel reads the pool
+    pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{PAGE},{cfg.d_head}\]"
+    moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
+    copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]
+    assert not copies, copies[:2]

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.sharding import spec_for
+from meshlm.sharding import spec_for, traced_backend
 
 PHASES = ("train", "prefill", "decode")  # a forward pass without the cache; a prompt over the cache; one token
 KINDS = ("global", "local")  # causal over every earlier token; causal within a window
@@ -77,14 +77,15 @@ def resolve(
 ) -> Kernel:
     """The kernel for one attention call (see the module docstring for the table this encodes).
 
-    `phase` one of PHASES, `kind` one of KINDS, `impl` the policy's preference, `backend` JAX's default
-    when None, `dtype` the compute dtype's name (a decode step's pool is stored in it), `biased` whether
-    the scores carry an additive bias (the seed's t5 positions), `shards` how many ways the mesh splits
-    rows (data x fsdp) and heads (model). Splash and its backward pass compile for a TPU v5e at head sizes
-    64, 80, 128 and 256 (tests/test_attention.py); the TPU paged kernel only at multiples of 128."""
+    `phase` one of PHASES, `kind` one of KINDS, `impl` the policy's preference, `backend` the traced
+    program's (`sharding.traced_backend`) when None, `dtype` the compute dtype's name (a decode step's
+    pool is stored in it), `biased` whether the scores carry an additive bias (the seed's t5 positions),
+    `shards` how many ways the mesh splits rows (data x fsdp) and heads (model). Splash and its backward
+    pass compile for a TPU v5e at head sizes 64, 80, 128 and 256 (tests/test_attention.py); the TPU
+    paged kernel only at multiples of 128."""
     if phase not in PHASES or kind not in KINDS:
         raise ValueError(f"attention phase {phase!r} / kind {kind!r}: phases are {PHASES}, kinds {KINDS}")
-    backend = backend or jax.default_backend()
+    backend = backend or traced_backend()
     if phase == "decode" and impl != "xla" and impl != "cudnn":
         if biased or kind == "local":
             why = "an additive bias" if biased else "a local window"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
 from meshlm.paged_attention import QUANT_MAX, paged_attention
-from meshlm.sharding import constrain
+from meshlm.sharding import constrain, traced_backend
 
 
 class KVCache(NamedTuple):
@@ -112,7 +112,7 @@ class CacheView(NamedTuple):
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
-            if T > 1 or jax.default_backend() not in ROW_WRITE_BACKENDS:
+            if T > 1 or traced_backend() not in ROW_WRITE_BACKENDS:
                 dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
                 return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
             for b in range(B):

@@ -28,7 +28,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
 from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
-from meshlm.sharding import spec_for
+from meshlm.sharding import spec_for, traced_backend
 
 QUANT_MAX = MAX_INT8  # an int8 pool's scale unit, the TPU kernel's (127.5); `kv_cache` reads it from here
 Array = jax.Array
@@ -58,7 +58,7 @@ def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
         block_h=BLOCK_H,
         k_splits=splits,
         pages_per_compute_block=math.gcd(pages_per_row // splits, 8),
-        interpret=jax.default_backend() == "cpu",
+        interpret=traced_backend() == "cpu",
     )
 
     def gpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Scale, v_scale: Scale) -> Array:

@@ -113,6 +113,14 @@ def make_mesh(spec: str | Mesh | None = None, devices: list[Any] | None = None) 
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def traced_backend() -> str:
+    """The platform the program being traced is for: the devices' of the mesh set by `jax.set_mesh` (a TPU
+    topology's when `meshlm plan` compiles for a TPU it does not have), else JAX's default backend. Where a
+    choice depends on the chip (an attention kernel, how the KV pool is written), this names the chip."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def spec_for(axes: Iterable[str | None], rules: Rules = TRAINING) -> PartitionSpec:
     """PartitionSpec for a tuple of logical axis names, through `rules`."""
     out = []

@@ -76,7 +76,8 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
     """Ahead of time, without a chip: the engine's decode program (a loop of steps over the layer scan, the
     paged kernel reading the pool) compiled for a TPU v5e holds no copy of the pool, whose layout the writes
     could otherwise set apart from the kernel's (a copy per layer and step: a step's cost grew with its rows).
-    Traced as on a TPU host: JAX's default backend decides the write path and the decode kernel."""
+    The mesh's TPU devices decide the write path and the decode kernel (`sharding.traced_backend`), as
+    `meshlm plan --serve --target tpu:...` compiles it."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     import re
 
@@ -85,7 +86,6 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
     from meshlm.sharding import SERVING, plan, with_shardings
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     cfg = config.preset("gptj-tiny").replace(n_head=2)  # heads of 128: the TPU paged kernel's lane width
     mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")

@@ -29,16 +29,15 @@ def device_ops(path: Path) -> tuple[str, list[tuple[str, float, dict[str, Any]]]
     if not planes:  # a CPU run: its ops are events of the XLA client's threads
         planes = [p for p in data.planes if p.name == "/host:CPU"]
     plane = planes[0]
-    print(f"plane {plane.name}: lines {[line.name for line in plane.lines]}")
+    on_device = plane.name.startswith("/device:")  # a device's ops are its "XLA Ops" line; a CPU's carry hlo_op
     events = []
     for line in plane.lines:
-        if planes[0].name.startswith("/device:") and line.name != "XLA Ops":
-            continue
-        for ev in line.events:
+        for ev in line.events if not on_device or line.name == "XLA Ops" else ():
             stats = dict(ev.stats)
-            if plane.name == "/host:CPU" and "hlo_op" not in stats:
-                continue
-            events.append((ev.name, ev.duration_ns, stats))
+            if on_device or "hlo_op" in stats:
+                events.append((ev.name, ev.duration_ns, stats))
+    if not events:
+        raise SystemExit(f"profile_ops: no op events on {plane.name} (its lines: {[x.name for x in plane.lines]})")
     return plane.name, events
 
 
@@ -55,8 +54,6 @@ def summarize(folder: Path, top: int) -> dict[str, Any]:
         op["count"] += 1
         by_category[str(stats.get("hlo_category", "?"))] += ns
     busy = sum(op["ns"] for op in by_op.values())
-    if not busy:
-        raise SystemExit(f"profile_ops: no op events on {plane}")
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1]["ns"])
     print(f"{files[-1].name}: plane {plane}, {len(events)} op events, busy {busy / 1e6:.2f} ms")
     print(f"{'ms':>9} {'%':>6} {'n':>5} {'category':<22} {'TFLOP/s':>8} {'GB/s':>7}  op / source")

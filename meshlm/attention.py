@@ -40,8 +40,7 @@ from meshlm.sharding import spec_for, traced_backend
 
 PHASES = ("train", "prefill", "decode")  # a forward pass without the cache; a prompt over the cache; one token
 KINDS = ("global", "local")  # causal over every earlier token; causal within a window
-SPLASH_LANES = 128  # the splash kernel tiles sequences in blocks of multiples of 128
-TPU_LANES = 128  # the TPU paged kernel's blocks span whole heads: a head size of a multiple of this
+TPU_LANES = 128  # a TPU vector's lanes: splash tiles sequences in multiples of it, the paged kernel heads
 SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the sequence is the block
 SPLASH_DTYPES = ("float32", "bfloat16")
 
@@ -118,8 +117,8 @@ def splash_refusal(
         return "the scores carry an additive bias (t5 positions)"
     if q_len != kv_len:
         return f"queries ({q_len}) and keys ({kv_len}) differ in length"
-    if q_len % SPLASH_LANES:
-        return f"sequence length {q_len} is not a multiple of {SPLASH_LANES}"
+    if q_len % TPU_LANES:
+        return f"sequence length {q_len} is not a multiple of {TPU_LANES}"
     if dtype not in SPLASH_DTYPES:
         return f"dtype {dtype} (it takes {' or '.join(SPLASH_DTYPES)})"
     rows, model = shards

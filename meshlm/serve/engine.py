@@ -118,8 +118,8 @@ class Engine:
     adapter given) of rank `max_lora_rank` (default: the largest given, else DEFAULT_LORA_RANK), rows of any
     mix of adapters and the base in one batch. An engine without them has no slots; `add_adapter` then needs
     `max_adapters` > 0. The engine reads no files: adapters come as weights (`LanguageModel.read_adapter`
-    reads a folder). `rules` lays the weights
-    out on the mesh (`sharding.SERVING`: split over `model` only, so a decode step gathers none)."""
+    reads a folder). `rules` lays the weights out on the mesh (`sharding.SERVING`: split over `model` only,
+    so a decode step gathers none)."""
 
     def __init__(
         self,

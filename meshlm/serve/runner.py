@@ -705,8 +705,9 @@ class Runner:
         return _on_host(out)
 
     def decode(self, batch: Decode) -> Step:
-        arrays = dict(slots=batch.slots, table=batch.table, allowed=batch.allowed)
-        on_device = batch._replace(chunk=np.int32(batch.chunk), **{k: self._from_host(v) for k, v in arrays.items()})
+        put = self._from_host  # the chunk, a scalar, goes as it is
+        on_device = batch._replace(slots=put(batch.slots), table=put(batch.table), chunk=np.int32(batch.chunk),
+                                   allowed=put(batch.allowed))  # fmt: skip
         return _on_host(self._call(_decode, on_device))
 
     def verify(self, batch: Speculate) -> Step:

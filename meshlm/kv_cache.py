@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
+from meshlm.kv_write import write_tokens
 from meshlm.paged_attention import QUANT_MAX, paged_attention
 from meshlm.sharding import constrain, traced_backend
 
@@ -57,7 +58,7 @@ SCALE_AXES = ("act_heads", "layers", None, None, None)
 KV_QUANTIZED = "int8"  # the pool dtype stored with scales; any float dtype is stored as it is
 # QUANT_MAX: the scales' unit, as the TPU kernel reads them (from meshlm.paged_attention, below this module)
 NOT_WRITTEN = -1  # a `CacheView.slots` entry of a token that is not stored
-ROW_WRITE_BACKENDS = ("tpu",)  # where a decode step writes row by row (see `CacheView.write`)
+KERNEL_WRITE_BACKENDS = ("tpu",)  # where a decode step writes by a kernel (see `CacheView.write`)
 
 
 def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
@@ -96,33 +97,23 @@ class CacheView(NamedTuple):
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
         """Store this layer's new keys and values [B, T, H, K] at the rows' slots, in place.
 
-        On a backend of `ROW_WRITE_BACKENDS` a decode step (one token per row) writes each row's token
-        head by head, a [K] vector per dynamic-update-slice. There a write whose window spans the heads
-        (one scatter of every row's [H, K], or a row's [H, K] at once) makes XLA's TPU layout assignment
-        keep the pool heads-minor through the decode program's loops (its chunk of steps, the layer
-        scan), so the pool was copied whole to and from the layout the paged kernel reads, for keys and
-        values, in every layer of every step: the step's cost grew with the pool, so with its rows
-        (gptj-1b on a v5e, 1 / 16 rows: 4.9 / 75.9 ms). tests/test_kv_in_place.py compiles the engine's
-        decode program for a v5e and finds no copy of the pool. On a CPU the scatter of a float32 pool
-        is in place; a bfloat16 one XLA widens to float32 and back around the scatter, and the same
-        around row-by-row writes (which measured slower still). A prompt goes in one scatter."""
+        On a backend of `KERNEL_WRITE_BACKENDS` a decode step (one token per row) writes by the Pallas
+        kernel of `meshlm.kv_write`, on the pool as it lies: XLA's scatter into it made the TPU's layout
+        assignment copy the pool whole to and from the paged kernel's layout in every layer of every step,
+        and one dynamic-update-slice per row and head grew the step by B * H ops a layer (see that module).
+        tests/test_kv_in_place.py compiles the engine's decode program for a v5e and finds no copy of the
+        pool. Elsewhere, and for a prompt, one scatter: on a CPU the scatter of a float32 pool is in
+        place; a bfloat16 one XLA widens to float32 and back around it."""
         written = self.slots != NOT_WRITTEN
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
-        B, T = self.slots.shape
+        T = self.slots.shape[1]
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
-            if T > 1 or traced_backend() not in ROW_WRITE_BACKENDS:
-                dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
-                return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
-            for b in range(B):
-                page = jnp.maximum(pages[b, 0], 0)
-                for h in range(pool.shape[0]):
-                    at = (h, layer, page, offsets[b, 0], 0)
-                    value = new[b, 0, h][None, None, None, None, :]
-                    value = jnp.where(written[b, 0], value, jax.lax.dynamic_slice(pool, at, value.shape))
-                    pool = jax.lax.dynamic_update_slice(pool, value, at)
-            return pool
+            if T == 1 and traced_backend() in KERNEL_WRITE_BACKENDS:
+                return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
+            dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
+            return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
 
         if not self.cache.quantized:
             return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))

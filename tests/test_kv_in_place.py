@@ -2,20 +2,22 @@
 
 A step that copied the pool would cost in proportion to the pool, so to its rows. These tests read the
 program XLA compiles, not a timing: the pool is donated and aliased to the step's output, and where a
-decode step writes row by row (on a TPU, see `CacheView.write`), it writes with dynamic-update-slices,
-no scatter; both ways store the same bits.
+decode step writes by the kernel of `meshlm.kv_write` (on a TPU, see `CacheView.write`), it writes with
+no scatter, storing what the scatter stores (the kernel run in Pallas' TPU interpreter).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
-from meshlm import config, kv_cache, model
+from meshlm import config, kv_cache, kv_write, model
 
 CFG = config.preset("test-tiny")
 ROWS, PAGES_PER_ROW, PAGE = 4, 4, 16
@@ -41,9 +43,11 @@ def arguments() -> tuple:
 
 
 @pytest.fixture
-def row_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Write a decode step row by row here, as on a TPU."""
-    monkeypatch.setattr(kv_cache, "ROW_WRITE_BACKENDS", (jax.default_backend(),))
+def kernel_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Write a decode step by the TPU kernel here, as on a TPU (in Pallas' TPU interpreter)."""
+    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    with pltpu.force_tpu_interpret_mode():
+        yield
 
 
 def test_a_decode_step_donates_the_pool_and_aliases_it_to_its_output():
@@ -53,22 +57,35 @@ def test_a_decode_step_donates_the_pool_and_aliases_it_to_its_output():
     assert compiled.memory_analysis().alias_size_in_bytes >= pool_bytes
 
 
-def test_a_row_by_row_decode_step_writes_without_a_scatter(row_writes: None):
-    lowered = jitted(donate_argnums=1).lower(*arguments())
-    text = lowered.as_text()
-    assert "scatter" not in text  # the layout a TPU gives a scatter into the pool copies it every layer
-    assert text.count("dynamic_update_slice") == 2 * ROWS * CFG.n_head  # keys and values of each row and head
-    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(arguments()[1]))
-    assert lowered.compile().memory_analysis().alias_size_in_bytes >= pool_bytes
-
-
-def test_row_by_row_writes_store_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch):
+def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch):
     logits, cache = jitted()(*arguments())
-    monkeypatch.setattr(kv_cache, "ROW_WRITE_BACKENDS", (jax.default_backend(),))
-    row_logits, row_cache = jitted()(*arguments())
-    np.testing.assert_array_equal(row_logits, logits)
-    for row_pool, pool in zip(row_cache, cache, strict=True):
-        np.testing.assert_array_equal(row_pool, pool)
+    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    with pltpu.force_tpu_interpret_mode():
+        lowered = jitted(donate_argnums=1).lower(*arguments())
+        assert "scatter" not in lowered.as_text()  # the layout a TPU gives a scatter into the pool copies it
+        kernel_logits, kernel_cache = jitted()(*arguments())
+    np.testing.assert_array_equal(kernel_logits, logits)
+    for kernel_pool, pool in zip(kernel_cache, cache, strict=True):
+        np.testing.assert_array_equal(kernel_pool, pool)
+
+
+@pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", 1)])  # an int8 pool's scales
+def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes: None, dtype: str, K: int):
+    """Rows in two groups of the kernel's grid (`kv_write.GROUP`), one not written, slots at a page's first
+    and last token and between, against numpy."""
+    H, L, P, S, B = 2, 3, 12, 16, 10
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(H, L, P, S, K)).astype(dtype) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
+    pool = jnp.asarray(pool, dtype)
+    new = jnp.asarray(rng.normal(size=(B, H, K)) * 9, dtype)
+    pages = jnp.asarray(rng.permutation(np.arange(1, P))[:B], jnp.int32)  # each row its own page, never page 0
+    offsets = jnp.asarray([0, 15, 7, 3, 9, 1, 14, 8, 2, 11], jnp.int32)
+    written = jnp.asarray([True] * 4 + [False] + [True] * 5)
+    out = jax.jit(kv_write.write_tokens)(pool, new, jnp.int32(1), pages, offsets, written)
+    expected = np.array(pool)
+    for b in np.flatnonzero(written):
+        expected[:, 1, pages[b], offsets[b]] = new[b]
+    np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 @pytest.mark.slow
@@ -96,7 +113,8 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
     with jax.set_mesh(mesh):
         lowered = runner.lower("decode", cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params)
         text = lowered.compile().as_text()
-    assert "tpu_custom_call" in text  # the paged kernel reads the pool
+    # in the layer's scan: the paged kernel reads the pool, the write kernel stores its keys and values
+    assert text.count('custom_call_target="tpu_custom_call"') == 3
     pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{PAGE},{cfg.d_head}\]"
     moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
     copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]

@@ -6,10 +6,11 @@ apart from the paged-attention kernel's, so XLA copies the whole pool in every l
 one dynamic-update-slice per row and head is B * H tiny ops a layer (gptj-1b on a v5e: 3.8 ms a step at
 1 row, 24.7 ms at 16). Here one Pallas call per layer writes every row with DMAs on the pool as it lies.
 
-A TPU DMA moves whole tiles: a token's slot is one sublane of its page's [page_size, K] tile, so each row
-reads its page [H, page_size, K] into VMEM, sets the slot there, and writes the page back (a bfloat16 page
-of gptj-1b: 64 KB each way). Rows are done `GROUP` at a time, their DMAs in flight together. Rows whose
-token is not stored (padding, `written` false) rewrite page 0, which no row holds, with what it holds.
+A TPU DMA moves whole tiles: a token's slot is one sublane of a [tile_rows, K] tile of its page, so each
+row reads that tile of every head into VMEM, sets the slot there, and writes it back (bfloat16 gptj-1b:
+16 heads x 16 tokens x 128, 64 KB each way). Rows are done `GROUP` at a time, their DMAs in flight
+together. Rows whose token is not stored (padding, `written` false) rewrite a tile of page 0, which no row
+holds, with what it holds.
 Off a TPU the kernel runs in Pallas' TPU interpreter (`pltpu.force_tpu_interpret_mode`), as the tests do.
 """
 
@@ -24,35 +25,45 @@ from jax.experimental.pallas import tpu as pltpu
 
 from meshlm.sharding import spec_for
 
-GROUP = 8  # rows whose page DMAs are in flight together (their pages share VMEM: 8 x 64 KB for gptj-1b)
+GROUP = 8  # rows whose tile DMAs are in flight together (their tiles share VMEM: 8 x 64 KB for gptj-1b)
 
 
-def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref, pages_vmem, sems, *, group: int):
-    """Rows [g * group, (g + 1) * group) of program g: each row's page in, its slot set, the page out."""
+def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref, tiles_vmem, sems, *, group: int):
+    """Rows [g * group, (g + 1) * group) of program g: the tile holding each row's slot in, the slot set
+    there, the tile out."""
     del pool_ref  # the same buffer as out_ref (aliased)
-    layer, first = layer_ref[0], pl.program_id(0) * group
+    layer, first, tile = layer_ref[0], pl.program_id(0) * group, tiles_vmem.shape[2]
+    starts = [pl.multiple_of(jnp.maximum(offsets_ref[first + i], 0) // tile * tile, tile) for i in range(group)]
 
-    def page_copy(i: int, into_vmem: bool) -> pltpu.AsyncCopyDescriptor:
-        hbm = out_ref.at[:, layer, pages_ref[first + i]]
-        src, dst = (hbm, pages_vmem.at[i]) if into_vmem else (pages_vmem.at[i], hbm)
+    def tile_copy(i: int, into_vmem: bool) -> pltpu.AsyncCopyDescriptor:
+        hbm = out_ref.at[:, layer, pages_ref[first + i], pl.ds(starts[i], tile)]
+        src, dst = (hbm, tiles_vmem.at[i]) if into_vmem else (tiles_vmem.at[i], hbm)
         return pltpu.make_async_copy(src, dst, sems.at[i])
 
     for into_vmem in (True, False):
         if not into_vmem:
-            slot = jax.lax.broadcasted_iota(jnp.int32, pages_vmem.shape[1:], 1)
+            slot = jax.lax.broadcasted_iota(jnp.int32, tiles_vmem.shape[1:], 1)
             for i in range(group):
-                page = pages_vmem[i]
-                pages_vmem[i] = jnp.where(slot == offsets_ref[first + i], new_ref[i][:, None, :], page)
-        copies = [page_copy(i, into_vmem) for i in range(group)]
+                at = offsets_ref[first + i] - starts[i]  # -1 for a row not written
+                tiles_vmem[i] = jnp.where(slot == at, new_ref[i][:, None, :], tiles_vmem[i])
+        copies = [tile_copy(i, into_vmem) for i in range(group)]
         for copy in copies:
             copy.start()
         for copy in copies:
             copy.wait()
 
 
+def tile_rows(page_size: int, dtype: jnp.dtype) -> int:
+    """Tokens a DMA moves at least: the sublanes of the pool's [page_size, K] tiles (8 of 32 bits, packed:
+    16 bfloat16, 32 int8), or the whole page where it does not divide into them."""
+    rows = 8 * 4 // jnp.dtype(dtype).itemsize
+    return rows if page_size % rows == 0 else page_size
+
+
 def _write(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
     B, H, K = new.shape
     group = next(g for g in range(min(GROUP, B), 0, -1) if B % g == 0)
+    tile = tile_rows(pool.shape[3], pool.dtype)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel, group=group),
@@ -61,7 +72,7 @@ def _write(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array, 
             grid=(B // group,),
             in_specs=[pl.BlockSpec((group, H, K), lambda g, *_: (g, 0, 0)), anywhere],
             out_specs=anywhere,
-            scratch_shapes=[pltpu.VMEM((group, H, pool.shape[3], K), pool.dtype), pltpu.SemaphoreType.DMA((group,))],
+            scratch_shapes=[pltpu.VMEM((group, H, tile, K), pool.dtype), pltpu.SemaphoreType.DMA((group,))],
         ),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={4: 0},  # operands count the three prefetched scalars

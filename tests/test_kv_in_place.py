@@ -69,17 +69,21 @@ def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monk
         np.testing.assert_array_equal(kernel_pool, pool)
 
 
-@pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", 1)])  # an int8 pool's scales
-def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes: None, dtype: str, K: int):
+# pages of one DMA tile (bfloat16; int8's tile is larger than the page) and of several (float32: an int8
+# pool's scales; bfloat16 pages of three tiles)
+@pytest.mark.parametrize(
+    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 16), ("float32", 1, 16), ("bfloat16", 128, 48)]
+)
+def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes: None, dtype: str, K: int, S: int):
     """Rows in two groups of the kernel's grid (`kv_write.GROUP`), one not written, slots at a page's first
-    and last token and between, against numpy."""
-    H, L, P, S, B = 2, 3, 12, 16, 10
+    and last token and between, in each of its tiles, against numpy."""
+    H, L, P, B = 2, 3, 12, 10
     rng = np.random.default_rng(0)
     pool = rng.normal(size=(H, L, P, S, K)).astype(dtype) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
     pool = jnp.asarray(pool, dtype)
     new = jnp.asarray(rng.normal(size=(B, H, K)) * 9, dtype)
     pages = jnp.asarray(rng.permutation(np.arange(1, P))[:B], jnp.int32)  # each row its own page, never page 0
-    offsets = jnp.asarray([0, 15, 7, 3, 9, 1, 14, 8, 2, 11], jnp.int32)
+    offsets = jnp.asarray([0, S - 1, 7, S // 2, 9, 1, 14, 8, 2, S - 5], jnp.int32)
     written = jnp.asarray([True] * 4 + [False] + [True] * 5)
     out = jax.jit(kv_write.write_tokens)(pool, new, jnp.int32(1), pages, offsets, written)
     expected = np.array(pool)

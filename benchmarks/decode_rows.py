@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
     parser.add_argument("--profile", default="", help="a folder for a profile of the last row count's call")
+    parser.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per KV page")
     args = parser.parse_args()
 
     cfg = config.preset(args.preset)
@@ -87,7 +88,7 @@ def main() -> None:
     print(f"jax {jax.__version__}; device {device.device_kind} ({device.platform}) x {jax.device_count()}")
     print(
         f"preset {args.preset}, {args.dtype}, weights {args.quantize or args.dtype}, pool {pool_dtype}, "
-        f"context {args.context}, {args.steps} steps timed, best of "
+        f"context {args.context}, pages of {args.page_size}, {args.steps} steps timed, best of "
         f"{args.repeats}; decode attention {kernel.name}; load average before: {load}"
     )
     gbs = copy_gbs(args.copy_mb, args.repeats)
@@ -109,12 +110,12 @@ def main() -> None:
         return cache, token, length
 
     slots = args.context + 2 * args.steps
-    per_row = -(-slots // PAGE_SIZE)
+    per_row = -(-slots // args.page_size)
     print(f"{'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
     first = None
     for rows in (int(r) for r in args.rows.split(",")):
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
-        state = [kv_cache.init_cache(cfg, rows * per_row + 1, PAGE_SIZE, pool_dtype)]
+        state = [kv_cache.init_cache(cfg, rows * per_row + 1, args.page_size, pool_dtype)]
         start = jnp.full((rows,), args.context, jnp.int32)
         token = jnp.zeros((rows,), jnp.int32)
 

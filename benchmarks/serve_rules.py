@@ -38,7 +38,15 @@ def decode_all_gathers(engine: Engine) -> tuple[int, int]:
     of one; the others gather the rows' state (split over the batch axes) and the new keys and values."""
     r = engine.runner
     lowered = runner.lower(
-        "decode", r.cfg, r.policy, r.mesh, rows=r.max_batch, pages=r.n_pages, width=r.shapes.max_pages, params=r.params
+        "decode",
+        r.cfg,
+        r.policy,
+        r.mesh,
+        rows=r.max_batch,
+        pages=r.n_pages,
+        width=r.shapes.max_pages,
+        params=r.params,
+        page_size=r.page_size,
     )
     shapes = {s for w in jax.tree.leaves(r.params) for s in (w.shape, w.shape[1:])}
     gathered = [tuple(int(d) for d in dims.split(",") if d) for dims in ALL_GATHER.findall(lowered.compile().as_text())]

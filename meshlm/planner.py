@@ -477,10 +477,13 @@ def fit_serve(
     adapters: int = 0,
     lora_rank: int = 16,
     kv_cache_dtype: str | None = None,
+    page_size: int | None = None,
 ) -> ServeFit:
     """The server's resident state for `rows` rows of `context` tokens: the engine's decode step (weights,
-    `adapters` LoRA slots of `lora_rank`, slots and a KV pool that holds every row's whole context) plus, on
-    top, a prefill of one whole context (its output and temporaries)."""
+    `adapters` LoRA slots of `lora_rank`, slots and a KV pool of pages of `page_size` tokens, None: the target's,
+    that holds every row's whole context) plus, on top, a prefill of one whole context (its output and
+    temporaries)."""
+    page_size = EngineConfig(page_size=page_size).tokens_per_page(tgt.platform)
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     params = model.abstract_params(cfg, dtype, quantize)
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh, SERVING))
@@ -488,8 +491,8 @@ def fit_serve(
     params = {**params, "adapters": slots} if slots else params
     ways = batch_ways(mesh)
     n_rows = -(-rows // ways) * ways
-    width = pages_for(context, runner.PAGE_SIZE)
-    cache, rows_state = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, runner.PAGE_SIZE, n_rows)
+    width = pages_for(context, page_size)
+    cache, rows_state = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, page_size, n_rows)
     adapter_bytes = shard_bytes(slots)
     weights, capacity = shard_bytes(params) - adapter_bytes, tgt.capacity
     state = shard_bytes((cache, rows_state))
@@ -500,10 +503,9 @@ def fit_serve(
     pages = n_rows * width + 1
     try:
         with jax.set_mesh(mesh):
-            decode = runner.lower("decode", cfg, policy, mesh, rows=n_rows, pages=pages, width=width, params=params)
-            prefill = runner.lower(
-                "prefill", cfg, policy, mesh, rows=ways, pages=pages, width=width, length=context, params=params
-            )
+            shapes = dict(pages=pages, width=width, params=params, page_size=page_size)
+            decode = runner.lower("decode", cfg, policy, mesh, rows=n_rows, **shapes)
+            prefill = runner.lower("prefill", cfg, policy, mesh, rows=ways, length=context, **shapes)
             decode, prefill = footprint.compile_for(decode), footprint.compile_for(prefill)
     except OutOfMemory as e:
         return ServeFit(rows, weights, state, adapter_bytes, e.needed, e.capacity or capacity, refused=str(e))
@@ -544,7 +546,8 @@ def plan_serve(
     say = progress or (lambda _: None)
 
     def fit(n: int) -> ServeFit:
-        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank, kv_cache_dtype)
+        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank, kv_cache_dtype,
+                      engine.page_size)  # fmt: skip
         say(f"  {n} rows x {ctx} tokens: {'fits' if f.fits else 'does not fit'}, {gib(f.total)} of {gib(f.capacity)}")
         return f
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from meshlm.serve.config import LEAST, SPECULATE_TOKENS, EngineConfig
+from meshlm.serve.config import BACKEND_PAGE_SIZES, LEAST, PAGE_SIZE, SPECULATE_TOKENS, EngineConfig
 
 
 def test_it_is_frozen_and_its_defaults_work():
@@ -40,6 +40,12 @@ def test_the_context_and_the_speculation_it_resolves_for_a_model():
     assert EngineConfig().speculated(drafting=False) == 0
     assert EngineConfig().speculated(drafting=True) == SPECULATE_TOKENS
     assert EngineConfig(ngram=2, speculate=3).speculated(drafting=False) == 3
+
+
+def test_the_page_size_is_the_given_one_or_the_backends():
+    assert EngineConfig().tokens_per_page("cpu") == EngineConfig().tokens_per_page("gpu") == PAGE_SIZE
+    assert EngineConfig().tokens_per_page("tpu") == BACKEND_PAGE_SIZES["tpu"] != PAGE_SIZE
+    assert EngineConfig(page_size=32).tokens_per_page("tpu") == 32
 
 
 def test_it_imports_no_jax():

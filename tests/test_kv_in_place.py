@@ -104,6 +104,7 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
 
     from meshlm import planner
     from meshlm.serve import runner
+    from meshlm.serve.config import EngineConfig
     from meshlm.sharding import SERVING, plan, with_shardings
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
@@ -112,14 +113,15 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = model.abstract_params(cfg, "bfloat16")
     params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
-    rows, width = 4, 4
+    rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
     pages = rows * width + 1
     with jax.set_mesh(mesh):
-        lowered = runner.lower("decode", cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params)
+        lowered = runner.lower("decode", cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
+                               page_size=page)  # fmt: skip
         text = lowered.compile().as_text()
     # in the layer's scan: the paged kernel reads the pool, the write kernel stores its keys and values
     assert text.count('custom_call_target="tpu_custom_call"') == 3
-    pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{PAGE},{cfg.d_head}\]"
+    pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{page},{cfg.d_head}\]"
     moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
     copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]
     assert not copies, copies[:2]

@@ -10,7 +10,10 @@ from typing import Any
 
 from meshlm.config import ATTENTION_IMPLS, InputError, dtype_of
 
-PAGE_SIZE = 16  # tokens per KV page
+PAGE_SIZE = 16  # tokens per KV page, where the backend has no size of its own
+# The TPU paged kernel DMAs a page per head at a time: gptj-1b's decode step at 64 rows of 512 tokens on a v5e
+# took 46.3 ms with pages of 16, 25.0 of 64 and 17.9 of 128 (benchmarks/decode_rows.py, BENCHMARKS.md)
+BACKEND_PAGE_SIZES = {"tpu": 128}
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with speculative decoding
 # each integer setting's least value (None, where allowed, means "the default the engine works out")
 LEAST = {"max_batch": 1, "max_len": 1, "kv_tokens": 1, "page_size": 1, "ngram": 0, "speculate": 1,
@@ -22,18 +25,19 @@ class EngineConfig:
     """How an engine batches, caches and speculates, for any model on any mesh.
 
     `max_batch` rows decode together over a paged KV pool of `kv_tokens` tokens (None: what fits beside the
-    weights and the slots) in pages of `page_size`; a row's prompt plus output is at most `max_len` tokens (None:
-    the model's context). `prefix_caching` shares the pages of common prompt prefixes. `ngram` > 0 speculates
-    `speculate` tokens a step by prompt lookup (a draft model, given to the engine, does too). LoRA adapters run
-    in `max_adapters` device slots (None: one per adapter given) of rank `max_lora_rank` (None: the largest
-    given). A loop thread (a server's) decodes `chunk` tokens per device call with at most `max_queue` rows
-    waiting. `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention`
-    (None: the model's own choice) are vLLM's options of those names."""
+    weights and the slots) in pages of `page_size` (None: the backend's, `tokens_per_page`); a row's prompt
+    plus output is at most `max_len` tokens (None: the model's context). `prefix_caching` shares the pages of
+    common prompt prefixes. `ngram` > 0 speculates `speculate` tokens a step by prompt lookup (a draft model,
+    given to the engine, does too). LoRA adapters run in `max_adapters` device slots (None: one per adapter
+    given) of rank `max_lora_rank` (None: the largest given). A loop thread (a server's) decodes `chunk` tokens
+    per device call with at most `max_queue` rows waiting. `kv_cache_dtype` ("int8": half a bfloat16 pool's
+    bytes; None: the compute dtype) and `attention` (None: the model's own choice) are vLLM's options of those
+    names."""
 
     max_batch: int = 8
     max_len: int | None = None
     kv_tokens: int | None = None
-    page_size: int = PAGE_SIZE
+    page_size: int | None = None
     prefix_caching: bool = True
     ngram: int = 0
     speculate: int = SPECULATE_TOKENS
@@ -66,6 +70,10 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes`, validated as a new one is."""
         return dataclasses.replace(self, **changes)
+
+    def tokens_per_page(self, backend: str) -> int:
+        """`page_size`, or the size the backend's paged kernel reads best (`BACKEND_PAGE_SIZES`)."""
+        return self.page_size or BACKEND_PAGE_SIZES.get(backend, PAGE_SIZE)
 
     def context(self, model_context: int) -> int:
         """A row's tokens at most: `max_len`, or the model's context; InputError for more than the model's."""

@@ -161,7 +161,7 @@ class Engine:
             prefix_caching=config.prefix_caching, speculate=speculate, ngram=config.ngram, draft=draft is not None,
         )  # fmt: skip
         self.max_batch, self.max_len = self.runner.shapes.max_batch, self.runner.shapes.max_len
-        self.page_size, self.speculate = config.page_size, speculate
+        self.page_size, self.speculate = self.runner.page_size, speculate
         self._requests: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._loop: _Loop | None = None
         self._grammars: dict[Tokenizer, Grammars] = {}  # compiled output constraints, per tokenizer

@@ -40,7 +40,7 @@ from meshlm.serve.batch import (
     bitmask_words,
     settings_for,
 )
-from meshlm.serve.config import PAGE_SIZE, EngineConfig
+from meshlm.serve.config import EngineConfig
 from meshlm.serve.pages import pages_for
 from meshlm.serve.params import TOP_LOGPROBS
 from meshlm.serve.sampler import (
@@ -492,7 +492,7 @@ class Runner:
         self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)
         self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
-        page_size = config.page_size
+        page_size = config.tokens_per_page(mesh.devices.flat[0].platform)
         self.shapes = Shapes.of(config.max_batch, config.context(cfg.max_seq_len), page_size, batch_ways(mesh))
         self.max_batch, self.page_size = self.shapes.max_batch, page_size
         free, slots = free_memory(self._local_device()), self._slot_bytes()
@@ -763,11 +763,12 @@ def lower(
     width: int,
     length: int = 0,
     params: Any = None,
+    page_size: int,
 ) -> Any:
     """The "prefill" (of `rows` prompts of `length` tokens) or "decode" program, lowered for abstract weights
-    (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages and `rows` slots of up to `width`
-    pages: what the planner compiles for a target it does not have."""
-    state = DeviceState(*abstract_state(cfg, policy, mesh, pages, PAGE_SIZE, rows))
+    (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages of `page_size` tokens and `rows` slots
+    of up to `width` pages: what the planner compiles for a target it does not have."""
+    state = DeviceState(*abstract_state(cfg, policy, mesh, pages, page_size, rows))
     if program == "prefill":
         fn, batch = _prefill, prefill_args(cfg, mesh, rows, length, width)
     elif program == "decode":

@@ -508,3 +508,18 @@ def test_ignore_eos_generates_past_the_end_of_text_token(text_lm):
     assert text_lm.sampling(ignore_eos=True).stop_token_ids == ()
     assert text_lm.sampling(ignore_eos=True, stop_token_ids=[eos]).stop_token_ids == (eos,)
     assert text_lm.generate(TEXTS[0], **to_eos, ignore_eos=True) == ["<|endoftext|>" * 6]
+
+
+def test_the_settings_are_samplingparams_fields_by_name(text_lm, monkeypatch):
+    """`sampling` and `generate` take SamplingParams' fields by name, every one of them; another name is
+    refused in one line that says where the names come from."""
+    for call in (lambda: text_lm.sampling(temp=0.5), lambda: text_lm.generate(TEXTS, temp=0.5)):
+        with pytest.raises(InputError, match=r"^unknown sampling setting 'temp': the settings are SamplingParams'"):
+            call()
+    asked = []
+    monkeypatch.setattr(text_lm, "generate_tokens", lambda prompts, params, **_: asked.extend(params) or [])
+    text_lm.generate(TEXTS, 4, seed=3, min_p=0.1, logprobs=0, stop="\n", ignore_eos=True)
+    assert [(p.max_new_tokens, p.seed, p.min_p, p.logprobs, p.stop, p.stop_token_ids) for p in asked] == [
+        (4, 3, 0.1, 0, ("\n",), ()),
+        (4, 4, 0.1, 0, ("\n",), ()),
+    ]

@@ -198,12 +198,13 @@ class LanguageModel:
     ) -> SamplingParams:
         """Sampling settings: `SamplingParams`' fields by name (its docstring says what each means). The one
         builder of `SamplingParams` from a user's settings: `generate`, `stream`, `meshlm sample`, the server's
-        requests and the lm-eval model all use it. Here `stop` may be one string, and `stop_token_ids` defaults
-        to the model's EOS ids, or to none with `ignore_eos` (`end_ids`; pass [] to run to max_new_tokens)."""
+        requests and the lm-eval model all use it. Here `stop` may be one string, and `stop_token_ids` add to the
+        model's EOS ids, which `ignore_eos` drops (`end_ids`, vLLM's rule; `ignore_eos=True` alone runs to
+        max_new_tokens)."""
         if unknown := ", ".join(map(repr, sorted(settings.keys() - SAMPLING_FIELDS))):
             raise InputError(f"unknown sampling setting {unknown}: the settings are SamplingParams' fields")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        ids = self.end_ids(ignore_eos=ignore_eos) if stop_token_ids is None else tuple(stop_token_ids)
+        ids = self.end_ids(stop_token_ids or (), ignore_eos)
         return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=ids, **settings)
 
     @property

@@ -100,7 +100,7 @@ def alternatives(body: Sampling) -> int:
 
 # The request fields that are `SamplingParams`' fields by the same name and meaning, passed on as they are;
 # `sampling_params` converts the ones named alike that differ (vLLM's -1 for top_k, OpenAI's string keys, ...).
-CONVERTED = {"top_k", "logit_bias", "stop", "stop_token_ids", "seed", "prompt_logprobs"}
+CONVERTED = {"top_k", "logit_bias", "stop", "seed", "prompt_logprobs"}
 AS_GIVEN = sorted((SAMPLING_FIELDS & Sampling.model_fields.keys()) - CONVERTED)
 
 
@@ -108,8 +108,8 @@ def sampling_params(
     state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None, constraint: Constraint | None
 ) -> SamplingParams:
     """The request's fields as the engine's settings, built by `LanguageModel.sampling`, the one builder of them
-    (400 for what cannot be); as in vLLM, `stop_token_ids` add to the EOS ids (`LanguageModel.end_ids`, the one
-    rule), and the seed is the request's, or random."""
+    (400 for what cannot be); as in vLLM, `stop_token_ids` add to the EOS ids unless `ignore_eos` (`sampling`
+    applies `LanguageModel.end_ids`, the one rule), and the seed is the request's, or random."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
@@ -128,7 +128,7 @@ def sampling_params(
             top_k=max(body.top_k, 0),
             logit_bias=bias,
             stop=tuple(s for s in stop if s),
-            stop_token_ids=state.lm.end_ids(body.stop_token_ids or (), body.ignore_eos),
+            ignore_eos=body.ignore_eos,
             seed=secrets.randbits(31) if body.seed is None else body.seed,
             prompt_logprobs=prompt_logprobs,
             constraint=constraint,

@@ -23,7 +23,7 @@ from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import Draft, Engine
 from meshlm.serve.grammar import Constraint
 from meshlm.serve.outputs import Completion
-from meshlm.serve.params import TOP_LOGPROBS, SamplingParams
+from meshlm.serve.params import SAMPLING_FIELDS, SamplingParams
 from meshlm.sharding import SERVING, Rules, batch_ways, describe, from_host, make_mesh, named_sharding, plan, to_host
 from meshlm.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer, special_token_id, tokenizer_files
 
@@ -190,37 +190,22 @@ class LanguageModel:
     def sampling(
         self,
         max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
+        *,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
-        seed: int | None = None,
-        *,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        min_p: float = 0.0,
-        min_tokens: int = 0,
-        include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
-        constraint: Constraint | None = None,
-        prompt_logprobs: int | None = None,
-        logprobs: int = TOP_LOGPROBS,
+        **settings: Any,
     ) -> SamplingParams:
-        """Sampling settings (see `SamplingParams`); `stop_token_ids` defaults to the model's EOS ids, or to none
-        with `ignore_eos` (`end_ids`; pass [] to run to max_new_tokens). The one builder of `SamplingParams` from a
-        user's settings: `generate`, `stream`, `meshlm sample`, the server's requests and the lm-eval model all
-        use it."""
+        """Sampling settings: `SamplingParams`' fields by name (its docstring says what each means). The one
+        builder of `SamplingParams` from a user's settings: `generate`, `stream`, `meshlm sample`, the server's
+        requests and the lm-eval model all use it. Here `stop` may be one string, and `stop_token_ids` add to the
+        model's EOS ids, which `ignore_eos` drops (`end_ids`, vLLM's rule; `ignore_eos=True` alone runs to
+        max_new_tokens)."""
+        if unknown := ", ".join(map(repr, sorted(settings.keys() - SAMPLING_FIELDS))):
+            raise InputError(f"unknown sampling setting {unknown}: the settings are SamplingParams' fields")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        ids = self.end_ids(ignore_eos=ignore_eos) if stop_token_ids is None else tuple(stop_token_ids)
-        return SamplingParams(
-            max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, ids, seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
-            min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
-            constraint=constraint, prompt_logprobs=prompt_logprobs, logprobs=logprobs,
-        )  # fmt: skip
+        ids = self.end_ids(stop_token_ids or (), ignore_eos)
+        return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=ids, **settings)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -239,54 +224,40 @@ class LanguageModel:
         self,
         prompts: str | Sequence[str],
         max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        repetition_penalty: float = 1.0,
-        stop_token_ids: Sequence[int] | None = None,
         *,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        min_p: float = 0.0,
-        min_tokens: int = 0,
-        include_stop_str_in_output: bool = False,
-        ignore_eos: bool = False,
+        seed: int | None = None,
         adapter: str | None = None,
         json_schema: dict[str, Any] | bool | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        **settings: Any,
     ) -> list[str]:
         """Continuations of text prompts, decoded together as one batch (with the LoRA adapter added as
-        `adapter`, see `add_adapter`).
+        `adapter`, see `add_adapter`). `settings` are `sampling`'s: `SamplingParams`' fields by name, whose
+        docstring says what each means.
 
         temperature 0 is greedy decoding; otherwise the logits are divided by `temperature`, cut to the
         `top_k` most likely tokens (0: all), then to the smallest set reaching probability `top_p`, then
         to the tokens at least `min_p` times as likely as the likeliest. Before that `logit_bias` (token id
         -> bias in [-100, 100]) is added to the logits, and the repetition, frequency and presence
-        penalties lower those of tokens already seen (see `SamplingParams`).
+        penalties lower those of tokens already seen.
         Generation ends at `max_new_tokens`, at a stop token (`eos_ids` by default, none with
         `ignore_eos`) or before the first `stop` string (after it with `include_stop_str_in_output`), but
         not before `min_tokens` tokens. With `seed`, prompt i samples with seed + i, reproducibly.
         The output can be constrained to JSON valid against `json_schema` ({} or True: any JSON), to a
-        `regex` or to one `choice` (one of the three); tokens that would leave it are never chosen.
+        `regex` or to one `choice` (one of the three, or a `constraint`); tokens that would leave it are
+        never chosen.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not all(isinstance(p, str) for p in prompts):
             raise InputError("prompts must be strings")
-        given = [c for c in (json_schema is not None and Constraint.json_schema(json_schema, "json_schema"),
+        given = [c for c in (settings.pop("constraint", None),
+                             json_schema is not None and Constraint.json_schema(json_schema, "json_schema"),
                              regex is not None and Constraint.regex(regex, "regex"),
                              choice is not None and Constraint.choice(list(choice), "choice")) if c]  # fmt: skip
         if len(given) > 1:
-            raise InputError("constrain the output to one of json_schema, regex and choice")
-        base = self.sampling(
-            max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop, stop_token_ids,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-            min_p=min_p, min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
-            ignore_eos=ignore_eos, constraint=given[0] if given else None,
-        )  # fmt: skip
+            raise InputError("constrain the output to one of json_schema, regex and choice, or a constraint")
+        base = self.sampling(max_new_tokens, constraint=given[0] if given else None, **settings)
         params = [base.replace(seed=None if seed is None else seed + i) for i in range(len(prompts))]
         prompts = [self.encode_prompt(p) for p in prompts]
         results = self.generate_tokens(prompts, params, adapters=None if adapter is None else [adapter] * len(prompts))

@@ -236,7 +236,9 @@ class MeshLM(TemplateLM):
             top_k=int(kwargs.get("top_k") or 0) if sample else 0,
             top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
             stop=tuple(s for s in until if s),
+            # eot alone, not the model's other EOS ids: lm-eval's HF backend stops at the tokenizer's EOS only
             stop_token_ids=(self.eot_token_id,),
+            ignore_eos=True,
             seed=self.seed,
         )
 

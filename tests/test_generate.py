@@ -232,14 +232,14 @@ TEXTS = ["Hello world, this is", "The quick brown fox"]
 
 @pytest.mark.slow
 def test_generate_text_and_stop_strings(text_lm):
-    free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop_token_ids=[])
+    free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, ignore_eos=True)
     assert all(len(t) > 10 for t in free)
     stop = free[0][6:10]
-    stopped = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop=stop, stop_token_ids=[])
+    stopped = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop=stop, ignore_eos=True)
     assert stopped == [t[: t.find(stop)] if stop in t else t for t in free]
     again = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0.8, seed=5)
     assert again == text_lm.generate(TEXTS, max_new_tokens=24, temperature=0.8, seed=5)
-    assert "".join(text_lm.stream(TEXTS[0], max_new_tokens=24, temperature=0, stop_token_ids=[])) == free[0]
+    assert "".join(text_lm.stream(TEXTS[0], max_new_tokens=24, temperature=0, ignore_eos=True)) == free[0]
 
 
 @pytest.mark.slow

@@ -460,16 +460,16 @@ TEXTS = ["Hello world, this is", "The quick brown fox"]
 
 @pytest.mark.slow
 def test_include_stop_str_in_output_keeps_the_stop_string(text_lm):
-    free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, stop_token_ids=[])
+    free = text_lm.generate(TEXTS, max_new_tokens=24, temperature=0, ignore_eos=True)
     stop = free[0][6:10]
     kept = text_lm.generate(
-        TEXTS, max_new_tokens=24, temperature=0, stop=stop, stop_token_ids=[], include_stop_str_in_output=True
+        TEXTS, max_new_tokens=24, temperature=0, stop=stop, ignore_eos=True, include_stop_str_in_output=True
     )
     assert kept == [t[: t.find(stop) + len(stop)] if stop in t else t for t in free]
     assert kept[0].endswith(stop)
     streamed = "".join(
         text_lm.stream(
-            TEXTS[0], max_new_tokens=24, temperature=0, stop=stop, stop_token_ids=[], include_stop_str_in_output=True
+            TEXTS[0], max_new_tokens=24, temperature=0, stop=stop, ignore_eos=True, include_stop_str_in_output=True
         )
     )
     assert streamed == kept[0]
@@ -478,7 +478,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(text_lm):
 def test_stop_strings_apply_from_min_tokens_on(text_lm):
     """As vLLM: a stop string counts only when it ends in the text of the min_tokens-th token or a later
     one; min_tokens 0 cuts at the first occurrence."""
-    sp = text_lm.sampling(max_new_tokens=24, temperature=0, stop_token_ids=[])
+    sp = text_lm.sampling(max_new_tokens=24, temperature=0, ignore_eos=True)
     (free,) = text_lm.generate_tokens([text_lm.encode_prompt(TEXTS[1])], sp)
     decode = text_lm.tokenizer.decode
     stop = free.text.lstrip()[:2]  # at the start
@@ -504,7 +504,24 @@ def test_ignore_eos_generates_past_the_end_of_text_token(text_lm):
     assert ignored.tokens == [eos] * 6 and ignored.finish_reason == "length"
     (held,) = text_lm.generate_tokens(prompt, text_lm.sampling(**to_eos, min_tokens=3))
     assert len(held.tokens) == 3 and eos not in held.tokens and held.finish_reason == "stop"
-    # explicit stop_token_ids are honoured as given (vLLM's ignore_eos leaves them alone too)
+    # vLLM's one rule: stop_token_ids add to the EOS ids; ignore_eos drops the EOS ids, not the ids given
+    assert text_lm.sampling(stop_token_ids=[7]).stop_token_ids == (*text_lm.eos_ids, 7)
+    assert text_lm.sampling(ignore_eos=True, stop_token_ids=[7]).stop_token_ids == (7,)
     assert text_lm.sampling(ignore_eos=True).stop_token_ids == ()
     assert text_lm.sampling(ignore_eos=True, stop_token_ids=[eos]).stop_token_ids == (eos,)
     assert text_lm.generate(TEXTS[0], **to_eos, ignore_eos=True) == ["<|endoftext|>" * 6]
+
+
+def test_the_settings_are_samplingparams_fields_by_name(text_lm, monkeypatch):
+    """`sampling` and `generate` take SamplingParams' fields by name, every one of them; another name is
+    refused in one line that says where the names come from."""
+    for call in (lambda: text_lm.sampling(temp=0.5), lambda: text_lm.generate(TEXTS, temp=0.5)):
+        with pytest.raises(InputError, match=r"^unknown sampling setting 'temp': the settings are SamplingParams'"):
+            call()
+    asked = []
+    monkeypatch.setattr(text_lm, "generate_tokens", lambda prompts, params, **_: asked.extend(params) or [])
+    text_lm.generate(TEXTS, 4, seed=3, min_p=0.1, logprobs=0, stop="\n", ignore_eos=True)
+    assert [(p.max_new_tokens, p.seed, p.min_p, p.logprobs, p.stop, p.stop_token_ids) for p in asked] == [
+        (4, 3, 0.1, 0, ("\n",), ()),
+        (4, 4, 0.1, 0, ("\n",), ()),
+    ]

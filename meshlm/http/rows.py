@@ -20,7 +20,7 @@ from meshlm.http.protocol import CONSTRAINT_FIELDS, MAX_STOP_STRINGS, APIError, 
 from meshlm.http.state import STOPPING, Group, ServerState
 from meshlm.serve.engine import QueueFull, SlotsBusy
 from meshlm.serve.grammar import Constraint
-from meshlm.serve.params import SamplingParams
+from meshlm.serve.params import SAMPLING_FIELDS, SamplingParams
 
 COMPILE_SECONDS = 5.0  # an output constraint's compile and first mask, on a worker thread, at most (else 400)
 
@@ -98,12 +98,18 @@ def alternatives(body: Sampling) -> int:
     return getattr(body, "logprobs", None) or 0
 
 
+# The request fields that are `SamplingParams`' fields by the same name and meaning, passed on as they are;
+# `sampling_params` converts the ones named alike that differ (vLLM's -1 for top_k, OpenAI's string keys, ...).
+CONVERTED = {"top_k", "logit_bias", "stop", "seed", "prompt_logprobs"}
+AS_GIVEN = sorted((SAMPLING_FIELDS & Sampling.model_fields.keys()) - CONVERTED)
+
+
 def sampling_params(
     state: ServerState, body: Sampling, max_new: int, prompt_logprobs: int | None, constraint: Constraint | None
 ) -> SamplingParams:
     """The request's fields as the engine's settings, built by `LanguageModel.sampling`, the one builder of them
-    (400 for what cannot be); as in vLLM, `stop_token_ids` add to the EOS ids (`LanguageModel.end_ids`, the one
-    rule), and the seed is the request's, or random."""
+    (400 for what cannot be); as in vLLM, `stop_token_ids` add to the EOS ids unless `ignore_eos` (`sampling`
+    applies `LanguageModel.end_ids`, the one rule), and the seed is the request's, or random."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
@@ -117,19 +123,12 @@ def sampling_params(
                        param="min_tokens")  # fmt: skip
     try:
         return state.lm.sampling(
-            max_new_tokens=max_new,
-            temperature=body.temperature,
+            max_new,
+            **{name: getattr(body, name) for name in AS_GIVEN},
             top_k=max(body.top_k, 0),
-            top_p=body.top_p,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
             logit_bias=bias,
-            min_tokens=body.min_tokens,
             stop=tuple(s for s in stop if s),
-            stop_token_ids=state.lm.end_ids(body.stop_token_ids or (), body.ignore_eos),
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
             seed=secrets.randbits(31) if body.seed is None else body.seed,
             prompt_logprobs=prompt_logprobs,
             constraint=constraint,

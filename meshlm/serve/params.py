@@ -98,6 +98,9 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # the settings a row takes, by name
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 

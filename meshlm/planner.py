@@ -467,24 +467,16 @@ class ServePlan:
 
 
 def fit_serve(
-    cfg: ModelConfig,
-    tgt: Target,
-    mesh: Any,
-    rows: int,
-    context: int,
-    dtype: str,
-    quantize: str | None,
-    adapters: int = 0,
-    lora_rank: int = 16,
-    kv_cache_dtype: str | None = None,
-    page_size: int | None = None,
+    cfg: ModelConfig, tgt: Target, mesh: Any, engine: EngineConfig, dtype: str, quantize: str | None
 ) -> ServeFit:
-    """The server's resident state for `rows` rows of `context` tokens: the engine's decode step (weights,
-    `adapters` LoRA slots of `lora_rank`, slots and a KV pool of pages of `page_size` tokens, None: the target's,
-    that holds every row's whole context) plus, on top, a prefill of one whole context (its output and
-    temporaries)."""
-    page_size = EngineConfig(page_size=page_size).tokens_per_page(tgt.platform)
-    policy = model.Policy(param_dtype=dtype, compute_dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    """The server's resident state for an engine of `engine`'s settings: its decode step (weights,
+    `max_adapters` LoRA slots of `max_lora_rank`, slots and a KV pool in `kv_cache_dtype`, of pages of the
+    target's size, that holds `max_batch` rows' whole `max_len` tokens) plus, on top, a prefill of one whole
+    context (its output and temporaries)."""
+    rows, context = engine.max_batch, engine.context(cfg.max_seq_len)
+    adapters, lora_rank = engine.max_adapters or 0, engine.max_lora_rank or DEFAULT_LORA_RANK
+    page_size = engine.tokens_per_page(tgt.platform)
+    policy = model.Policy(param_dtype=dtype, compute_dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype)
     params = model.abstract_params(cfg, dtype, quantize)
     params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh, SERVING))
     slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
@@ -533,8 +525,7 @@ def plan_serve(
     in `kv_cache_dtype` (None: `dtype`). With `search`, the most rows that fit. `capacity` (bytes per device)
     replaces the target's."""
     engine = engine or EngineConfig()
-    rows, context, kv_cache_dtype = engine.max_batch, engine.max_len, engine.kv_cache_dtype
-    adapters, lora_rank = engine.max_adapters or 0, engine.max_lora_rank or DEFAULT_LORA_RANK
+    rows, context = engine.max_batch, engine.max_len
     tgt = target(target_spec) if capacity is None else replace(target(target_spec), capacity=capacity)
     if mesh is None and tgt.n_devices and tgt.n_devices > 1:  # tensor parallel as far as the heads allow
         ways = max(d for d in _divisors(tgt.n_devices) if cfg.n_head % d == 0)
@@ -546,8 +537,7 @@ def plan_serve(
     say = progress or (lambda _: None)
 
     def fit(n: int) -> ServeFit:
-        f = fit_serve(cfg, tgt, device_mesh, n, ctx, dtype, quantize, adapters, lora_rank, kv_cache_dtype,
-                      engine.page_size)  # fmt: skip
+        f = fit_serve(cfg, tgt, device_mesh, engine.replace(max_batch=n, max_len=ctx), dtype, quantize)
         say(f"  {n} rows x {ctx} tokens: {'fits' if f.fits else 'does not fit'}, {gib(f.total)} of {gib(f.capacity)}")
         return f
 

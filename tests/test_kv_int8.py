@@ -14,6 +14,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 
 from meshlm import config, kv_cache, model
+from meshlm.serve.config import EngineConfig
 
 
 def test_quantize_rounds_each_vector_to_half_a_step_in_the_kernels_convention():
@@ -149,8 +150,9 @@ def test_the_planner_counts_an_int8_cache():
 
     cfg, tgt = config.preset("test-tiny"), planner.target("cpu")
     mesh = tgt.mesh("data=1")
-    fits = {d: [planner.fit_serve(cfg, tgt, mesh, n, 128, "float32", None, kv_cache_dtype=d) for n in (1, 3)]
-            for d in (None, "int8")}  # fmt: skip
+    engine = EngineConfig(max_len=128)
+    fits = {d: [planner.fit_serve(cfg, tgt, mesh, engine.replace(max_batch=n, kv_cache_dtype=d), "float32", None)
+                for n in (1, 3)] for d in (None, "int8")}  # fmt: skip
     per_row = {d: (three.cache - one.cache) / 2 for d, (one, three) in fits.items()}
     values = 128 * 2 * cfg.n_layer * cfg.n_head * cfg.d_head  # a row's keys and values
     scales = values // cfg.d_head * 4

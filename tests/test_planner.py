@@ -178,12 +178,12 @@ def test_cli_plan_prints_the_breakdown(capsys):
 @pytest.mark.slow
 def test_serve_plan_finds_the_most_rows():
     tgt, mesh = planner.target("cpu"), make_one_device_mesh()
-    one = planner.fit_serve(TINY, tgt, mesh, 1, 128, "float32", None)
-    four = planner.fit_serve(TINY, tgt, mesh, 4, 128, "float32", None)
+    one = planner.fit_serve(TINY, tgt, mesh, EngineConfig(max_batch=1, max_len=128), "float32", None)
+    four = planner.fit_serve(TINY, tgt, mesh, EngineConfig(max_batch=4, max_len=128), "float32", None)
     # each row's cache holds keys and values of every layer and head for the whole context
     per_row = 2 * TINY.n_layer * TINY.n_head * 128 * TINY.d_head * 4
     assert four.cache - one.cache >= 3 * per_row
-    five = planner.fit_serve(TINY, tgt, mesh, 5, 128, "float32", None)
+    five = planner.fit_serve(TINY, tgt, mesh, EngineConfig(max_batch=5, max_len=128), "float32", None)
     capacity = (four.total + five.total) // 2
     engine = EngineConfig(max_batch=1, max_len=128)
     plan = planner.plan_serve(TINY, "cpu", engine, mesh="data=1", dtype="float32", capacity=capacity, max_rows=5)
@@ -195,8 +195,9 @@ def test_serve_plan_finds_the_most_rows():
 def test_serve_plan_holds_the_adapter_slots():
     """`--max-adapters` slots (and the base's zero slot) of every projection's A and B, compiled into the step."""
     tgt, mesh = planner.target("cpu"), make_one_device_mesh()
-    plain = planner.fit_serve(TINY, tgt, mesh, 2, 128, "float32", None)
-    slots = planner.fit_serve(TINY, tgt, mesh, 2, 128, "float32", None, adapters=3, lora_rank=8)
+    engine = EngineConfig(max_batch=2, max_len=128)
+    plain = planner.fit_serve(TINY, tgt, mesh, engine, "float32", None)
+    slots = planner.fit_serve(TINY, tgt, mesh, engine.replace(max_adapters=3, max_lora_rank=8), "float32", None)
     projections = model.projections(TINY).values()
     per_slot = sum(math.prod(p.ins) * 8 + 8 * math.prod(p.outs) + 1 for p in projections)  # A, B, scale per layer
     assert slots.adapters == 4 * TINY.n_layer * per_slot * 4  # float32

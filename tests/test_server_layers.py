@@ -16,7 +16,7 @@ ALLOWED = {
     "meshlm.api": {"LanguageModel", "is_adapter", "load", "read_adapter"},
     "meshlm.serve.engine": {"Engine", "QueueFull", "Request", "SlotsBusy", "Snapshot"},
     "meshlm.serve.config": {"EngineConfig"},
-    "meshlm.serve.params": {"SamplingParams"},
+    "meshlm.serve.params": {"SamplingParams", "SAMPLING_FIELDS"},  # the type, and its fields by name
     "meshlm.serve.grammar": {"Constraint", "KINDS"},
     "meshlm.config": {"ConfigError", "DataError", "InputError", "MeshlmError"},
     "meshlm.chat": {"ChatTemplate", "check_messages", "load_chat_template"},

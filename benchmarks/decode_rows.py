@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import meshlm
 from meshlm import config, kv_cache, model
 from meshlm.attention import resolve
-from meshlm.serve.runner import PAGE_SIZE
+from meshlm.serve.config import EngineConfig
 
 
 def tree_bytes(tree: Any) -> int:
@@ -67,8 +67,9 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
     parser.add_argument("--profile", default="", help="a folder for a profile of the last row count's call")
-    parser.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per KV page")
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
     args = parser.parse_args()
+    args.page_size = EngineConfig(page_size=args.page_size).tokens_per_page(jax.default_backend())
 
     cfg = config.preset(args.preset)
     policy = config.Policy(param_dtype=args.dtype, compute_dtype=args.dtype, attention=args.attention)

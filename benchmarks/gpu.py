@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from meshlm import config, kv_cache, metrics, model, optim, train_step
 from meshlm.footprint import Footprint, device_capacity, host_memory, is_out_of_memory
-from meshlm.serve.engine import PAGE_SIZE as PAGE
+from meshlm.serve.config import EngineConfig
 from meshlm.sharding import make_mesh
 
 
@@ -235,9 +235,10 @@ def bench_generate(
 
     def pages(rows: int, tokens: int) -> tuple[kv_cache.KVCache, jax.Array]:
         """A pool with `tokens` slots for each row, and tables giving each row its own consecutive pages."""
-        per_row = -(-tokens // PAGE)
+        page = EngineConfig().tokens_per_page(jax.default_backend())  # the engine's pages on this backend
+        per_row = -(-tokens // page)
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
-        return kv_cache.init_cache(cfg, rows * per_row + 1, PAGE, "bfloat16"), table
+        return kv_cache.init_cache(cfg, rows * per_row + 1, page, "bfloat16"), table
 
     @jax.jit
     def prefill(params: model.Params, tokens: jax.Array, cache: kv_cache.KVCache, table: jax.Array) -> tuple:

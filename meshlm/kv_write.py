@@ -35,22 +35,23 @@ def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref,
     layer, first, tile = layer_ref[0], pl.program_id(0) * group, tiles_vmem.shape[2]
     starts = [pl.multiple_of(jnp.maximum(offsets_ref[first + i], 0) // tile * tile, tile) for i in range(group)]
 
-    def tile_copy(i: int, into_vmem: bool) -> pltpu.AsyncCopyDescriptor:
-        hbm = out_ref.at[:, layer, pages_ref[first + i], pl.ds(starts[i], tile)]
-        src, dst = (hbm, tiles_vmem.at[i]) if into_vmem else (tiles_vmem.at[i], hbm)
-        return pltpu.make_async_copy(src, dst, sems.at[i])
-
-    for into_vmem in (True, False):
-        if not into_vmem:
-            slot = jax.lax.broadcasted_iota(jnp.int32, tiles_vmem.shape[1:], 1)
-            for i in range(group):
-                at = offsets_ref[first + i] - starts[i]  # -1 for a row not written
-                tiles_vmem[i] = jnp.where(slot == at, new_ref[i][:, None, :], tiles_vmem[i])
-        copies = [tile_copy(i, into_vmem) for i in range(group)]
-        for copy in copies:
-            copy.start()
+    def copy_tiles(into_vmem: bool) -> None:
+        """Every row's tile from the pool into VMEM, or back: all the group's DMAs in flight, then awaited."""
+        copies = []
+        for i in range(group):
+            hbm = out_ref.at[:, layer, pages_ref[first + i], pl.ds(starts[i], tile)]
+            src, dst = (hbm, tiles_vmem.at[i]) if into_vmem else (tiles_vmem.at[i], hbm)
+            copies.append(pltpu.make_async_copy(src, dst, sems.at[i]))
+            copies[-1].start()
         for copy in copies:
             copy.wait()
+
+    copy_tiles(into_vmem=True)
+    slot = jax.lax.broadcasted_iota(jnp.int32, tiles_vmem.shape[1:], 1)
+    for i in range(group):
+        at = offsets_ref[first + i] - starts[i]  # -1 for a row not written
+        tiles_vmem[i] = jnp.where(slot == at, new_ref[i][:, None, :], tiles_vmem[i])
+    copy_tiles(into_vmem=False)
 
 
 def tile_rows(page_size: int, dtype: jnp.dtype) -> int:

@@ -1,15 +1,19 @@
 """GPT-J-6B fine-tuning on one accelerator (issue 37, item 4): LoRA on a bf16 base, QLoRA on int8 and
 NF4 bases, and DPO over an NF4 base, at sequence 2048 with full rematerialisation and bf16 compute.
 
-Each case builds its frozen base from random weights with `meshlm.from_config(..., quantize=...)`, which
-streams (one parameter, and each projection one layer, at a time: the devices never hold more than the
-quantized model plus one layer of one projection in float), compiles `meshlm train`'s own step
+Each case builds its frozen base from random weights with `meshlm.from_config(..., quantize=...)`, or, with
+`--folder`, loads it the user's way, `meshlm.load(folder, quantize=...)`, from a Hugging Face folder (one
+that meshlm writes there from random bf16 weights first if it holds no model). Both stream (one parameter,
+and each projection one layer, at a time: the devices never hold more than the quantized model plus one
+layer of one projection in float). Then it compiles `meshlm train`'s own step
 (`train_step.step_program`) for the largest batch of `--batches` that the compiler accepts, and times it.
 MFU counts the frozen base's forward pass and its backward pass to the activations (4 x its matmul
 weights per token), the adapter's 6 x, causal attention, and for DPO the reference forward pass
-(`metrics.flops_per_token` with the LoRA config). Nothing is written to disk but the report.
+(`metrics.flops_per_token` with the LoRA config). Nothing is written to disk but the report (and the
+folder).
 
     python benchmarks/gptj6b_tpu.py --out /tmp/gptj6b               # GPT-J-6B on a 16 GiB TPU v5e chip
+    python benchmarks/gptj6b_tpu.py --folder /tmp/gptj6b-hf          # the same from a Hugging Face folder
     python benchmarks/gptj6b_tpu.py --model gptj-tiny --seq-len 128  # the CPU smoke
 """
 
@@ -82,7 +86,12 @@ def run_case(name: str, args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     tcfg0 = train_config(args, base_kind, objective, args.batches[0])
     dtype, quantize = base_storage(tcfg0)
     start = time.perf_counter()
-    lm = meshlm.from_config(tcfg0.model, mesh, dtype, seed=0, quantize=quantize)
+    if args.folder:
+        lm = meshlm.load(args.folder, mesh, dtype, quantize=quantize)
+        if model.param_shapes(lm.config) != model.param_shapes(tcfg0.model):
+            raise ValueError(f"{args.folder} holds another model than the {args.model} preset")
+    else:
+        lm = meshlm.from_config(tcfg0.model, mesh, dtype, seed=0, quantize=quantize)
     base = lm.params
     jax.block_until_ready(base)
     result["base_init_s"] = time.perf_counter() - start
@@ -149,6 +158,19 @@ def run_case(name: str, args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     raise RuntimeError(f"no batch of {args.batches} fits: {result['tried']}")
 
 
+def write_random_folder(folder: Path, cfg: Any, mesh: Any) -> float:
+    """A Hugging Face folder of `cfg` from random bf16 weights (made on the device, written one tensor at a
+    time), unless `folder` already holds a model: the seconds it took."""
+    if (folder / "config.json").exists():
+        return 0.0
+    start = time.perf_counter()
+    lm = meshlm.from_config(cfg, mesh, "bfloat16", seed=0)
+    lm.save(folder, format="hf")
+    del lm
+    gc.collect()
+    return time.perf_counter() - start
+
+
 def _peak_gb() -> float:
     """The device's peak bytes in use so far (where the backend reports it), in GB."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -158,6 +180,8 @@ def _peak_gb() -> float:
 def summary(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [f"# {report['model']} fine-tuning on {m['device']} ({m['platform']}), JAX {m['jax']}", ""]
+    if "folder" in report:
+        lines += [f"Every base loaded with `meshlm.load` from the Hugging Face folder {report['folder']}.", ""]
     lines.append(f"`{report['command']}`")
     lines.append("")
     for name, r in report["cases"].items():
@@ -165,7 +189,7 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"- **{name}**: {r.get('status')} {r.get('error', '')}")
             continue
         lines.append(
-            f"- **{name}** ({r['objective']}, {r['base']} base {r['base_gb']:.2f} GB made in "
+            f"- **{name}** ({r['objective']}, {r['base']} base {r['base_gb']:.2f} GB ready in "
             f"{r['base_init_s']:.0f} s): batch {r['batch']} ({r['rows_per_step']} rows) x {report['seq_len']}, "
             f"remat full: {r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
             f"MFU {100 * r['mfu']:.1f}% of the spec peak, compiled {r['compiled_gb']:.2f} GB, "
@@ -184,6 +208,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gptj6b.json and gptj6b.md")
+    p.add_argument(
+        "--folder", type=Path, help="load each base from this Hugging Face folder (written from random weights first)"
+    )
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     unknown = [c for c in args.cases.split(",") if c not in CASES]
@@ -208,6 +235,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(None)
+    if args.folder:
+        report["folder_written_s"] = write_random_folder(args.folder, preset(args.model), mesh)
+        report["folder"] = str(args.folder)
+        print(f"Hugging Face folder {args.folder} ready ({report['folder_written_s']:.0f} s)", flush=True)
     for name in args.cases.split(","):
         start = time.monotonic()
         try:

@@ -115,8 +115,10 @@ def test_the_gptj6b_benchmark_runs_its_cases_on_a_tiny_model(tmp_path):
 
     from benchmarks import gptj6b_tpu
 
+    folder = tmp_path / "hf"  # the user's path: every base loaded from a Hugging Face folder the script writes
     argv = ["--model", "test-tiny", "--seq-len", "32", "--batches", "2", "--steps", "1", "--out", str(tmp_path)]
-    report = gptj6b_tpu.main(argv)
+    report = gptj6b_tpu.main([*argv, "--folder", str(folder)])
+    assert (folder / "config.json").exists() and report["folder"] == str(folder)
     assert set(report["cases"]) == set(gptj6b_tpu.CASES)
     for name, case in report["cases"].items():
         assert case["status"] == "ok", (name, case)

@@ -210,10 +210,12 @@ class LanguageModel:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The tokens that end a chat reply or a served row: <|endoftext|>, and the tokenizer's EOS token when
-        that is another (a chat model's end of turn, say)."""
+        that is another (a chat model's end of turn, say); those the model can produce (a tiny test model's
+        vocabulary may stop short of the tokenizer's end of text)."""
         tok = self.tokenizer
         eos = special_token_id(tok, "eos_token")
-        return (tok.eot_id,) if eos in (None, tok.eot_id) else (tok.eot_id, eos)
+        ids = (tok.eot_id,) if eos in (None, tok.eot_id) else (tok.eot_id, eos)
+        return tuple(i for i in ids if i < self.config.n_vocab_used)
 
     def end_ids(self, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> tuple[int, ...]:
         """The tokens that end a row, vLLM's one rule: the EOS ids (`eos_ids`) unless `ignore_eos`, and

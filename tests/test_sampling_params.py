@@ -512,6 +512,15 @@ def test_ignore_eos_generates_past_the_end_of_text_token(text_lm):
     assert text_lm.generate(TEXTS[0], **to_eos, ignore_eos=True) == ["<|endoftext|>" * 6]
 
 
+def test_a_model_whose_vocabulary_stops_short_of_the_end_of_text_generates_by_default(lm):
+    """hf_tiny's 512 tokens stop short of the GPT-2 tokenizer's <|endoftext|> (50256): no row could sample it,
+    so it is no end id, and a request with the default settings is served (it was refused as an id out of
+    the vocabulary, which failed every request to such a server)."""
+    assert lm.tokenizer.eot_id >= lm.config.n_vocab_used and lm.eos_ids == ()
+    (done,) = lm.generate_tokens([[5, 6, 7]], lm.sampling(4, temperature=0))
+    assert len(done.tokens) == 4 and done.finish_reason == "length"
+
+
 def test_the_settings_are_samplingparams_fields_by_name(text_lm, monkeypatch):
     """`sampling` and `generate` take SamplingParams' fields by name, every one of them; another name is
     refused in one line that says where the names come from."""

@@ -61,14 +61,15 @@ def write_random_model(folder: str, d_model: int, layers: int) -> None:
     GPTJForCausalLM(config).eval().save_pretrained(folder)
 
 
-def workload(n: int, max_len: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt tokens, max_tokens) pairs: log-normal lengths, median 48 prompt and 24 output tokens, long tails."""
+def workload(n: int, max_len: int, seed: int = 0, vocab: int = 50000) -> list[tuple[list[int], int]]:
+    """(prompt tokens, max_tokens) pairs: log-normal lengths, median 48 prompt and 24 output tokens, long tails;
+    tokens drawn from [1, vocab)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         prompt = int(np.clip(rng.lognormal(np.log(48), 1.0), 1, max_len // 2))
         new = int(np.clip(rng.lognormal(np.log(24), 0.8), 1, min(256, max_len - prompt)))
-        out.append((rng.integers(1, 50000, prompt).tolist(), new))
+        out.append((rng.integers(1, vocab, prompt).tolist(), new))
     return out
 
 

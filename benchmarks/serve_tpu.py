@@ -1,0 +1,195 @@
+"""Serving on one accelerator, in one command (issue 38, item 5): the engine in-process, then the real server over
+a unix socket, on the same Hugging Face folder.
+
+    python benchmarks/serve_tpu.py --folder /tmp/gptj6b-hf --quantize int8 --out $OUT        # GPT-J-6B, a v5e
+    python benchmarks/serve_tpu.py --model test-tiny --folder /tmp/tiny --dtype float32 \\
+        --rows 1,2 --context 32 --new 8 --requests 8 --max-len 128 --rate 4                  # the CPU smoke
+
+1. **Engine.** For each of `--rows` R: R prompts of `--context` tokens generate `--new` tokens each (greedy,
+   `ignore_eos`) through `LanguageModel.engine(max_batch=R).generate`: the scheduler, the sampler and the host
+   loop as a server runs them, `--chunk` steps per device call. A run of one new token (the prefill and the
+   first choice) is timed too; decode tokens/s is R x (new - 1) over the difference, best of `--repeats`.
+2. **Served.** `meshlm serve FOLDER --uds PATH` with the same weights options and `--max-batch` the largest
+   R, and `benchmarks/serve.py`'s mixed workload (log-normal prompt and output lengths, Poisson arrivals at
+   `--rate` requests/s, streamed): output tokens/s, time to first token and latency, p50 and p99.
+
+Each part runs in a process of its own (a TPU chip is opened by one process at a time); this one only
+writes the folder's weights when it holds none (from random bf16 weights, `gptj6b_tpu.write_random_folder`),
+sends the requests and prints. The JAX version and the device are printed; `--out` gets serve_tpu.json and
+serve_tpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.serve import Server, poisson, workload  # noqa: E402
+from benchmarks.timing import load_average  # noqa: E402
+
+
+def weights_options(args: argparse.Namespace) -> list[str]:
+    """The options `meshlm serve` and this script's engine part share."""
+    out = ["--dtype", args.dtype]
+    if args.quantize:
+        out += ["--quantize", args.quantize]
+    if args.kv_cache_dtype != "auto":
+        out += ["--kv-cache-dtype", args.kv_cache_dtype]
+    return out
+
+
+def engine_part(args: argparse.Namespace) -> dict[str, Any]:
+    """In this process: the folder (written if it holds no model), then the engine's decode tokens/s per row count."""
+    import gc
+
+    import jax
+    import numpy as np
+
+    import meshlm
+    from benchmarks.gptj6b_tpu import write_random_folder
+    from meshlm.config import preset
+    from meshlm.sharding import make_mesh
+
+    device = jax.devices()[0]
+    out: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
+    out["folder_written_s"] = write_random_folder(args.folder, preset(args.model), make_mesh(None))
+    gc.collect()
+    start = time.perf_counter()
+    kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    lm = meshlm.load(args.folder, None, args.dtype, quantize=args.quantize)
+    out["load_s"] = time.perf_counter() - start
+    out["vocab"] = lm.config.n_vocab_used
+    rng = np.random.default_rng(0)
+    out["rows"] = {}
+    for rows in args.rows:
+        engine = lm.engine(max_batch=rows, max_len=args.context + args.new, kv_cache_dtype=kv, prefix_caching=False)
+        prompts = [rng.integers(1, lm.config.n_vocab_used, args.context).tolist() for _ in range(rows)]
+
+        def run(new: int, prompts: list[list[int]] = prompts, engine: Any = engine) -> float:
+            params = [lm.sampling(new, ignore_eos=True, temperature=0.0)] * len(prompts)
+            began = time.perf_counter()
+            done = engine.generate(prompts, params, chunk=args.chunk)
+            assert all(len(c.tokens) == new for c in done), "a row stopped early"
+            return time.perf_counter() - began
+
+        run(1), run(args.new)  # compiles the prefill and the decode programs
+        first = min(run(1) for _ in range(args.repeats))
+        whole = min(run(args.new) for _ in range(args.repeats))
+        step = (whole - first) / (args.new - 1)
+        out["rows"][rows] = {"first_s": first, "whole_s": whole, "step_ms": 1e3 * step, "tokens_per_s": rows / step}
+        print(f"engine, {rows} rows: prefill + first token {first:.3f} s, decode step {1e3 * step:.2f} ms, "
+              f"{rows / step:,.0f} tokens/s", flush=True)  # fmt: skip
+        engine.stop()
+        del engine
+        gc.collect()
+    return out
+
+
+def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """The real server over a unix socket, the mixed workload at `--rate` (prompts of tokens below `vocab`)."""
+    requests = workload(args.requests, args.max_len, vocab=vocab)
+    with tempfile.TemporaryDirectory() as where:
+        sizes = ["--max-batch", str(max(args.rows)), "--max-len", str(args.max_len), "--chunk", str(args.chunk)]
+        server = Server(str(args.folder), REPO, *sizes, *weights_options(args), uds=f"{where}/meshlm.sock")
+        try:
+            warm = workload(8, args.max_len, seed=1, vocab=vocab)  # other prompts: the prefix cache must not flatter
+            asyncio.run(poisson(server, warm, args.rate, args.time_limit, []))  # compiles the shapes
+            result = asyncio.run(poisson(server, requests, args.rate, args.time_limit, []))
+        finally:
+            server.close()
+    result["start_s"] = server.start_seconds
+    result["output_tokens"] = sum(n for _, n in requests[: result["requests"]])
+    return result
+
+
+def summary(report: dict[str, Any]) -> str:
+    e, s, a = report["engine"], report["served"], report["args"]
+    weights = a["dtype"] + (f", {a['quantize']} projections" if a["quantize"] else "")
+    lines = [
+        f"# Serving {a['model']} on {e['device']} ({e['platform']}), JAX {e['jax']}",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {a['folder']} in {e['load_s']:.0f} s.",
+        "",
+        f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
+        "",
+        "| rows | prefill + first token | decode step | step / 1 row's | tokens/s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    one = e["rows"][str(min(a["rows"]))]["step_ms"] if str(min(a["rows"])) in e["rows"] else None
+    for rows, r in e["rows"].items():
+        ratio = f"{r['step_ms'] / one:.2f}x" if one else "-"
+        lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {ratio} | {r['tokens_per_s']:,.0f} |")
+    lines += [
+        "",
+        f"Served over a unix socket (start {s['start_s']:.0f} s, compiling included), --max-batch {max(a['rows'])}, "
+        f"{s['requests']} mixed requests at {a['rate']:g}/s: **{s['tok_s']:,.1f} output tokens/s**, TTFT p50 "
+        f"{s['ttft_p50']:.3f} s p99 {s['ttft_p99']:.3f} s, latency p50 {s['p50']:.2f} s p99 {s['p99']:.2f} s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gptj-6b", help="the preset the folder holds (written from it if empty)")
+    p.add_argument("--folder", type=Path, required=True, help="a Hugging Face folder (random weights written if none)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", default=None, help="int8 or nf4 projections, as meshlm serve's --quantize")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the compute dtype) or int8")
+    p.add_argument("--rows", default="1,8,16", help="engine part: concurrent rows, comma-separated")
+    p.add_argument("--context", type=int, default=512, help="engine part: prompt tokens per row")
+    p.add_argument("--new", type=int, default=64, help="engine part: new tokens per row")
+    p.add_argument("--chunk", type=int, default=8, help="decode steps per device call")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--requests", type=int, default=256, help="served part: mixed requests")
+    p.add_argument("--rate", type=float, default=32.0, help="served part: Poisson arrivals per second")
+    p.add_argument("--max-len", type=int, default=1280, help="served part: prompt + output tokens per request")
+    p.add_argument("--time-limit", type=float, default=120.0, help="served part: seconds of arrivals at most")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--part", choices=["engine"], help=argparse.SUPPRESS)  # the child process's work
+    args = p.parse_args(argv)
+    args.rows = [int(r) for r in str(args.rows).split(",")]
+    if args.new < 2:
+        p.error("--new must be at least 2 (one step beyond the first token)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.part == "engine":
+        (args.out / "engine.json").write_text(json.dumps(engine_part(args)))
+        return {}
+    print(f"load average before: {load_average()}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    child = [sys.executable, __file__, *argv, "--part", "engine"]
+    subprocess.run(child, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    engine = json.loads((args.out / "engine.json").read_text())
+    print(f"JAX {engine['jax']} on {engine['device']} ({engine['platform']})", flush=True)
+    served = served_part(args, engine["vocab"])
+    report = {
+        "command": "python benchmarks/serve_tpu.py " + " ".join(argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "engine": engine,
+        "served": served,
+    }
+    (args.out / "serve_tpu.json").write_text(json.dumps(report, indent=2))
+    (args.out / "serve_tpu.md").write_text(summary(report))
+    print(summary(report), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

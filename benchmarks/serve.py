@@ -81,7 +81,8 @@ class Server:
         self.uds = uds
         self.url = "http://meshlm" if uds else f"http://127.0.0.1:{free_port()}"
         where = ["--uds", uds] if uds else ["--port", self.url.rsplit(":", 1)[1]]
-        env = {**os.environ, "PYTHONPATH": str(source)}
+        path = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))  # the source tree first
+        env = {**os.environ, "PYTHONPATH": path}
         cmd = [sys.executable, "-m", "meshlm", "serve", checkpoint, *where, *args]
         began = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

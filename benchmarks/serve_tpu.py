@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"load average before: {load_average()}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     child = [sys.executable, __file__, *argv, "--part", "engine"]
-    subprocess.run(child, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    subprocess.run(child, check=True, env={**os.environ, "PYTHONPATH": path})
     engine = json.loads((args.out / "engine.json").read_text())
     print(f"JAX {engine['jax']} on {engine['device']} ({engine['platform']})", flush=True)
     served = served_part(args, engine["vocab"])

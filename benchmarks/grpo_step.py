@@ -138,9 +138,9 @@ def time_training(cfg: TrainConfig, args: argparse.Namespace, out_dir: Path) -> 
     train_ds, val_sets = run_start.open_datasets(cfg, out_dir, run_start.run_tokenizer(cfg, out_dir))
     ckpts = native.TrainCheckpoints(out_dir / RUN_CHECKPOINTS, cfg.keep_last, cfg.keep_every)
     began = time.perf_counter()
-    run, step_fn, seq_len, used = train.start_run(cfg, mesh, train_ds, val_sets, ckpts)
+    run, step_fn, seq_len, _ = train.start_run(cfg, mesh, train_ds, val_sets, ckpts)
     print(f"started in {time.perf_counter() - began:.1f} s (the step compiled, the base and the engine built); "
-          f"rows of {seq_len + 1} tokens; the step needs {used.total / 2**30:.2f} GiB per device")  # fmt: skip
+          f"rows of {seq_len + 1} tokens")  # fmt: skip
     run.loader = Recorded(run.loader)
     steps, n = [], cfg.batch_size
     with jax.set_mesh(mesh):

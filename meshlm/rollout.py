@@ -40,9 +40,9 @@ from meshlm.tokenizer import Tokenizer
 from meshlm.train_step import ROW_TOKENS, batch_shardings, make_logps_step
 
 POLICY_ADAPTER = "policy"  # the engine's name for a LoRA run's adapter
-# The parts of making a batch of rollouts that `time/<part>_s` measure: the engine's sampling, the reward functions,
-# and the step's rows with their advantages and old and reference log-probs
-TIMED = ("generate", "rewards", "batch")
+# The parts of making a batch of rollouts that `time/<part>_s` measure: the engine's sampling (with the policy's
+# hand-over to it), the reward functions, the step's rows with their advantages, and their old and reference log-probs
+TIMED = ("generate", "rewards", "batch", "logps")
 VALIDATION_STEP = -1  # the "step" validation seeds are drawn from: the same completions' seeds at every validation
 
 
@@ -142,7 +142,9 @@ class Rollouts:
         cfg, s = self.cfg, self.cfg.grpo
         G = s.num_generations
         rows = prompts.rows.reshape(-1)
-        prompt_ids = _prompt_ids(prompts)
+        prompt_ids = rollout_prompts(prompts)
+        # the previous update's wait is the update's time, not the rollouts' (the hand-over waits for it anyway)
+        jax.block_until_ready(params)
         clock = [time.perf_counter()]
         self.use_policy(params)
         completions = self.generate([p for p in prompt_ids for _ in range(G)], step)
@@ -164,6 +166,7 @@ class Rollouts:
         arrays = {"tokens": tokens, "weights": weights.astype(np.float32), "segments": segments,
                   "advantages": advantages, "dapo_tokens": np.full(n, weights.sum() / M, np.float32)}  # fmt: skip
         arrays = {k: v.reshape(M, n // M, *v.shape[1:]) for k, v in arrays.items()}
+        clock.append(time.perf_counter())
         if s.num_iterations > 1:
             arrays["old_logps"] = self._logps(full, arrays)
         if s.beta:
@@ -203,7 +206,7 @@ class Rollouts:
             if name == "train":
                 continue
             rows = np.arange(min(len(ds), self.cfg.val_batches * prompts_per_step(self.cfg)))
-            prompts = [p for p in _prompt_ids(ds[rows]) for _ in range(G)]
+            prompts = [p for p in rollout_prompts(ds[rows]) for _ in range(G)]
             per_function, *_ = self.score(name, rows, self.generate(prompts, VALIDATION_STEP), G)
             total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray(self.weights))
             values[f"{name}/reward"] = float(jnp.nanmean(total))
@@ -212,8 +215,9 @@ class Rollouts:
         return values
 
 
-def _prompt_ids(rows: Batch) -> list[list[int]]:
-    """The prompts of a prompts dataset's rows (of any leading shape): each row's tokens of segment 1."""
+def rollout_prompts(rows: Batch) -> list[list[int]]:
+    """The prompts of a prompts dataset's rows (of any leading shape): each row's tokens of segment 1 (what
+    `Rollouts.generate` takes, each repeated num_generations times)."""
     width = rows.tokens.shape[-1]
     tokens, segments = rows.tokens.reshape(-1, width), rows.segments.reshape(-1, width)
     return [[int(t) for t in row[seg == 1]] for row, seg in zip(tokens, segments, strict=True)]

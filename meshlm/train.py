@@ -205,15 +205,8 @@ def _train(
     signals: list[int],
     evaluate_tasks: Evaluator | None,
 ) -> TrainResult:
-    start = run_start.resolve(cfg, ckpts, train_ds, val_sets, mesh)
-    cfg = start.cfg
-    seq_len = rollout.step_seq_len(cfg, train_ds.seq_len) if cfg.objective == "grpo" else train_ds.seq_len
-    program, step_fn, used = compile_step(cfg, mesh, seq_len)
-    _stop_if_signalled(signals)
-    run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
-    jax.block_until_ready(run.state)  # nothing in flight when a signal stops the run here
-    _stop_if_signalled(signals)
-    run.prepare_reference(progress, lambda: _stop_if_signalled(signals))
+    run, step_fn, seq_len, used = start_run(cfg, mesh, train_ds, val_sets, ckpts, progress, signals)
+    cfg = run.cfg
     result = TrainResult(run.out_dir, run.step, memory=used)
     log = StepLog(cfg, mesh, seq_len, run, result, progress)
     examples = {"preference": "pairs", "prompts": "prompts"}.get(OBJECTIVES[cfg.objective].data, "sequences")
@@ -263,6 +256,33 @@ def _train(
         penalty = 1.2 if cfg.data is None else 1.0
         print_sample(result.lm, cfg.sample_prompt, cfg.sample_tokens, repetition_penalty=penalty)
     return result
+
+
+def start_run(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    train_ds: TokenDataset,
+    val_sets: dict[str, TokenDataset],
+    ckpts: native.TrainCheckpoints,
+    progress: bool = False,
+    signals: list[int] | None = None,
+) -> tuple[Run, Any, int, footprint.Footprint]:
+    """What a run does before its first step: where it starts (`run_start.resolve`), its step compiled, its state
+    on the devices (with a GRPO run's engine) and a full DPO run's reference log-probs. Returns the run, its
+    compiled step (`step_fn(run.state, batch, *run.frozen_args)`), the step's seq_len and its memory per device.
+    A signal among `signals` stops the start between two stages (`train`'s loop is one caller; a benchmark that
+    times the steps itself, benchmarks/grpo_step.py, another)."""
+    stop = lambda: _stop_if_signalled(signals or [])
+    start = run_start.resolve(cfg, ckpts, train_ds, val_sets, mesh)
+    cfg = start.cfg
+    seq_len = rollout.step_seq_len(cfg, train_ds.seq_len) if cfg.objective == "grpo" else train_ds.seq_len
+    program, step_fn, used = compile_step(cfg, mesh, seq_len)
+    stop()
+    run = Run(cfg, mesh, program, start, ckpts, train_ds, val_sets)
+    jax.block_until_ready(run.state)  # nothing in flight when a signal stops the run here
+    stop()
+    run.prepare_reference(progress, stop)
+    return run, step_fn, seq_len, used
 
 
 def compile_step(cfg: TrainConfig, mesh: Mesh, seq_len: int) -> tuple[StepProgram, Any, footprint.Footprint]:

@@ -168,7 +168,7 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     assert sorted(got) == [1, 2, 3, 4]
     for name in ("reward", "reward_std", "rewards/regex_format/mean", "rewards/exact_match/mean",
                  "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "time/generate_s",
-                 "time/rewards_s", "time/batch_s"):  # fmt: skip
+                 "time/rewards_s", "time/batch_s", "time/logps_s"):  # fmt: skip
         assert name in got[1] and name in got[3] and name not in got[2], name  # logged with their rollout's first step
     for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "grad_norm"):
         assert all(np.isfinite(got[step][name]) for step in got), name

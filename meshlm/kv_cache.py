@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
-from meshlm.kv_write import write_tokens
+from meshlm.kv_write import write_pages, write_tokens
 from meshlm.paged_attention import QUANT_MAX, paged_attention
 from meshlm.sharding import constrain, traced_backend
 
@@ -94,24 +94,28 @@ class CacheView(NamedTuple):
     slots: jax.Array  # [B, T] int32
     lengths: jax.Array  # [B] int32
 
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, whole_pages: bool = False) -> CacheView:
         """Store this layer's new keys and values [B, T, H, K] at the rows' slots, in place.
 
-        On a backend of `KERNEL_WRITE_BACKENDS` a decode step (one token per row) writes by the Pallas
-        kernel of `meshlm.kv_write`, on the pool as it lies: XLA's scatter into it made the TPU's layout
-        assignment copy the pool whole to and from the paged kernel's layout in every layer of every step,
-        and one dynamic-update-slice per row and head grew the step by B * H ops a layer (see that module).
-        tests/test_kv_in_place.py compiles the engine's decode program for a v5e and finds no copy of the
-        pool. Elsewhere, and for a prompt, one scatter: on a CPU the scatter of a float32 pool is in
-        place; a bfloat16 one XLA widens to float32 and back around it."""
+        On a backend of `KERNEL_WRITE_BACKENDS` a decode step (one token per row), and a prompt whose
+        written tokens start a page (`whole_pages`), write by the Pallas kernels of `meshlm.kv_write`, on
+        the pool as it lies: XLA's scatter into it made the TPU's layout assignment copy the pool whole to
+        and from the paged kernel's layout (in every layer of every decode step; around every prefill), and
+        one dynamic-update-slice per row and head grew the step by B * H ops a layer (see that module).
+        tests/test_kv_in_place.py compiles the engine's decode and prefill programs for a v5e and finds no
+        copy of the pool. Elsewhere, and for speculated tokens, one scatter: on a CPU the scatter of a
+        float32 pool is in place; a bfloat16 one XLA widens to float32 and back around it."""
         written = self.slots != NOT_WRITTEN
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
         T = self.slots.shape[1]
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
-            if T == 1 and traced_backend() in KERNEL_WRITE_BACKENDS:
-                return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
+            if traced_backend() in KERNEL_WRITE_BACKENDS:
+                if T == 1:
+                    return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
+                if whole_pages:
+                    return write_pages(pool, new, layer, self.slots, written)
             dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
             return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
 

@@ -1,4 +1,4 @@
-"""A TPU kernel that stores a decode step's keys and values into the paged pool in place.
+"""TPU kernels that store a decode step's, and a prompt's, keys and values into the paged pool in place.
 
 A decode step adds one token per row to each layer's pool [H, L, pages, page_size, K]. XLA's ways of
 writing it on a TPU both cost: a scatter (or a write whose window spans the heads) gives the pool a layout
@@ -11,7 +11,13 @@ row reads that tile of every head into VMEM, sets the slot there, and writes it 
 16 heads x 16 tokens x 128, 64 KB each way). Rows are done `GROUP` at a time, their DMAs in flight
 together. Rows whose token is not stored (padding, `written` false) rewrite a tile of page 0, which no row
 holds, with what it holds.
-Off a TPU the kernel runs in Pallas' TPU interpreter (`pltpu.force_tpu_interpret_mode`), as the tests do.
+
+A prompt (`write_pages`) is written a page at a time: its first written token starts a page (a row's cached
+prefix is whole pages), so each of its pages is one DMA from the new keys to the pool, HBM to HBM, with the
+padding past its last token landing in the row's own page, beyond its length (where nothing reads). XLA's
+scatter there copied the pool to its own layout and back around every prefill call, and rewrote it in every
+layer: a call's cost grew with the pool, so with the rows a server holds.
+Off a TPU the kernels run in Pallas' TPU interpreter (`pltpu.force_tpu_interpret_mode`), as the tests do.
 """
 
 from __future__ import annotations
@@ -98,3 +104,66 @@ def write_tokens(
         out_specs=pool_spec,
         check_vma=False,
     )(pool, new, layer, pages, offsets)
+
+
+NO_PAGE = -1  # a `write_pages` chunk that holds no written token
+
+
+def _pages_kernel(layer_ref, pages_ref, new_ref, pool_ref, out_ref, sems, *, chunks: int):
+    """Row b = program b: each of its chunks of page_size new tokens that holds a written one, DMA'd to its page."""
+    del pool_ref  # the same buffer as out_ref (aliased)
+    b, layer, size = pl.program_id(0), layer_ref[0], out_ref.shape[3]
+    copies = [
+        pltpu.make_async_copy(
+            new_ref.at[b, :, pl.ds(j * size, size)], out_ref.at[:, layer, pages_ref[b, j]], sems.at[j]
+        )
+        for j in range(chunks)
+    ]
+    for j, copy in enumerate(copies):
+        pl.when(pages_ref[b, j] != NO_PAGE)(copy.start)
+    for j, copy in enumerate(copies):
+        pl.when(pages_ref[b, j] != NO_PAGE)(copy.wait)
+
+
+def _write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
+    B, chunks = pages.shape
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_pages_kernel, chunks=chunks),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B,),
+            in_specs=[anywhere, anywhere],
+            out_specs=anywhere,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((chunks,))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={3: 0},  # operands count the two prefetched scalars
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+    )(layer.reshape(1).astype(jnp.int32), pages, new.astype(pool.dtype), pool)
+
+
+def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Array, written: jax.Array) -> jax.Array:
+    """pool [H, L, pages, page_size, K] with each row's written tokens of new [B, T, H, K] stored at their flat
+    `slots` [B, T] (page * page_size + offset) of `layer`; in place where the pool is donated. A row's written
+    tokens are consecutive from a page's first slot (a prompt after a cached prefix of whole pages); what a row
+    does not write is padding."""
+    size = pool.shape[3]
+    T = slots.shape[1]
+    chunks = -(-T // size)
+    first = jnp.argmax(written, axis=1)  # the row's first written token
+    starts = first[:, None] + size * jnp.arange(chunks)
+    held = size * jnp.arange(chunks) < written.sum(axis=1, keepdims=True)
+    pages = jnp.where(held, jnp.take_along_axis(slots, jnp.minimum(starts, T - 1), axis=1) // size, NO_PAGE)
+    at = jnp.minimum(first[:, None] + jnp.arange(chunks * size), T - 1)  # the written tokens first, in whole pages
+    new = jnp.moveaxis(jnp.take_along_axis(new, at[:, :, None, None], axis=1), 2, 1)  # [B, H, chunks * size, K]
+    pages = pages.astype(jnp.int32)
+    if jax.sharding.get_abstract_mesh().empty:
+        return _write_pages(pool, new, layer, pages)
+    pool_spec = spec_for(("act_heads", None, None, None, None))
+    return jax.shard_map(
+        _write_pages,
+        in_specs=(pool_spec, spec_for((None, "act_heads", None, None)), spec_for(()), spec_for((None, None))),
+        out_specs=pool_spec,
+        check_vma=False,
+    )(pool, new, layer, pages)

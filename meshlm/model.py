@@ -283,6 +283,7 @@ class Context(NamedTuple):
     dropout: float = 0.0
     dropout_key: jax.Array | None = None  # None: no dropout (inference)
     adapter_rows: jax.Array | None = None  # [B] each row's slot in `params["adapters"]` (an engine's adapters)
+    whole_pages: bool = False  # each row's written tokens start a page (`decode`'s prompt): see `CacheView.write`
 
 
 class Layer(NamedTuple):
@@ -351,7 +352,7 @@ def attention(
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), ("q", "k", "v"), strict=True))
     if cache is not None:  # attend over every token the rows hold, this call's included
-        cache = cache.write(layer.index, k, v)
+        cache = cache.write(layer.index, k, v, ctx.whole_pages)
 
     def run(kind: str, ctx: Context) -> jax.Array:
         kernel = ctx.kernels[kind]
@@ -465,6 +466,7 @@ def _run(
     cache: CacheView | None,
     dropout_key: jax.Array | None = None,
     adapter_rows: jax.Array | None = None,
+    whole_pages: bool = False,
 ) -> tuple[jax.Array, CacheView | None]:
     """Embedding and the blocks (scanned over the stacked layers) up to the final norm: hidden states
     [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers, and
@@ -478,7 +480,8 @@ def _run(
     pool = None if cache is None else str(cache.cache.k.dtype)
     kernels = attention_kernels(cfg, policy, tokens.shape, pos.key.shape[1], bias is not None, cache is not None, pool)
     dropout = policy.lora_dropout
-    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key, adapter_rows)
+    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key, adapter_rows,
+                  whole_pages)  # fmt: skip
 
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to
@@ -570,6 +573,7 @@ def decode(
     write_from: jax.Array | None = None,
     hidden: bool = False,
     adapter_rows: jax.Array | None = None,
+    whole_pages: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run tokens [B, T] after the `length[b]` tokens each row already holds in the pages of its
     `table` [B, n]: logits [B, T, vocab_size] (or [B, 1, vocab_size] at index `at[b]` of each row,
@@ -582,7 +586,9 @@ def decode(
     each row pages for positions up to length + T. A row's tokens before index `write_from[b]` are run
     but not written: they are in the cache already (a cached prefix's last token, run again for the
     logits that follow it), in pages other rows may share.
-    `adapter_rows` [B]: each row's adapter slot, with adapter slots in `params["adapters"]`.
+    `adapter_rows` [B]: each row's adapter slot, with adapter slots in `params["adapters"]`. `whole_pages`: each
+    row's written tokens start a page (a prompt after a cached prefix of whole pages), so a TPU writes them a
+    page at a time (`CacheView.write`).
     """
     B, T = tokens.shape
     size = cache.page_size
@@ -597,7 +603,8 @@ def decode(
     key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     allowed = key_positions[:, None, :] <= positions[:, :, None]
     view = CacheView(cache, table, slots, length + mask.sum(axis=1, dtype=jnp.int32))  # padding is not held
-    x, view = _run(params, tokens, Positions(positions, key_positions, allowed), cfg, policy, view, None, adapter_rows)
+    pos = Positions(positions, key_positions, allowed)
+    x, view = _run(params, tokens, pos, cfg, policy, view, None, adapter_rows, whole_pages)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)
     return (x if hidden else unembed(params, x, cfg)), view.cache

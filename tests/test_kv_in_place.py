@@ -69,6 +69,30 @@ def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monk
         np.testing.assert_array_equal(kernel_pool, pool)
 
 
+def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(monkeypatch: pytest.MonkeyPatch):
+    """A prefill (rows of 3, 16 and 21 tokens from slot 0, and a padding row) by `kv_write.write_pages`, then a
+    decode step over what it stored: the logits of both equal those of the scatter's."""
+    params, cache, table, _, _ = arguments()
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (ROWS, 21)), jnp.int32)
+    mask = jnp.arange(21)[None] < jnp.array([3, 16, 21, 0])[:, None]
+    start = jnp.zeros(ROWS, jnp.int32)
+
+    def prompt_then_step() -> tuple[jax.Array, jax.Array]:
+        run = jax.jit(lambda *a: model.decode(*a, CFG, mask=mask, whole_pages=True))
+        logits, pool = run(params, tokens, cache, table, start)
+        step, _ = step_fn(params, pool, table, tokens[:, 0], mask.sum(1, dtype=jnp.int32))
+        return logits, step
+
+    step_fn = jitted()
+    expected = prompt_then_step()
+    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    with pltpu.force_tpu_interpret_mode():
+        step_fn = jitted()
+        got = prompt_then_step()
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g, e)
+
+
 # pages of one DMA tile (bfloat16; int8's tile is larger than the page) and of several (float32: an int8
 # pool's scales; bfloat16 pages of three tiles)
 @pytest.mark.parametrize(
@@ -92,13 +116,47 @@ def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.parametrize("dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 32), ("float32", 1, 16)])
+def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
+    kernel_writes: None, dtype: str, K: int, S: int
+):
+    """A prefill's rows written a page at a time (`kv_write.write_pages`): from a page's first slot, after a
+    run-again token that is not written (row 1), over one, two and three pages (the last one partly), and a
+    padding row that writes nothing. Each written token lands at its slot; pages no row writes, page 0
+    among them, keep what they held; what a row's last page holds past its tokens is padding, never read."""
+    H, L, P, T = 2, 3, 12, 2 * S + 5
+    rng = np.random.default_rng(1)
+    pool = rng.normal(size=(H, L, P, S, K)).astype(dtype) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
+    pool = jnp.asarray(pool, dtype)
+    new = jnp.asarray(rng.normal(size=(4, T, H, K)) * 9, dtype)
+    tables = [[3, 7, 4], [9, 2, 0], [5, 0, 0], [0, 0, 0]]  # each row's pages in order
+    first, count = [0, 1, 0, 0], [T, S + 3, 4, 0]  # the first written token and how many
+    written = np.zeros((4, T), bool)
+    slots = np.full((4, T), kv_cache.NOT_WRITTEN, np.int32)
+    for b in range(4):
+        for i in range(count[b]):
+            written[b, first[b] + i] = True
+            slots[b, first[b] + i] = tables[b][i // S] * S + i % S
+    out = np.array(jax.jit(kv_write.write_pages)(pool, new, jnp.int32(1), jnp.asarray(slots), jnp.asarray(written)))
+    expected = np.array(pool)
+    for b, t in zip(*np.nonzero(written), strict=True):
+        page, offset = divmod(int(slots[b, t]), S)
+        np.testing.assert_array_equal(out[:, 1, page, offset], np.asarray(new[b, t]))
+        expected[:, 1, page, offset] = new[b, t]
+    np.testing.assert_array_equal(out[:, 1, [3, 7, 9]], expected[:, 1, [3, 7, 9]])  # the rows' full pages
+    out[:, 1, [4, 2, 5]] = expected[:, 1, [4, 2, 5]]  # partly written: past the written slots, the row's padding
+    np.testing.assert_array_equal(out, expected)
+
+
 @pytest.mark.slow
-def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("program, kernels", [("decode", 3), ("prefill", 2)])
+def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.MonkeyPatch, program, kernels):
     """Ahead of time, without a chip: the engine's decode program (a loop of steps over the layer scan, the
-    paged kernel reading the pool) compiled for a TPU v5e holds no copy of the pool, whose layout the writes
-    could otherwise set apart from the kernel's (a copy per layer and step: a step's cost grew with its rows).
-    The mesh's TPU devices decide the write path and the decode kernel (`sharding.traced_backend`), as
-    `meshlm plan --serve --target tpu:...` compiles it."""
+    paged kernel reading the pool) and its prefill program compiled for a TPU v5e hold no copy of the pool and
+    no scatter into it, whose layout the writes could otherwise set apart from the kernel's (a copy per layer
+    and step: a step's cost grew with its rows; a prefill's rewrote the pool in every layer: 7 s to the first
+    token of 16 rows of 512 for GPT-J-6B on a v5e). The mesh's TPU devices decide the write path and the
+    decode kernel (`sharding.traced_backend`), as `meshlm plan --serve --target tpu:...` compiles it."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     import re
 
@@ -116,12 +174,15 @@ def test_the_engines_decode_program_for_a_tpu_never_copies_the_pool(monkeypatch:
     rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
     pages = rows * width + 1
     with jax.set_mesh(mesh):
-        lowered = runner.lower("decode", cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
-                               page_size=page)  # fmt: skip
+        lowered = runner.lower(program, cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
+                               page_size=page, length=2 * page)  # fmt: skip
         text = lowered.compile().as_text()
-    # in the layer's scan: the paged kernel reads the pool, the write kernel stores its keys and values
-    assert text.count('custom_call_target="tpu_custom_call"') == 3
+    # in the layer's scan: a decode step's paged kernel reads the pool; the write kernels store keys and values
+    assert text.count('custom_call_target="tpu_custom_call"') == kernels
     pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{page},{cfg.d_head}\]"
     moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
     copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]
     assert not copies, copies[:2]
+    scatter = re.compile(r"%scatter\S* = \w+" + pool + r"|= \w+" + pool + r"\{[^}]*\} scatter\(")  # into the pool
+    scatters = [line.strip()[:120] for line in text.splitlines() if scatter.search(line)]
+    assert not scatters, scatters[:2]

@@ -183,12 +183,21 @@ def _prefill(
     at = jnp.maximum(n_new - 1, 0)
     length = b.start - b.refed
     x, cache = model.decode(params, b.tokens, state.cache, b.table, length, cfg, policy, mask=b.mask,
-                            write_from=b.refed, hidden=True, adapter_rows=b.adapter)  # fmt: skip
+                            write_from=b.refed, hidden=True, adapter_rows=b.adapter, whole_pages=True)  # fmt: skip
     scores = _prompt_scores(params, x, b.tokens, b.scored, cfg)
     logits = model.unembed(params, jnp.take_along_axis(x, at[:, None, None], axis=1), cfg)
     if draft is not None:
         _, draft_cache = model.decode(
-            weights.draft, b.tokens, draft_cache, b.table, length, *draft, mask=b.mask, at=at, write_from=b.refed
+            weights.draft,
+            b.tokens,
+            draft_cache,
+            b.table,
+            length,
+            *draft,
+            mask=b.mask,
+            at=at,
+            write_from=b.refed,
+            whole_pages=True,
         )
     zeros = jnp.zeros_like(b.start)
     # a new row's output counts start at zero (the slot's previous row's are overwritten)

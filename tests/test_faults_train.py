@@ -189,7 +189,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_a_crash(tmp_path, dataset):
         run = tmp_path / f"run{trial}"
         config = tmp_path / f"run{trial}.json"
         config.write_text(json.dumps(tiny_config(dataset, run, total_steps=10_000, ckpt_every=1).to_dict()))
-        proc = start_run(config, tmp_path / "jax_cache")
+        proc = start_run(config)
         interrupt(proc, run, when, rng)
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == 130, (when, out)

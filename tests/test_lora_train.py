@@ -143,7 +143,7 @@ def test_a_lora_run_killed_mid_way_resumes_to_the_uninterrupted_adapter(lora_run
     values = native.read_description(native.resolve(lora_run.out_dir))["train_config"]
     config.write_text(json.dumps({**values, "out_dir": str(run_dir)}))
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     deadline = time.time() + 120
     while not [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]:  # a complete checkpoint
         assert proc.poll() is None, proc.stdout.read()
@@ -154,7 +154,7 @@ def test_a_lora_run_killed_mid_way_resumes_to_the_uninterrupted_adapter(lora_run
     saved = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
     assert max(saved) < STEPS, saved  # killed mid-way
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     assert f"LoRA rank 4 on q, v, fc_in: {ADAPTER_SIZE:,} trainable of 263,680 params; base float32 on" in out

@@ -25,20 +25,20 @@ def test_a_dpo_run_stopped_by_sigterm_and_sigkill_resumes_to_the_uninterrupted_n
     config = tmp_path / "run.json"
     config.write_text(json.dumps(cfg.replace(out_dir=str(run_dir)).to_dict()))
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     wait_for_steps(proc, run_dir, 3)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, out
     reference = (run_dir / "reference_logps.npz").stat().st_mtime_ns
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 3)
     time.sleep(np.random.default_rng().uniform(0, 0.2))
     proc.kill()
     proc.wait()
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     got = {r["step"]: r for r in logged(run_dir) if "loss" in r}

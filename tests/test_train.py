@@ -306,7 +306,7 @@ def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(
     config = tmp_path / "run.json"
     config.write_text(json.dumps({**values, "out_dir": str(run_dir)}))
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     wait_for_steps(proc, run_dir, 10)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
@@ -315,13 +315,13 @@ def test_runs_stopped_by_sigterm_and_sigkill_resume_to_the_uninterrupted_losses(
     assert f"stopped by signal {int(signal.SIGTERM)} at step {stopped_at}" in out
     assert stopped_at < 60
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     wait_for_steps(proc, run_dir, len(metrics_losses(run_dir)) + 10)
     time.sleep(np.random.default_rng().uniform(0, 0.2))  # an arbitrary moment, checkpoints every 3 steps
     proc.kill()
     proc.wait()
 
-    proc = start_run(config, tmp_path / "jax_cache")
+    proc = start_run(config)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     logged = metrics_losses(run_dir)

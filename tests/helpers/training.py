@@ -74,9 +74,10 @@ def metrics_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
-def start_run(config: Path, cache: Path) -> subprocess.Popen:
-    # A persistent compilation cache: the resumed processes reuse the first one's executables.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+def start_run(config: Path) -> subprocess.Popen:
+    """`meshlm train CONFIG` as a process. It inherits the session's persistent compilation cache (conftest.py):
+    it reuses the executables of the same run made in-process, and the resumed processes those of the first."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "meshlm", "train", str(config), "--no-progress"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -507,6 +507,13 @@ class GrpoConfig:
     (trl's default, true) weighs the KL term by the importance ratio, which changes its gradient even where the
     ratio is 1: the unbiased gradient of KL(policy || reference).
 
+    The engine samples with `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` (trl's; `min_p` None or
+    0: off), then `generation_kwargs` (trl's: settings passed to the sampler, overriding those; here SamplingParams'
+    fields by name: `stop` strings, `stop_token_ids`, `min_tokens`, `logit_bias`, the penalties, ...), and keeps its
+    output inside `structured_outputs_regex` (trl's `vllm_structured_outputs_regex`). A completion cut by a stop
+    string is trained on the tokens before it (trl, through vLLM, keeps the string's tokens); one ended by a stop
+    token keeps that token as its last, as EOS.
+
     Besides trl's settings: `rewards`, the reward functions and their weights (trl's `reward_funcs` and
     `reward_weights`), as `meshlm.rewards.load` reads them: `[{function: module:name | built-in, weight: 1.0,
     ...options}]`; `log_completions_every`, how often a table of the step's prompts, completions and rewards is
@@ -525,6 +532,11 @@ class GrpoConfig:
     importance_sampling_level: str = "token"
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+    structured_outputs_regex: str | None = None
     rewards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log_completions_every: int = 10
 
@@ -539,6 +551,16 @@ class GrpoConfig:
             )
         _check_float("grpo.temperature", self.temperature, lambda v: v > 0, "> 0")
         _check_float("grpo.top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_int("grpo.top_k", self.top_k, minimum=0)
+        if self.min_p is not None:
+            _check_float("grpo.min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_float("grpo.repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise ConfigError(f"train config: grpo.generation_kwargs must be a mapping, got {self.generation_kwargs!r}")
+        if self.structured_outputs_regex is not None and not isinstance(self.structured_outputs_regex, str):
+            raise ConfigError(
+                f"train config: grpo.structured_outputs_regex must be a string, got {self.structured_outputs_regex!r}"
+            )
         _check_float("grpo.beta", self.beta, lambda v: v >= 0, ">= 0")
         _check_float("grpo.epsilon", self.epsilon, lambda v: 0 <= v < 1, "in [0, 1)")
         if self.epsilon_high is not None:

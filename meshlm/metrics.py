@@ -107,7 +107,9 @@ class NoiseScale:
         s = (micro_grad_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
         self.g2 = g2 if self.g2 is None else (1 - self.alpha) * self.g2 + self.alpha * g2
         self.s = s if self.s is None else (1 - self.alpha) * self.s + self.alpha * s
-        return {"noise/G2": self.g2, "noise/S": self.s, "noise/B_simple": self.s / self.g2}
+        # no gradient at all (a GRPO batch whose every advantage is 0, say): no scale to speak of, not a crash
+        b_simple = self.s / self.g2 if self.g2 else float("nan")
+        return {"noise/G2": self.g2, "noise/S": self.s, "noise/B_simple": b_simple}
 
 
 class MetricsLog:

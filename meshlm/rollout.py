@@ -28,13 +28,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshlm import grpo, model, rewards
-from meshlm.config import ConfigError, TrainConfig
+from meshlm.config import ConfigError, InputError, TrainConfig
 from meshlm.data import Batch, TokenDataset, read_prompt_records
 from meshlm.serve.adapter_slots import Adapter
 from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import Engine
+from meshlm.serve.grammar import Constraint
 from meshlm.serve.outputs import Completion
-from meshlm.serve.params import SamplingParams
+from meshlm.serve.params import SAMPLING_FIELDS, SamplingParams
 from meshlm.sharding import TRAINING
 from meshlm.tokenizer import Tokenizer
 from meshlm.train_step import ROW_TOKENS, batch_shardings, make_logps_step
@@ -90,6 +91,7 @@ class Rollouts:
         self.datasets = {"train": train_ds, **{f"val/{name}": ds for name, ds in val_sets.items()}}
         self.records = {name: read_prompt_records(ds.folder, ds.split) for name, ds in self.datasets.items()}
         self.eos = train_ds.eos_id
+        rollout_sampling(cfg, self.eos, 0, 0)  # a setting the sampler refuses stops the run here, in one line
         self.width = step_seq_len(cfg, train_ds.seq_len) + 1
         lora = {} if cfg.lora is None else {"max_adapters": 1, "max_lora_rank": cfg.lora.rank}
         policy = dataclasses.replace(cfg.policy, remat="none", lora_dropout=0.0)
@@ -108,12 +110,7 @@ class Rollouts:
 
     def generate(self, prompts: list[list[int]], step: int) -> list[Completion]:
         """Completions of `prompts` by the policy the engine holds, seeded by their place in the run."""
-        s = self.cfg.grpo
-        params = [
-            SamplingParams(max_new_tokens=s.max_completion_tokens, temperature=s.temperature, top_p=s.top_p,
-                           stop_token_ids=(self.eos,), seed=sampling_seed(self.cfg.seed, step, i), logprobs=0)
-            for i in range(len(prompts))
-        ]  # fmt: skip
+        params = [rollout_sampling(self.cfg, self.eos, step, i) for i in range(len(prompts))]
         adapters = None if self.cfg.lora is None else [POLICY_ADAPTER] * len(prompts)
         return self.engine.generate(prompts, params, self.tokenizer, adapters=adapters)
 
@@ -123,7 +120,7 @@ class Rollouts:
         """Each completion's rewards [N, functions]; its ids (its EOS included, as trl's), and the prompts and
         completions as the reward functions see them (a chat prompt's completion is an assistant message)."""
         records = [self.records[name][r] for r in np.repeat(rows, generations)]
-        ids = [c.tokens + [self.eos] * (c.finish_reason == "stop") for c in completions]
+        ids = [completion_ids(c) for c in completions]
         prompts = [r["prompt"] for r in records]
         texts = [
             c.text if isinstance(p, str) else [{"role": "assistant", "content": c.text}]
@@ -213,6 +210,43 @@ class Rollouts:
             for i, reward in enumerate(self.rewards):
                 values[f"{name}/rewards/{reward.name}/mean"] = float(np.nanmean(per_function[:, i]))
         return values
+
+
+# SamplingParams' fields a rollout sets itself: the grpo section's own settings decide them
+ROLLOUT_MANAGED = frozenset({"max_new_tokens", "seed", "logprobs", "prompt_logprobs", "constraint"})
+
+
+def rollout_sampling(cfg: TrainConfig, eos: int, step: int, row: int) -> SamplingParams:
+    """How the engine samples the completion of `row` at `step`: the grpo section's settings (its `generation_kwargs`
+    last, overriding, as trl's), stopping at EOS, and seeded by the row's place in the run. ConfigError, in one line,
+    for a setting the sampler does not take or refuses."""
+    s = cfg.grpo
+    given = s.generation_kwargs or {}
+    if unknown := sorted(given.keys() - (SAMPLING_FIELDS - ROLLOUT_MANAGED)):
+        named = {"max_new_tokens": "max_completion_tokens", "constraint": "structured_outputs_regex"}
+        hint = "".join(f"; for {k}, set grpo.{named[k]}" for k in unknown if k in named)
+        raise ConfigError(
+            f"train config: grpo.generation_kwargs {', '.join(map(repr, unknown))}: not a setting a rollout takes "
+            f"(SamplingParams' fields but {', '.join(sorted(ROLLOUT_MANAGED))}){hint}"
+        )
+    settings = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p or 0.0,
+                    repetition_penalty=s.repetition_penalty) | given  # fmt: skip
+    ids = (eos, *settings.pop("stop_token_ids", ()))
+    stop = settings.pop("stop", ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    constraint = None if s.structured_outputs_regex is None else Constraint.regex(s.structured_outputs_regex)
+    seed = sampling_seed(cfg.seed, step, row)
+    try:
+        return SamplingParams(max_new_tokens=s.max_completion_tokens, stop=stop, stop_token_ids=ids, seed=seed,
+                              logprobs=0, constraint=constraint, **settings)  # fmt: skip
+    except (InputError, TypeError, ValueError) as e:
+        raise ConfigError(f"train config: grpo's sampling settings: {e}") from None
+
+
+def completion_ids(c: Completion) -> list[int]:
+    """The ids a completion is trained on: its tokens, and the stop token that ended it (EOS, as trl keeps it); one
+    cut by a stop string ends before it (the engine's tokens up to the text it keeps)."""
+    return c.tokens + [c.stop_reason] * isinstance(c.stop_reason, int)
 
 
 def rollout_prompts(rows: Batch) -> list[list[int]]:

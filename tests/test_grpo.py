@@ -82,6 +82,7 @@ def _trl_settings(s: GrpoConfig) -> dict:
     """meshlm's settings under trl's names (the rewards and the completions' log are the trainer's arguments in trl)."""
     settings = dataclasses.asdict(s)
     settings["max_completion_length"] = settings.pop("max_completion_tokens")
+    settings["vllm_structured_outputs_regex"] = settings.pop("structured_outputs_regex")
     for meshlm_only in ("rewards", "log_completions_every"):
         settings.pop(meshlm_only)
     return settings
@@ -273,6 +274,11 @@ def test_config_reads_trl_forms_and_refuses_bad_values():
         "top_p": 0.0,
         "temperature": 0,
         "mask_truncated_completions": "no",
+        "top_k": -1,
+        "min_p": 2.0,
+        "repetition_penalty": 0.0,
+        "generation_kwargs": ["stop"],
+        "structured_outputs_regex": 5,
     }
     for key, value in bad.items():
         with pytest.raises(ConfigError, match=f"grpo.{key}") as error:
@@ -280,6 +286,53 @@ def test_config_reads_trl_forms_and_refuses_bad_values():
         assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="grpo settings apply to objective grpo"):
         TrainConfig(grpo={"beta": 0.1})
+
+
+def test_rollouts_sample_with_the_sections_settings_then_generation_kwargs_over_them():
+    """trl's sampling settings reach the engine's SamplingParams, `generation_kwargs` last (overriding, as trl's; its
+    stop_token_ids add to EOS), the regex constrains the output; a setting the sampler does not take, or one it
+    refuses, stops the run in one line."""
+    from meshlm import rollout
+    from meshlm.serve.grammar import Constraint
+
+    kwargs = {"stop": "\n", "stop_token_ids": [13], "top_k": 5, "presence_penalty": 0.5}
+    grpo_section = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                        structured_outputs_regex="(yes|no)\\.", max_completion_tokens=12,
+                        generation_kwargs=kwargs)  # fmt: skip
+    cfg = TrainConfig(objective="grpo", seed=3, grpo=grpo_section)
+    sp = rollout.rollout_sampling(cfg, 50256, step=2, row=1)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.presence_penalty) == (
+        0.7, 0.9, 5, 0.05, 1.1, 0.5,
+    )  # fmt: skip
+    assert (sp.stop, sp.stop_token_ids, sp.max_new_tokens, sp.logprobs) == (("\n",), (50256, 13), 12, 0)
+    assert sp.constraint == Constraint.regex("(yes|no)\\.") and sp.seed == rollout.sampling_seed(3, 2, 1)
+    for kwargs, refusal in (
+        ({"max_new_tokens": 4}, "'max_new_tokens': not a setting a rollout takes .*; for max_new_tokens, set "
+         "grpo.max_completion_tokens$"),
+        ({"stop_words": ["x"]}, "'stop_words': not a setting a rollout takes"),
+        ({"top_k": -2}, "grpo's sampling settings: top_k"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=refusal) as error:
+            rollout.rollout_sampling(TrainConfig(objective="grpo", grpo={"generation_kwargs": kwargs}), 0, 0, 0)
+        assert "\n" not in str(error.value)
+
+
+def test_a_completion_is_trained_on_its_tokens_and_the_stop_token_that_ended_it():
+    """EOS (or a stop token id) that ended a completion is its last id, as trl keeps it; a stop string's cut keeps the
+    tokens before it; a completion at its length limit has none."""
+    from meshlm.rollout import completion_ids
+    from meshlm.serve.outputs import Completion
+
+    def completion(stop_reason):
+        return Completion([5, 6], [-1.0, -2.0], [[], []], "length" if stop_reason is None else "stop", "ab", None, None,
+                          stop_reason)  # fmt: skip
+
+    assert [completion_ids(completion(r)) for r in (50256, 13, "\n", None)] == [
+        [5, 6, 50256],
+        [5, 6, 13],
+        [5, 6],
+        [5, 6],
+    ]
 
 
 def test_plan_refuses_grpo_in_one_line(tmp_path, capsys):

@@ -8,6 +8,7 @@ logged; an uninterrupted run against one stopped and resumed.
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -161,8 +162,11 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     """`meshlm train`'s library call, objective grpo: 4 steps (2 batches of rollouts, each trained twice, in 2
     micro-batches). Step 1's logged loss equals `grpo.policy_loss` recomputed here, micro-batch by micro-batch (trl's
     accumulation: their mean), on the rollout the starting model makes again from the same seeds; the metrics carry
-    trl's names; each step's completions are in the run folder."""
-    cfg = run_config(prompts, tmp_path / "run")
+    trl's names; each step's completions are in the run folder. The engine's output constraint and stop strings
+    apply to the rollouts: every completion is inside the regex (or a prefix of it, cut by the length or the stop
+    string) and holds no stop string."""
+    sampling = {"structured_outputs_regex": "[a-z]{1,8}\\.", "generation_kwargs": {"stop": ["e"]}}
+    cfg = run_config(prompts, tmp_path / "run", sampling)
     train.train(cfg, progress=False)
     got = logged(tmp_path / "run")
     assert sorted(got) == [1, 2, 3, 4]
@@ -176,6 +180,8 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     assert got[1]["clip_ratio/region_mean"] == 0.0  # the first step's ratio is exactly 1
     table = [json.loads(line) for line in (tmp_path / "run" / "completions" / "step_00000001.jsonl").open()]
     assert len(table) == 8 and set(table[0]) == {"step", "prompt", "completion", "rewards", "reward", "advantage"}
+    texts = [row["completion"] for row in table]
+    assert all(re.fullmatch(r"[a-df-z]*\.?", text) for text in texts) and any(texts), texts
 
     # the starting model's rollout at step 0, made again, and the loss of step 1 on it
     mesh = make_mesh(None)

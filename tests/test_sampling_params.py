@@ -492,6 +492,7 @@ def test_stop_strings_apply_from_min_tokens_on(text_lm):
         )
         assert got.text == want, min_tokens
         assert got.finish_reason == ("length" if at < 0 else "stop")
+        assert got.stop_reason == (None if at < 0 else stop)  # vLLM's: the stop string that ended it
 
 
 def test_ignore_eos_generates_past_the_end_of_text_token(text_lm):
@@ -499,9 +500,9 @@ def test_ignore_eos_generates_past_the_end_of_text_token(text_lm):
     prompt = [text_lm.encode_prompt(TEXTS[0])]
     to_eos = dict(max_new_tokens=6, temperature=0, logit_bias={eos: 100})  # <|endoftext|> is the argmax
     (ended,) = text_lm.generate_tokens(prompt, text_lm.sampling(**to_eos))
-    assert ended.tokens == [] and ended.finish_reason == "stop"
+    assert ended.tokens == [] and (ended.finish_reason, ended.stop_reason) == ("stop", eos)
     (ignored,) = text_lm.generate_tokens(prompt, text_lm.sampling(**to_eos, ignore_eos=True))
-    assert ignored.tokens == [eos] * 6 and ignored.finish_reason == "length"
+    assert ignored.tokens == [eos] * 6 and (ignored.finish_reason, ignored.stop_reason) == ("length", None)
     (held,) = text_lm.generate_tokens(prompt, text_lm.sampling(**to_eos, min_tokens=3))
     assert len(held.tokens) == 3 and eos not in held.tokens and held.finish_reason == "stop"
     # vLLM's one rule: stop_token_ids add to the EOS ids; ignore_eos drops the EOS ids, not the ids given

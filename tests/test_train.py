@@ -110,6 +110,8 @@ def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
     assert out["noise/G2"] == pytest.approx(g2) and out["noise/S"] == pytest.approx(s)
     assert out["noise/B_simple"] == pytest.approx(s / g2)
     assert metrics.NoiseScale(b_small=8, b_big=8, alpha=0.5).update(1.0, 1.0) == {}
+    # a step without any gradient (GRPO rollouts that all earn one reward) logs no scale and does not stop the run
+    assert np.isnan(metrics.NoiseScale(b_small=2, b_big=8, alpha=0.5).update(0.0, 0.0)["noise/B_simple"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class Completion:
     text: str | None = None
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams.prompt_logprobs
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it; None: length
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RowOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the row
     text: str = ""
     sent: int = 0  # characters of `text` already handed out by `take_text`
     # with `sampling.prompt_logprobs`: each prompt token's logprob and top alternatives (None for the first)
@@ -87,7 +89,7 @@ class RowOutput:
             token = int(step.token[row, j])
             # a stop token ends the row once min_tokens are produced, this one included (as on the device)
             if token in stop_ids and len(self.tokens) + 1 >= self.sampling.min_tokens:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_reason = "stop", token
                 break
             self.tokens.append(token)
             self.logprobs.append(float(step.logprob[row, j]))
@@ -114,11 +116,11 @@ class RowOutput:
                 before = self.tokenizer.decode(self.tokens[: sp.min_tokens - 1]) if sp.min_tokens > 1 else ""
                 self._stop_floor = len(before.rstrip("\ufffd"))  # an unfinished character may end a stop string
             floor = self._stop_floor
-            found = [(i, len(s)) for s in sp.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+            found = [(i, len(s), s) for s in sp.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
             if found:
-                at, size = min(found)
+                at, size, stop = min(found)
                 text = text[: at + size if sp.include_stop_str_in_output else at]
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_reason = "stop", stop
                 self._drop_tokens_after(len(text))
         self.text = text
 
@@ -148,4 +150,4 @@ class RowOutput:
     def result(self) -> Completion:
         text = self.text if self.tokenizer is not None else None
         return Completion(self.tokens, self.logprobs, self.top_logprobs, self.finish_reason or "length", text,
-                          self.prompt_logprobs, self.prompt_top_logprobs)  # fmt: skip
+                          self.prompt_logprobs, self.prompt_top_logprobs, self.stop_reason)  # fmt: skip

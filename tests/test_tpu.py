@@ -84,3 +84,38 @@ def test_a_dpo_run_on_the_chip_matches_the_cpu(tmp_path):
     cfg = smooth(preferences.run_config(data, tmp_path, log_every=1))
     names = ("loss", *preferences.TRL_DPO_METRICS)
     assert_runs_agree(train_on("tpu", cfg, tmp_path), train_on("cpu", cfg, tmp_path), names)
+
+
+# heads of 128 lanes (the TPU paged kernel's) and a context past a 128-token page
+ENGINE_CFG = CFG8.replace(n_head=2, d_model=256, d_ff=512, max_seq_len=320)
+
+
+def engine_outputs(platform: str, dtype: str, attention: str | None = None) -> list:
+    """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
+    step a token, both by `meshlm.kv_write`'s kernels on a TPU), by the engine over random weights on `platform`."""
+    prompts = [
+        np.random.default_rng(i).integers(1, ENGINE_CFG.vocab_size, n).tolist() for i, n in enumerate((5, 130, 200))
+    ]
+    with jax.default_matmul_precision("highest"):
+        lm = api.from_config(ENGINE_CFG, make_mesh("data=1", jax.devices(platform)[:1]), dtype, seed=0)
+        engine = lm.engine(max_batch=4, max_len=300, attention=attention)
+        params = [lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)] * len(prompts)
+        return engine.generate(prompts, params)
+
+
+def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
+    """float32: the chip's prefill and decode steps (the write kernels, pages of 128) choose the CPU's tokens."""
+    tpu, cpu = engine_outputs("tpu", "float32"), engine_outputs("cpu", "float32")
+    assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
+    for t, c in zip(tpu, cpu, strict=True):
+        np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
+    """bfloat16, on the chip: decode steps by JAX's paged attention kernel, reading the pool in place, give the
+    log-probs of the same tokens as the gather path (attention "xla") within bfloat16's rounding."""
+    paged, gathered = engine_outputs("tpu", "bfloat16"), engine_outputs("tpu", "bfloat16", attention="xla")
+    for p, g in zip(paged, gathered, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(p.tokens, g.tokens, strict=True)) if a != b), len(p.tokens))
+        assert same >= 8, (p.tokens, g.tokens)  # bf16 rounding may flip a near tie later in a random model
+        np.testing.assert_allclose(p.logprobs[:same], g.logprobs[:same], atol=0.05)

@@ -21,7 +21,8 @@ from meshlm import data, grpo, lora, model, prepare, rewards, rollout, train
 from meshlm.config import ConfigError, ModelConfig, TrainConfig
 from meshlm.data import TokenDataset
 from meshlm.loader import TrainLoader
-from meshlm.sharding import make_mesh
+from meshlm.serve.runner import place
+from meshlm.sharding import TRAINING, make_mesh
 from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import ROW_TOKENS, token_logps
 from tests.helpers.chat_templates import tokenizer_folder
@@ -117,9 +118,10 @@ def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, t
     as its last token, as trl keeps it) or at max_completion_tokens; the advantages are `grpo`'s of the rewards; and
     the old log-probs the training program computes under the policy equal the log-probs the engine's sampler
     reported for the very tokens it drew (two programs, one distribution), for the second policy too: nothing of the
-    first one (weights, adapter, prefix cache) is left in the engine."""
+    first one (weights, adapter, prefix cache) is left in the engine. The full run's mesh splits the weights over
+    fsdp: the engine decodes from the trainer's own shards (laid out by the training rules), not a gathered copy."""
     cfg = run_config(prompts, tmp_path, {"temperature": 1.0}, **({"lora": {"rank": 4}} if kind == "lora" else {}))
-    mesh = make_mesh(None)
+    mesh = make_mesh("data=1,fsdp=2", jax.devices()[:2]) if kind == "full" else make_mesh(None)
     train_ds, val = TokenDataset(cfg.data, "train"), TokenDataset(cfg.data, "val")
     eos = train_ds.eos_id
     base = _random_model(0, eos)
@@ -131,6 +133,8 @@ def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, t
     rollouts.generate = lambda p, step: sampled.extend(generate(p, step)) or sampled
     first = None
     for params, full in _policies(kind, base, cfg, eos):
+        if kind == "full":  # laid out as the trainer lays out its state
+            params = full = place(params, CFG, mesh, TRAINING)
         sampled.clear()
         with jax.set_mesh(mesh):
             made = rollouts.make(params, full, base, prompts_batch, step=0)
@@ -153,7 +157,9 @@ def test_rollouts_obey_the_limits_and_their_old_logps_are_the_engines(prompts, t
         first = made.table
         if kind == "full":  # handed over in place: the engine holds the very buffers the step trains
             held = {k: v for k, v in rollouts.engine.runner.params.items() if k != "adapters"}
-            pointers = lambda tree: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+            pointers = lambda tree: [
+                s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for s in x.addressable_shards
+            ]
             assert pointers(held) == pointers(params)
 
 

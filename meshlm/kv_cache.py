@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
-from meshlm.kv_write import write_pages, write_tokens
+from meshlm.kv_write import MAX_PAGE_COPIES, write_pages, write_tokens
 from meshlm.paged_attention import QUANT_MAX, paged_attention
 from meshlm.sharding import constrain, traced_backend
 
@@ -114,7 +114,7 @@ class CacheView(NamedTuple):
             if traced_backend() in KERNEL_WRITE_BACKENDS:
                 if T == 1:
                     return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
-                if whole_pages:
+                if whole_pages and T <= MAX_PAGE_COPIES * self.cache.page_size:
                     return write_pages(pool, new, layer, self.slots, written)
             dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
             return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")

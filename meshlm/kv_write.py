@@ -107,16 +107,16 @@ def write_tokens(
 
 
 NO_PAGE = -1  # a `write_pages` chunk that holds no written token
+MAX_PAGE_COPIES = 64  # pages a row's prompt writes at most by `write_pages` (its DMAs are unrolled)
 
 
 def _pages_kernel(layer_ref, pages_ref, new_ref, pool_ref, out_ref, sems, *, chunks: int):
-    """Row b = program b: each of its chunks of page_size new tokens that holds a written one, DMA'd to its page."""
+    """Row b = program b: each of its chunks of page_size new tokens that holds a written one, DMA'd to its page
+    (a chunk is new_ref[b, j], [H, page_size, K]: whole trailing tiles, as the page's, whatever the page size)."""
     del pool_ref  # the same buffer as out_ref (aliased)
-    b, layer, size = pl.program_id(0), layer_ref[0], out_ref.shape[3]
+    b, layer = pl.program_id(0), layer_ref[0]
     copies = [
-        pltpu.make_async_copy(
-            new_ref.at[b, :, pl.ds(j * size, size)], out_ref.at[:, layer, pages_ref[b, j]], sems.at[j]
-        )
+        pltpu.make_async_copy(new_ref.at[b, j], out_ref.at[:, layer, jnp.maximum(pages_ref[b, j], 0)], sems.at[j])
         for j in range(chunks)
     ]
     for j, copy in enumerate(copies):
@@ -146,8 +146,8 @@ def _write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.A
 def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Array, written: jax.Array) -> jax.Array:
     """pool [H, L, pages, page_size, K] with each row's written tokens of new [B, T, H, K] stored at their flat
     `slots` [B, T] (page * page_size + offset) of `layer`; in place where the pool is donated. A row's written
-    tokens are consecutive from a page's first slot (a prompt after a cached prefix of whole pages); what a row
-    does not write is padding."""
+    tokens are consecutive from a page's first slot (a prompt after a cached prefix of whole pages), in at most
+    MAX_PAGE_COPIES pages; what a row does not write is padding."""
     size = pool.shape[3]
     T = slots.shape[1]
     chunks = -(-T // size)
@@ -156,14 +156,15 @@ def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Ar
     held = size * jnp.arange(chunks) < written.sum(axis=1, keepdims=True)
     pages = jnp.where(held, jnp.take_along_axis(slots, jnp.minimum(starts, T - 1), axis=1) // size, NO_PAGE)
     at = jnp.minimum(first[:, None] + jnp.arange(chunks * size), T - 1)  # the written tokens first, in whole pages
-    new = jnp.moveaxis(jnp.take_along_axis(new, at[:, :, None, None], axis=1), 2, 1)  # [B, H, chunks * size, K]
+    new = jnp.take_along_axis(new, at[:, :, None, None], axis=1)  # [B, chunks * size, H, K]
+    new = jnp.moveaxis(new.reshape(new.shape[0], chunks, size, *new.shape[2:]), 3, 2)  # [B, chunks, H, size, K]
     pages = pages.astype(jnp.int32)
     if jax.sharding.get_abstract_mesh().empty:
         return _write_pages(pool, new, layer, pages)
     pool_spec = spec_for(("act_heads", None, None, None, None))
     return jax.shard_map(
         _write_pages,
-        in_specs=(pool_spec, spec_for((None, "act_heads", None, None)), spec_for(()), spec_for((None, None))),
+        in_specs=(pool_spec, spec_for((None, None, "act_heads", None, None)), spec_for(()), spec_for((None, None))),
         out_specs=pool_spec,
         check_vma=False,
     )(pool, new, layer, pages)

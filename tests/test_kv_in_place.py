@@ -86,9 +86,12 @@ def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(mon
     step_fn = jitted()
     expected = prompt_then_step()
     monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    calls = []
+    monkeypatch.setattr(kv_cache, "write_pages", lambda *a: calls.append(1) or kv_write.write_pages(*a))
     with pltpu.force_tpu_interpret_mode():
         step_fn = jitted()
         got = prompt_then_step()
+    assert calls  # the prompt went through the page kernel, not the scatter
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_array_equal(g, e)
 
@@ -116,7 +119,10 @@ def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
-@pytest.mark.parametrize("dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 32), ("float32", 1, 16)])
+# pages of one DMA tile and of half a tile (int8's tile holds 32 tokens; the chunks lie on an untiled axis)
+@pytest.mark.parametrize(
+    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 32), ("int8", 128, 16), ("float32", 1, 16)]
+)
 def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
     kernel_writes: None, dtype: str, K: int, S: int
 ):

@@ -6,11 +6,14 @@ training program computes for them; `grpo.policy_loss` recomputed here on a roll
 logged; an uninterrupted run against one stopped and resumed.
 """
 
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,7 @@ from meshlm.sharding import TRAINING, make_mesh
 from meshlm.tokenizer import load_tokenizer
 from meshlm.train_step import ROW_TOKENS, token_logps
 from tests.helpers.chat_templates import tokenizer_folder
-from tests.helpers.training import REPO, run_cli_error
+from tests.helpers.training import REPO, run_cli_error, start_run, wait_until
 
 PROMPT_LEN = 28  # the prompts dataset's seq_len: prompts of up to 29 tokens (these take 23 to 27: more than a KV page)
 MAX_TOKENS = 6
@@ -209,38 +212,78 @@ def test_a_grpo_run_logs_trls_metrics_and_its_first_loss_is_policy_loss_of_its_r
     assert got[1]["reward"] == pytest.approx(float(made.metrics["reward"]), rel=1e-6)
 
 
-@pytest.mark.slow  # three GRPO runs: ~65 s alone on 2 cores, 5-20 s after the file's other tests compiled
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_completions_and_losses(
-    prompts, tmp_path, monkeypatch, kind
+HOLD = "MESHLM_TEST_HOLD_FILE"  # see exact_match_or_hold
+_held_scorings = itertools.count()
+
+
+def exact_match_or_hold(**kwargs):
+    """The built-in exact_match; in a process started with $MESHLM_TEST_HOLD_FILE set, the second batch of rollouts
+    it scores (step 3's, the first after the checkpoint at step 2) is held: it writes that file and waits, to be
+    killed there."""
+    if os.environ.get(HOLD) and next(_held_scorings) == 1:
+        Path(os.environ[HOLD]).touch()
+        time.sleep(600)
+        raise RuntimeError("held 600 s and not killed")
+    return rewards.BUILT_INS["exact_match"]()(**kwargs)
+
+
+@pytest.mark.slow  # three GRPO runs, one a `meshlm train` subprocess: ~35-45 s a case on 2 cores (before: 25-40 s)
+@pytest.mark.parametrize("kind, stop", [("full", "sigterm"), ("lora", "sigkill")])
+def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_uninterrupted_completions_and_losses(
+    prompts, tmp_path, monkeypatch, kind, stop
 ):
-    """SIGTERM while the first batch of rollouts is scored: the run trains that batch's two steps, saves at step 2
-    (a run stops between batches of rollouts, which it does not save) and, resumed, samples the same completions and
-    logs the same losses and rewards as an uninterrupted run: the sampling seeds come from the step, the prompts from
-    the loader's saved position, the reference (the starting model, or a LoRA run's base) is rebuilt from the seed,
-    and the engine gets the restored weights (or adapter)."""
-    lora_section = {"lora": {"rank": 4}} if kind == "lora" else {}
-    train.train(run_config(prompts, tmp_path / "whole", **lora_section), progress=False)
-    score = rewards.score
+    """A run stopped and resumed samples the same completions and logs the same losses, rewards and metrics as an
+    uninterrupted run: the sampling seeds come from the step, the prompts from the loader's saved position, the
+    reference (the starting model, or a LoRA run's base) is rebuilt from the seed, and the engine gets the restored
+    weights (or adapter). Two cases, one uninterrupted run each:
+    - full, SIGTERM (in-process): the signal comes while the first batch of rollouts is scored; the run trains that
+      batch's two steps, saves at step 2 (a run stops between batches of rollouts, which it does not save);
+    - lora, kill -9: `meshlm train` as a subprocess is killed while it scores step 3's rollouts, once its checkpoint
+      at step 2 is in place (nothing after it saved, those rollouts lost), and resumed by the library call.
+    Steps 1 and 2 compare too: the first process's, before the stop, equal the uninterrupted run's."""
+    changes = {"lora": {"rank": 4}} if kind == "lora" else {}
+    grpo_changes = {"rewards": [REWARDS[0], {"function": "tests.test_grpo_train:exact_match_or_hold", "weight": 0.5}]}
+    grpo_changes = grpo_changes if stop == "sigkill" else None
+    train.train(run_config(prompts, tmp_path / "whole", grpo_changes, **changes), progress=False)
+    run_dir = tmp_path / "resumed"
+    cfg = run_config(prompts, run_dir, grpo_changes, **changes)
+    if stop == "sigterm":
+        score = rewards.score
 
-    def score_then_stop(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        monkeypatch.setattr(rewards, "score", score)
-        return score(*args, **kwargs)
+        def score_then_stop(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            monkeypatch.setattr(rewards, "score", score)
+            return score(*args, **kwargs)
 
-    monkeypatch.setattr(rewards, "score", score_then_stop)
-    stopped = train.train(run_config(prompts, tmp_path / "resumed", **lora_section), progress=False)
-    assert (stopped.step, stopped.stopped_by_signal, stopped.signal) == (2, True, signal.SIGTERM)
-    train.train(run_config(prompts, tmp_path / "resumed", **lora_section), progress=False)
-    whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
+        monkeypatch.setattr(rewards, "score", score_then_stop)
+        stopped = train.train(cfg, progress=False)
+        assert (stopped.step, stopped.stopped_by_signal, stopped.signal) == (2, True, signal.SIGTERM)
+        train.train(cfg, progress=False)
+    else:
+        config = tmp_path / "resumed.json"
+        config.write_text(json.dumps(cfg.to_dict()))
+        cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the session's: the uninterrupted run's programs
+        monkeypatch.setenv(HOLD, str(held := tmp_path / "held"))
+        proc = start_run(config, cache)
+        try:
+            ckpt = run_dir / "checkpoints" / "2"  # orbax renames a step's folder into place once it is complete
+            wait_until(proc, lambda: held.exists() and ckpt.exists(), "hold at step 3 past checkpoint 2", 300)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert sorted(p.name for p in ckpt.parent.iterdir() if p.name.isdigit()) == ["2"]
+        assert sorted(logged(run_dir)) == [1, 2]
+        monkeypatch.delenv(HOLD)
+        train.train(cfg, progress=False)  # resumed here: what it knows of the killed run is what that left on disk
+    whole, resumed = logged(tmp_path / "whole"), logged(run_dir)
     assert sorted(resumed) == [1, 2, 3, 4]
-    for step in (3, 4):  # every metric but the clocks' and the noise scale's running averages, which restart
+    for step in (1, 2, 3, 4):  # every metric but the clocks' and the noise scale's running averages, which restart
         for name, value in whole[step].items():
             if name not in ("tokens_per_s", "mfu") and not name.startswith(("noise/", "time/")):
                 assert resumed[step][name] == pytest.approx(value, rel=1e-6, nan_ok=True), (step, name)
-    for step in (3, 4):
+    for step in (1, 2, 3, 4):
         name = f"completions/step_{step:08d}.jsonl"
-        assert (tmp_path / "resumed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+        assert (run_dir / name).read_text() == (tmp_path / "whole" / name).read_text()
 
 
 def refusing_reward(prompts, completions, answer, **columns):

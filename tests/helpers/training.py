@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -82,12 +83,17 @@ def start_run(config: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
-    deadline = time.time() + 120
-    while len(metrics_losses(run_dir)) < n:
+def wait_until(proc: subprocess.Popen, done: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    """Wait until `done()` while `proc` (a `start_run`) runs: its output when it ends first."""
+    deadline = time.time() + timeout_s
+    while not done():
         assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
+        assert time.time() < deadline, f"no {what} after {timeout_s:.0f} s"
         time.sleep(0.02)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
+    wait_until(proc, lambda: len(metrics_losses(run_dir)) >= n, f"step {n} in {run_dir}/metrics.jsonl")
 
 
 def run_cli_error(capsys, *argv) -> str:

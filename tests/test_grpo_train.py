@@ -262,9 +262,8 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_uninterrupted_co
     else:
         config = tmp_path / "resumed.json"
         config.write_text(json.dumps(cfg.to_dict()))
-        cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the session's: the uninterrupted run's programs
         monkeypatch.setenv(HOLD, str(held := tmp_path / "held"))
-        proc = start_run(config, cache)
+        proc = start_run(config)  # with the session's compilation cache: the uninterrupted run's programs
         try:
             ckpt = run_dir / "checkpoints" / "2"  # orbax renames a step's folder into place once it is complete
             wait_until(proc, lambda: held.exists() and ckpt.exists(), "hold at step 3 past checkpoint 2", 300)

@@ -195,7 +195,7 @@ def time_engine_alone(cfg: TrainConfig, trained: dict[str, Any], out_dir: Path) 
             elapsed = time.perf_counter() - start
             if k:  # the first call warms up
                 seconds += elapsed
-                tokens += sum(len(c.tokens) + (c.finish_reason == "stop") for c in completions)
+                tokens += sum(len(rollout.completion_ids(c)) for c in completions)
     return seconds, tokens
 
 

@@ -58,6 +58,7 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import meshlm
     from benchmarks.gptj6b_tpu import write_random_folder
+    from meshlm import model
     from meshlm.config import preset
     from meshlm.sharding import make_mesh
 
@@ -69,6 +70,8 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
     kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     lm = meshlm.load(args.folder, None, args.dtype, quantize=args.quantize)
     out["load_s"] = time.perf_counter() - start
+    if model.param_shapes(lm.config) != model.param_shapes(preset(args.model)):
+        raise SystemExit(f"{args.folder} holds another model than the {args.model} preset")
     out["vocab"] = lm.config.n_vocab_used
     rng = np.random.default_rng(0)
     out["rows"] = {}
@@ -109,7 +112,6 @@ def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         finally:
             server.close()
     result["start_s"] = server.start_seconds
-    result["output_tokens"] = sum(n for _, n in requests[: result["requests"]])
     return result
 
 
@@ -125,19 +127,23 @@ def summary(report: dict[str, Any]) -> str:
         "",
         f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
         "",
-        "| rows | prefill + first token | decode step | step / 1 row's | tokens/s |",
+        f"| rows | prefill + first token | decode step | step / {min(a['rows'])} rows' | tokens/s |",
         "| --- | --- | --- | --- | --- |",
     ]
-    one = e["rows"][str(min(a["rows"]))]["step_ms"] if str(min(a["rows"])) in e["rows"] else None
+    least = e["rows"][str(min(a["rows"]))]["step_ms"]
     for rows, r in e["rows"].items():
-        ratio = f"{r['step_ms'] / one:.2f}x" if one else "-"
-        lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {ratio} | {r['tokens_per_s']:,.0f} |")
-    lines += [
-        "",
-        f"Served over a unix socket (start {s['start_s']:.0f} s, compiling included), --max-batch {max(a['rows'])}, "
-        f"{s['requests']} mixed requests at {a['rate']:g}/s: **{s['tok_s']:,.1f} output tokens/s**, TTFT p50 "
-        f"{s['ttft_p50']:.3f} s p99 {s['ttft_p99']:.3f} s, latency p50 {s['p50']:.2f} s p99 {s['p99']:.2f} s.",
-    ]
+        lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {r['step_ms'] / least:.2f}x | "
+                     f"{r['tokens_per_s']:,.0f} |")  # fmt: skip
+    lines.append("")
+    if "error" in s:
+        lines.append(f"Served over a unix socket: failed ({s['error']}).")
+    else:
+        lines.append(
+            f"Served over a unix socket (start {s['start_s']:.0f} s, compiling included), --max-batch "
+            f"{max(a['rows'])}, {s['requests']} mixed requests at {a['rate']:g}/s: **{s['tok_s']:,.1f} output "
+            f"tokens/s**, TTFT p50 {s['ttft_p50']:.3f} s p99 {s['ttft_p99']:.3f} s, latency p50 {s['p50']:.2f} s "
+            f"p99 {s['p99']:.2f} s."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     subprocess.run(child, check=True, env={**os.environ, "PYTHONPATH": path})
     engine = json.loads((args.out / "engine.json").read_text())
     print(f"JAX {engine['jax']} on {engine['device']} ({engine['platform']})", flush=True)
-    served = served_part(args, engine["vocab"])
+    try:
+        served = served_part(args, engine["vocab"])
+    except (SystemExit, Exception) as err:  # the engine's figures are kept whatever the server does
+        served = {"error": str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__}
     report = {
         "command": "python benchmarks/serve_tpu.py " + " ".join(argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -511,8 +511,8 @@ class GrpoConfig:
     0: off), then `generation_kwargs` (trl's: settings passed to the sampler, overriding those; here SamplingParams'
     fields by name: `stop` strings, `stop_token_ids`, `min_tokens`, `logit_bias`, the penalties, ...), and keeps its
     output inside `structured_outputs_regex` (trl's `vllm_structured_outputs_regex`). A completion cut by a stop
-    string is trained on the tokens before it (trl, through vLLM, keeps the string's tokens); one ended by a stop
-    token keeps that token as its last, as EOS.
+    string is trained on the tokens up to it (the one it starts in included; trl, through vLLM, keeps the string's
+    tokens); one ended by a stop token keeps that token as its last, as EOS.
 
     Besides trl's settings: `rewards`, the reward functions and their weights (trl's `reward_funcs` and
     `reward_weights`), as `meshlm.rewards.load` reads them: `[{function: module:name | built-in, weight: 1.0,

@@ -35,7 +35,7 @@ from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import Engine
 from meshlm.serve.grammar import Constraint
 from meshlm.serve.outputs import Completion
-from meshlm.serve.params import SAMPLING_FIELDS, SamplingParams
+from meshlm.serve.params import SAMPLING_FIELDS, SamplingParams, check_token_ids
 from meshlm.sharding import TRAINING
 from meshlm.tokenizer import Tokenizer
 from meshlm.train_step import ROW_TOKENS, batch_shardings, make_logps_step
@@ -91,12 +91,18 @@ class Rollouts:
         self.datasets = {"train": train_ds, **{f"val/{name}": ds for name, ds in val_sets.items()}}
         self.records = {name: read_prompt_records(ds.folder, ds.split) for name, ds in self.datasets.items()}
         self.eos = train_ds.eos_id
-        rollout_sampling(cfg, self.eos, 0, 0)  # a setting the sampler refuses stops the run here, in one line
+        first = rollout_sampling(cfg, self.eos, 0, 0)  # a setting the sampler refuses stops the run here, in one line
         self.width = step_seq_len(cfg, train_ds.seq_len) + 1
         lora = {} if cfg.lora is None else {"max_adapters": 1, "max_lora_rank": cfg.lora.rank}
         policy = dataclasses.replace(cfg.policy, remat="none", lora_dropout=0.0)
         config = EngineConfig(max_batch=cfg.batch_size, max_len=self.width, **lora)
         self.engine = Engine(weights, cfg.model, policy, mesh, config, tokenizer=tokenizer, rules=TRAINING)
+        try:  # what the engine would refuse at the first rollouts, refused before them
+            check_token_ids(first.stop_token_ids, cfg.model.n_vocab_used, "stop_token_ids")
+            if first.constraint is not None:
+                self.engine.check_constraint(first.constraint, tokenizer)
+        except InputError as e:
+            raise ConfigError(f"train config: grpo's sampling settings: {e}") from None
         self.logps = make_logps_step(cfg, cfg.model, mesh)
 
     def use_policy(self, params: model.Params) -> None:
@@ -151,10 +157,10 @@ class Rollouts:
         n = len(completions)
         tokens, weights, segments = (np.zeros((n, self.width), np.int32) for _ in range(3))
         truncated = np.array([c.finish_reason == "length" for c in completions])
-        for i, completion_ids in enumerate(ids):
+        for i, completion in enumerate(ids):
             prompt = prompt_ids[i // G]
-            end = len(prompt) + len(completion_ids)
-            tokens[i, : len(prompt)], tokens[i, len(prompt) : end] = prompt, completion_ids
+            end = len(prompt) + len(completion)
+            tokens[i, : len(prompt)], tokens[i, len(prompt) : end] = prompt, completion
             weights[i, len(prompt) : end] = 0 if s.mask_truncated_completions and truncated[i] else 1
             segments[i, :end] = 1
         total = grpo.total_rewards(jnp.asarray(per_function), jnp.asarray(self.weights))
@@ -213,7 +219,8 @@ class Rollouts:
 
 
 # SamplingParams' fields a rollout sets itself: the grpo section's own settings decide them
-ROLLOUT_MANAGED = frozenset({"max_new_tokens", "seed", "logprobs", "prompt_logprobs", "constraint"})
+# (temperature too: the log-probs the loss compares are of the logits divided by grpo.temperature)
+ROLLOUT_MANAGED = frozenset({"max_new_tokens", "temperature", "seed", "logprobs", "prompt_logprobs", "constraint"})
 
 
 def rollout_sampling(cfg: TrainConfig, eos: int, step: int, row: int) -> SamplingParams:
@@ -223,7 +230,8 @@ def rollout_sampling(cfg: TrainConfig, eos: int, step: int, row: int) -> Samplin
     s = cfg.grpo
     given = s.generation_kwargs or {}
     if unknown := sorted(given.keys() - (SAMPLING_FIELDS - ROLLOUT_MANAGED)):
-        named = {"max_new_tokens": "max_completion_tokens", "constraint": "structured_outputs_regex"}
+        named = {"max_new_tokens": "max_completion_tokens", "constraint": "structured_outputs_regex",
+                 "temperature": "temperature"}  # fmt: skip
         hint = "".join(f"; for {k}, set grpo.{named[k]}" for k in unknown if k in named)
         raise ConfigError(
             f"train config: grpo.generation_kwargs {', '.join(map(repr, unknown))}: not a setting a rollout takes "
@@ -231,12 +239,12 @@ def rollout_sampling(cfg: TrainConfig, eos: int, step: int, row: int) -> Samplin
         )
     settings = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p or 0.0,
                     repetition_penalty=s.repetition_penalty) | given  # fmt: skip
-    ids = (eos, *settings.pop("stop_token_ids", ()))
-    stop = settings.pop("stop", ())
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
     constraint = None if s.structured_outputs_regex is None else Constraint.regex(s.structured_outputs_regex)
     seed = sampling_seed(cfg.seed, step, row)
     try:
+        ids = (eos, *settings.pop("stop_token_ids", ()))
+        stop = settings.pop("stop", ())
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
         return SamplingParams(max_new_tokens=s.max_completion_tokens, stop=stop, stop_token_ids=ids, seed=seed,
                               logprobs=0, constraint=constraint, **settings)  # fmt: skip
     except (InputError, TypeError, ValueError) as e:
@@ -245,7 +253,7 @@ def rollout_sampling(cfg: TrainConfig, eos: int, step: int, row: int) -> Samplin
 
 def completion_ids(c: Completion) -> list[int]:
     """The ids a completion is trained on: its tokens, and the stop token that ended it (EOS, as trl keeps it); one
-    cut by a stop string ends before it (the engine's tokens up to the text it keeps)."""
+    cut by a stop string ends with the token the string starts in (the engine's tokens up to the text it keeps)."""
     return c.tokens + [c.stop_reason] * isinstance(c.stop_reason, int)
 
 

@@ -310,7 +310,9 @@ def test_rollouts_sample_with_the_sections_settings_then_generation_kwargs_over_
         ({"max_new_tokens": 4}, "'max_new_tokens': not a setting a rollout takes .*; for max_new_tokens, set "
          "grpo.max_completion_tokens$"),
         ({"stop_words": ["x"]}, "'stop_words': not a setting a rollout takes"),
+        ({"temperature": 0.0}, "'temperature': not a setting .*; for temperature, set grpo.temperature$"),
         ({"top_k": -2}, "grpo's sampling settings: top_k"),
+        ({"stop_token_ids": None}, "grpo's sampling settings: "),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=refusal) as error:
             rollout.rollout_sampling(TrainConfig(objective="grpo", grpo={"generation_kwargs": kwargs}), 0, 0, 0)

@@ -92,15 +92,18 @@ ENGINE_CFG = CFG8.replace(n_head=2, d_model=256, d_ff=512, max_seq_len=320)
 
 def engine_outputs(platform: str, dtype: str, attention: str | None = None) -> list:
     """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
-    step a token, both by `meshlm.kv_write`'s kernels on a TPU), by the engine over random weights on `platform`."""
-    prompts = [
-        np.random.default_rng(i).integers(1, ENGINE_CFG.vocab_size, n).tolist() for i, n in enumerate((5, 130, 200))
-    ]
+    step a token, both by `meshlm.kv_write`'s kernels on a TPU), then of one that shares the longest one's first
+    page (a prefill after a cached prefix) and scores its prompt (its cached last token run again, not written),
+    by the engine over random weights on `platform`."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, ENGINE_CFG.vocab_size, n).tolist() for n in (5, 130, 200)]
     with jax.default_matmul_precision("highest"):
         lm = api.from_config(ENGINE_CFG, make_mesh("data=1", jax.devices(platform)[:1]), dtype, seed=0)
         engine = lm.engine(max_batch=4, max_len=300, attention=attention)
-        params = [lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)] * len(prompts)
-        return engine.generate(prompts, params)
+        greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)
+        first = engine.generate(prompts, [greedy] * len(prompts))
+        shared = prompts[2][:150] + rng.integers(1, ENGINE_CFG.vocab_size, 20).tolist()
+        return first + engine.generate([shared], [greedy.replace(prompt_logprobs=0)])
 
 
 def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
@@ -109,6 +112,7 @@ def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
     assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
     for t, c in zip(tpu, cpu, strict=True):
         np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tpu[-1].prompt_logprobs[1:], cpu[-1].prompt_logprobs[1:], rtol=1e-4, atol=1e-4)
 
 
 def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():

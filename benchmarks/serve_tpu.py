@@ -58,6 +58,7 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import meshlm
     from benchmarks.gptj6b_tpu import write_random_folder
+    from benchmarks.profile_ops import summarize
     from meshlm import model
     from meshlm.config import preset
     from meshlm.sharding import make_mesh
@@ -90,6 +91,11 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
         first = min(run(1) for _ in range(args.repeats))
         whole = min(run(args.new) for _ in range(args.repeats))
         step = (whole - first) / (args.new - 1)
+        if args.profile and rows == max(args.rows):
+            with jax.profiler.trace(str(args.profile)):
+                out["profiled_first_s"] = run(1)
+            print(f"profiled: prefill + first token of {rows} rows, {out['profiled_first_s']:.3f} s", flush=True)
+            summarize(args.profile, top=25)
         out["rows"][rows] = {"first_s": first, "whole_s": whole, "step_ms": 1e3 * step, "tokens_per_s": rows / step}
         print(f"engine, {rows} rows: prefill + first token {first:.3f} s, decode step {1e3 * step:.2f} ms, "
               f"{rows / step:,.0f} tokens/s", flush=True)  # fmt: skip
@@ -104,6 +110,7 @@ def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     requests = workload(args.requests, args.max_len, vocab=vocab)
     with tempfile.TemporaryDirectory() as where:
         sizes = ["--max-batch", str(max(args.rows)), "--max-len", str(args.max_len), "--chunk", str(args.chunk)]
+        sizes += ["--max-queue", str(args.requests)]  # a saturating rate measures throughput, not refusals
         server = Server(str(args.folder), REPO, *sizes, *weights_options(args), uds=f"{where}/meshlm.sock")
         try:
             warm = workload(8, args.max_len, seed=1, vocab=vocab)  # other prompts: the prefix cache must not flatter
@@ -135,7 +142,9 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {r['step_ms'] / least:.2f}x | "
                      f"{r['tokens_per_s']:,.0f} |")  # fmt: skip
     lines.append("")
-    if "error" in s:
+    if "skipped" in s:
+        lines.append(f"Served over a unix socket: not run ({s['skipped']}).")
+    elif "error" in s:
         lines.append(f"Served over a unix socket: failed ({s['error']}).")
     else:
         lines.append(
@@ -159,11 +168,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=64, help="engine part: new tokens per row")
     p.add_argument("--chunk", type=int, default=8, help="decode steps per device call")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--requests", type=int, default=256, help="served part: mixed requests")
+    p.add_argument("--requests", type=int, default=256, help="served part: mixed requests (0: no served part)")
     p.add_argument("--rate", type=float, default=32.0, help="served part: Poisson arrivals per second")
     p.add_argument("--max-len", type=int, default=1280, help="served part: prompt + output tokens per request")
     p.add_argument("--time-limit", type=float, default=120.0, help="served part: seconds of arrivals at most")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--profile", type=Path, help="engine part: a folder for a profile of the most rows' first token")
     p.add_argument("--part", choices=["engine"], help=argparse.SUPPRESS)  # the child process's work
     args = p.parse_args(argv)
     args.rows = [int(r) for r in str(args.rows).split(",")]
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = json.loads((args.out / "engine.json").read_text())
     print(f"JAX {engine['jax']} on {engine['device']} ({engine['platform']})", flush=True)
     try:
-        served = served_part(args, engine["vocab"])
+        served = served_part(args, engine["vocab"]) if args.requests else {"skipped": "--requests 0"}
     except (SystemExit, Exception) as err:  # the engine's figures are kept whatever the server does
         served = {"error": str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__}
     report = {

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
-from meshlm.kv_write import MAX_PAGE_COPIES, write_pages, write_tokens
+from meshlm.kv_dma import MAX_PAGE_COPIES, read_pages, write_pages, write_tokens
 from meshlm.paged_attention import QUANT_MAX, paged_attention
 from meshlm.sharding import constrain, traced_backend
 
@@ -58,7 +58,7 @@ SCALE_AXES = ("act_heads", "layers", None, None, None)
 KV_QUANTIZED = "int8"  # the pool dtype stored with scales; any float dtype is stored as it is
 # QUANT_MAX: the scales' unit, as the TPU kernel reads them (from meshlm.paged_attention, below this module)
 NOT_WRITTEN = -1  # a `CacheView.slots` entry of a token that is not stored
-KERNEL_WRITE_BACKENDS = ("tpu",)  # where a decode step writes by a kernel (see `CacheView.write`)
+DMA_BACKENDS = ("tpu",)  # where the pool is written and read by the DMA kernels (`CacheView.write`, `.read`)
 
 
 def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float32") -> KVCache:
@@ -97,8 +97,8 @@ class CacheView(NamedTuple):
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, whole_pages: bool = False) -> CacheView:
         """Store this layer's new keys and values [B, T, H, K] at the rows' slots, in place.
 
-        On a backend of `KERNEL_WRITE_BACKENDS` a decode step (one token per row), and a prompt whose
-        written tokens start a page (`whole_pages`), write by the Pallas kernels of `meshlm.kv_write`, on
+        On a backend of `DMA_BACKENDS` a decode step (one token per row), and a prompt whose
+        written tokens start a page (`whole_pages`), write by the Pallas kernels of `meshlm.kv_dma`, on
         the pool as it lies: XLA's scatter into it made the TPU's layout assignment copy the pool whole to
         and from the paged kernel's layout (in every layer of every decode step; around every prefill), and
         one dynamic-update-slice per row and head grew the step by B * H ops a layer (see that module).
@@ -111,7 +111,7 @@ class CacheView(NamedTuple):
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
-            if traced_backend() in KERNEL_WRITE_BACKENDS:
+            if traced_backend() in DMA_BACKENDS:
                 if T == 1:
                     return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
                 if whole_pages and T <= MAX_PAGE_COPIES * self.cache.page_size:
@@ -126,14 +126,19 @@ class CacheView(NamedTuple):
         return self._replace(cache=KVCache(put(c.k, qk), put(c.v, qv), put(c.k_scale, sk), put(c.v_scale, sv)))
 
     def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order."""
+        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order: on a backend of
+        `DMA_BACKENDS` a page per DMA (`kv_dma.read_pages`), elsewhere one gather."""
+        by_dma = traced_backend() in DMA_BACKENDS
+
+        def pages_of(pool: jax.Array) -> jax.Array:  # [B, n, H, page_size, K]
+            return read_pages(pool, layer, self.table) if by_dma else jnp.moveaxis(pool[:, layer, self.table], 0, 2)
 
         def gather(pool: jax.Array, scale: jax.Array | None) -> jax.Array:
-            pages = pool[:, layer, self.table]  # [H, B, n, page_size, K]
+            pages = pages_of(pool)
             if scale is not None:
-                pages = dequantize(pages, scale[:, layer, self.table], dtype)
-            H, B, n, size, K = pages.shape
-            pages = jnp.moveaxis(pages.reshape(H, B, n * size, K), 0, 2).astype(dtype)
+                pages = dequantize(pages, pages_of(scale), dtype)
+            B, n, H, size, K = pages.shape
+            pages = jnp.swapaxes(pages, 2, 3).reshape(B, n * size, H, K).astype(dtype)
             held = jnp.arange(n * size)[None, :, None, None] < self.lengths[:, None, None, None]
             return constrain(jnp.where(held, pages, 0), ("batch", "cache_seq", "act_heads", None))
 

@@ -2,7 +2,7 @@
 
 A step that copied the pool would cost in proportion to the pool, so to its rows. These tests read the
 program XLA compiles, not a timing: the pool is donated and aliased to the step's output, and where a
-decode step writes by the kernel of `meshlm.kv_write` (on a TPU, see `CacheView.write`), it writes with
+decode step writes by the kernel of `meshlm.kv_dma` (on a TPU, see `CacheView.write`), it writes with
 no scatter, storing what the scatter stores (the kernel run in Pallas' TPU interpreter).
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from meshlm import config, kv_cache, kv_write, model
+from meshlm import config, kv_cache, kv_dma, model
 
 CFG = config.preset("test-tiny")
 ROWS, PAGES_PER_ROW, PAGE = 4, 4, 16
@@ -45,7 +45,7 @@ def arguments() -> tuple:
 @pytest.fixture
 def kernel_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Write a decode step by the TPU kernel here, as on a TPU (in Pallas' TPU interpreter)."""
-    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    monkeypatch.setattr(kv_cache, "DMA_BACKENDS", (jax.default_backend(),))
     with pltpu.force_tpu_interpret_mode():
         yield
 
@@ -59,7 +59,7 @@ def test_a_decode_step_donates_the_pool_and_aliases_it_to_its_output():
 
 def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch):
     logits, cache = jitted()(*arguments())
-    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    monkeypatch.setattr(kv_cache, "DMA_BACKENDS", (jax.default_backend(),))
     with pltpu.force_tpu_interpret_mode():
         lowered = jitted(donate_argnums=1).lower(*arguments())
         assert "scatter" not in lowered.as_text()  # the layout a TPU gives a scatter into the pool copies it
@@ -70,7 +70,7 @@ def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monk
 
 
 def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(monkeypatch: pytest.MonkeyPatch):
-    """A prefill (rows of 3, 16 and 21 tokens from slot 0, and a padding row) by `kv_write.write_pages`, then a
+    """A prefill (rows of 3, 16 and 21 tokens from slot 0, and a padding row) by `kv_dma.write_pages`, then a
     decode step over what it stored: the logits of both equal those of the scatter's."""
     params, cache, table, _, _ = arguments()
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (ROWS, 21)), jnp.int32)
@@ -85,15 +85,29 @@ def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(mon
 
     step_fn = jitted()
     expected = prompt_then_step()
-    monkeypatch.setattr(kv_cache, "KERNEL_WRITE_BACKENDS", (jax.default_backend(),))
+    monkeypatch.setattr(kv_cache, "DMA_BACKENDS", (jax.default_backend(),))
     calls = []
-    monkeypatch.setattr(kv_cache, "write_pages", lambda *a: calls.append(1) or kv_write.write_pages(*a))
+    monkeypatch.setattr(kv_cache, "write_pages", lambda *a: calls.append("write") or kv_dma.write_pages(*a))
+    monkeypatch.setattr(kv_cache, "read_pages", lambda *a: calls.append("read") or kv_dma.read_pages(*a))
     with pltpu.force_tpu_interpret_mode():
         step_fn = jitted()
         got = prompt_then_step()
-    assert calls  # the prompt went through the page kernel, not the scatter
+    assert {"write", "read"} <= set(calls)  # the prompt went through the page kernels, not the scatter or gather
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", 1)])
+def test_the_read_kernel_gathers_each_rows_pages_in_table_order(kernel_writes: None, dtype: str, K: int):
+    """`kv_dma.read_pages` against numpy's gather: rows whose tables repeat a page, hold page 0 (a table's unused
+    entries) and list pages out of order, from a layer past the first (int8: a pool; float32 [.., 1]: its scales)."""
+    H, L, P, S = 2, 3, 9, 16
+    rng = np.random.default_rng(3)
+    pool = rng.normal(size=(H, L, P, S, K)) if dtype != "int8" else rng.integers(-127, 128, (H, L, P, S, K))
+    pool = jnp.asarray(pool, dtype)
+    table = jnp.asarray([[4, 1, 8], [2, 2, 0], [0, 0, 0]], jnp.int32)
+    out = jax.jit(kv_dma.read_pages)(pool, jnp.int32(2), table)
+    np.testing.assert_array_equal(np.asarray(out), np.moveaxis(np.asarray(pool)[:, 2][:, np.asarray(table)], 0, 2))
 
 
 # pages of one DMA tile (bfloat16; int8's tile is larger than the page) and of several (float32: an int8
@@ -102,7 +116,7 @@ def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(mon
     "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 16), ("float32", 1, 16), ("bfloat16", 128, 48)]
 )
 def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes: None, dtype: str, K: int, S: int):
-    """Rows in two groups of the kernel's grid (`kv_write.GROUP`), one not written, slots at a page's first
+    """Rows in two groups of the kernel's grid (`kv_dma.GROUP`), one not written, slots at a page's first
     and last token and between, in each of its tiles, against numpy."""
     H, L, P, B = 2, 3, 12, 10
     rng = np.random.default_rng(0)
@@ -112,7 +126,7 @@ def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes
     pages = jnp.asarray(rng.permutation(np.arange(1, P))[:B], jnp.int32)  # each row its own page, never page 0
     offsets = jnp.asarray([0, S - 1, 7, S // 2, 9, 1, 14, 8, 2, S - 5], jnp.int32)
     written = jnp.asarray([True] * 4 + [False] + [True] * 5)
-    out = jax.jit(kv_write.write_tokens)(pool, new, jnp.int32(1), pages, offsets, written)
+    out = jax.jit(kv_dma.write_tokens)(pool, new, jnp.int32(1), pages, offsets, written)
     expected = np.array(pool)
     for b in np.flatnonzero(written):
         expected[:, 1, pages[b], offsets[b]] = new[b]
@@ -126,7 +140,7 @@ def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes
 def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
     kernel_writes: None, dtype: str, K: int, S: int
 ):
-    """A prefill's rows written a page at a time (`kv_write.write_pages`): from a page's first slot, after a
+    """A prefill's rows written a page at a time (`kv_dma.write_pages`): from a page's first slot, after a
     run-again token that is not written (row 1), over one, two and three pages (the last one partly), and a
     padding row that writes nothing. Each written token lands at its slot; pages no row writes, page 0
     among them, keep what they held; what a row's last page holds past its tokens is padding, never read."""
@@ -143,7 +157,7 @@ def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
         for i in range(count[b]):
             written[b, first[b] + i] = True
             slots[b, first[b] + i] = tables[b][i // S] * S + i % S
-    out = np.array(jax.jit(kv_write.write_pages)(pool, new, jnp.int32(1), jnp.asarray(slots), jnp.asarray(written)))
+    out = np.array(jax.jit(kv_dma.write_pages)(pool, new, jnp.int32(1), jnp.asarray(slots), jnp.asarray(written)))
     expected = np.array(pool)
     for b, t in zip(*np.nonzero(written), strict=True):
         page, offset = divmod(int(slots[b, t]), S)
@@ -155,8 +169,10 @@ def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program, kernels", [("decode", 3), ("prefill", 2)])
-def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.MonkeyPatch, program, kernels):
+@pytest.mark.parametrize(
+    "program, kernels, heads", [("decode", 3, "2x128"), ("prefill", 4, "2x128"), ("prefill", 4, "16x256")]
+)
+def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.MonkeyPatch, program, kernels, heads):
     """Ahead of time, without a chip: the engine's decode program (a loop of steps over the layer scan, the
     paged kernel reading the pool) and its prefill program compiled for a TPU v5e hold no copy of the pool and
     no scatter into it, whose layout the writes could otherwise set apart from the kernel's (a copy per layer
@@ -172,7 +188,10 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.
     from meshlm.sharding import SERVING, plan, with_shardings
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
-    cfg = config.preset("gptj-tiny").replace(n_head=2)  # heads of 128: the TPU paged kernel's lane width
+    # heads of 128 lanes, the TPU paged kernel's width; and GPT-J-6B's 16 of 256, where XLA's gather of a
+    # prefill's pages split the whole pool into 128-lane halves (2 x 6.5 ms a layer at 16 rows on the chip)
+    sizes = {"2x128": dict(n_head=2), "16x256": dict(n_head=16, d_model=4096, n_layer=1)}[heads]
+    cfg = config.preset("gptj-tiny").replace(**sizes)
     mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = model.abstract_params(cfg, "bfloat16")
@@ -183,12 +202,16 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.
         lowered = runner.lower(program, cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
                                page_size=page, length=2 * page)  # fmt: skip
         text = lowered.compile().as_text()
-    # in the layer's scan: a decode step's paged kernel reads the pool; the write kernels store keys and values
+    # in the layer's scan: a decode step's paged kernel reads the pool; the DMA kernels store keys and values,
+    # and read a prefill's pages back
     assert text.count('custom_call_target="tpu_custom_call"') == kernels
     pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{page},{cfg.d_head}\]"
     moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
     copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]
     assert not copies, copies[:2]
+    parts = re.compile(rf"= \w+\[{cfg.n_head},{cfg.n_layer},{pages},{page},(?!{cfg.d_head}\])\d+\]")  # its lanes split
+    split = [line.strip()[:120] for line in text.splitlines() if parts.search(line)]
+    assert not split, split[:2]
     scatter = re.compile(r"%scatter\S* = \w+" + pool + r"|= \w+" + pool + r"\{[^}]*\} scatter\(")  # into the pool
     scatters = [line.strip()[:120] for line in text.splitlines() if scatter.search(line)]
     assert not scatters, scatters[:2]

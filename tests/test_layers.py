@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "meshlm"
 FLOORS = {
     0: "config paths",
     1: "sharding param footprint devices",
-    2: "model attention fused_ce quant kv_cache kv_write paged_attention lora tokenizer chat",
+    2: "model attention fused_ce quant kv_cache kv_dma paged_attention lora tokenizer chat",
     3: "serve",  # the serving wing (meshlm/serve/): its own floors are SERVE_FLOORS below
     4: "formats data prepare loader corpus demo_corpus",
     5: "train_step optim metrics objectives grpo rewards",

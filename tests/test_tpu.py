@@ -92,7 +92,7 @@ ENGINE_CFG = CFG8.replace(n_head=2, d_model=256, d_ff=512, max_seq_len=320)
 
 def engine_outputs(platform: str, dtype: str, attention: str | None = None) -> list:
     """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
-    step a token, both by `meshlm.kv_write`'s kernels on a TPU), then of one that shares the longest one's first
+    step a token, both by `meshlm.kv_dma`'s kernels on a TPU), then of one that shares the longest one's first
     page (a prefill after a cached prefix) and scores its prompt (its cached last token run again, not written),
     by the engine over random weights on `platform`."""
     rng = np.random.default_rng(0)

@@ -13,6 +13,9 @@ a unix socket, on the same Hugging Face folder.
    R, and `benchmarks/serve.py`'s mixed workload (log-normal prompt and output lengths, Poisson arrivals at
    `--rate` requests/s, streamed): output tokens/s, time to first token and latency, p50 and p99.
 
+Without `--folder` (and with `--requests 0`) the engine part alone runs, on random weights made in place by
+`meshlm.from_config` (quantized as they are made), which skips writing and reading 12 GB on a chip's host.
+
 Each part runs in a process of its own (a TPU chip is opened by one process at a time); this one only
 writes the folder's weights when it holds none (from random bf16 weights, `gptj6b_tpu.write_random_folder`),
 sends the requests and prints. The JAX version and the device are printed; `--out` gets serve_tpu.json and
@@ -65,11 +68,15 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
 
     device = jax.devices()[0]
     out: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
-    out["folder_written_s"] = write_random_folder(args.folder, preset(args.model), make_mesh(None))
-    gc.collect()
+    if args.folder:
+        out["folder_written_s"] = write_random_folder(args.folder, preset(args.model), make_mesh(None))
+        gc.collect()
     start = time.perf_counter()
     kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    lm = meshlm.load(args.folder, None, args.dtype, quantize=args.quantize)
+    if args.folder:
+        lm = meshlm.load(args.folder, None, args.dtype, quantize=args.quantize)
+    else:  # random weights made on the device, streamed into their quantized form as a folder's would be
+        lm = meshlm.from_config(preset(args.model), make_mesh(None), args.dtype, seed=0, quantize=args.quantize)
     out["load_s"] = time.perf_counter() - start
     if model.param_shapes(lm.config) != model.param_shapes(preset(args.model)):
         raise SystemExit(f"{args.folder} holds another model than the {args.model} preset")
@@ -130,7 +137,7 @@ def summary(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {a['folder']} in {e['load_s']:.0f} s.",
+        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {a['folder'] or 'random weights made in place'} in {e['load_s']:.0f} s.",
         "",
         f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
         "",
@@ -159,7 +166,8 @@ def summary(report: dict[str, Any]) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gptj-6b", help="the preset the folder holds (written from it if empty)")
-    p.add_argument("--folder", type=Path, required=True, help="a Hugging Face folder (random weights written if none)")
+    p.add_argument("--folder", type=Path, help="a Hugging Face folder (random weights written if none); without it, "
+                   "the engine part's weights are random, made in place, and --requests must be 0")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantize", default=None, help="int8 or nf4 projections, as meshlm serve's --quantize")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the compute dtype) or int8")
@@ -176,6 +184,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, help="engine part: a folder for a profile of the most rows' first token")
     p.add_argument("--part", choices=["engine"], help=argparse.SUPPRESS)  # the child process's work
     args = p.parse_args(argv)
+    if args.requests and not args.folder:
+        p.error("the served part loads a folder: give --folder, or --requests 0 for the engine part alone")
     args.rows = [int(r) for r in str(args.rows).split(",")]
     if args.new < 2:
         p.error("--new must be at least 2 (one step beyond the first token)")

@@ -1,5 +1,7 @@
 """Shared test setup: 8 simulated CPU devices, and random tiny GPT-J oracles from `transformers`."""
 
+from __future__ import annotations
+
 import gc
 import os
 import resource
@@ -10,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -32,8 +35,10 @@ import pytest  # noqa: E402
 # The shared helpers assert too: their failures read like the tests' own.
 pytest.register_assert_rewrite("tests.helpers")
 
-from tests import oracle  # noqa: E402
 from tests.helpers import tiers  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests import oracle  # torch, imported by the fixtures that need it: a TPU host's tier runs without it
 
 STARTED = pytest.StashKey[tuple[float, float]]()
 
@@ -106,6 +111,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def hf_tiny(tmp_path_factory) -> oracle.HFModel:
     """A random tiny GPT-J saved as a Hugging Face folder, with its torch model for reference logits."""
+    from tests import oracle
+
     return oracle.make_hf_model(
         tmp_path_factory.mktemp("hf_tiny"),
         n_embd=64,
@@ -129,6 +136,8 @@ def gpt2_bpe_file() -> str:
 @pytest.fixture(scope="session")
 def hf_tiny_gpt2_vocab(tmp_path_factory) -> oracle.HFModel:
     """A random tiny GPT-J with GPT-J's real (padded) vocabulary, for tests that generate real text."""
+    from tests import oracle
+
     return oracle.make_hf_model(
         tmp_path_factory.mktemp("hf_tiny_gpt2_vocab"),
         n_embd=32,
@@ -211,6 +220,7 @@ def hf_gptj(tmp_path_factory, gpt2_bpe_file) -> oracle.HFModel:
 
     from meshlm import tokenizer
     from meshlm.config import GPT2_VOCAB
+    from tests import oracle
     from tests.helpers.harness import CONTEXT
 
     folder = tmp_path_factory.mktemp("hf_gptj_eval")

@@ -8,7 +8,7 @@ from the objective table (`meshlm.objectives`): next-token loss, DPO, ORPO or GR
 Parameters are kept in `param_dtype` and cast to `compute_dtype` inside the model; the optimizer state
 takes the parameters' shardings, so with an `fsdp` axis it is sharded ZeRO-3 style; with `optimizer_memory:
 host` it stays in pinned host memory between steps, and each step brings it to the device for the update and
-returns it (the JAX memories API: memory kinds on the shardings). With a `lora`
+returns it, one parameter array at a time (the JAX memories API: memory kinds on the shardings). With a `lora`
 section only the adapter has gradients and optimizer state; the frozen base is a separate argument, as is
 a full DPO run's frozen copy of its starting model.
 """
@@ -89,6 +89,59 @@ def on_device(shardings: Any) -> Any:
 def offloaded(shardings: TrainState) -> bool:
     """Whether the optimizer state stays in host memory between steps."""
     return any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(shardings.opt_state))
+
+
+def streamed_update(
+    optimizer: optax.GradientTransformation,
+    clip_norm: float,
+    grads: Any,
+    state: Any,
+    params: Any,
+    shardings: TrainState,
+) -> tuple[Any, Any]:
+    """The updated parameters and `state` of `optimizer` for a `state` kept in host memory, one parameter array at
+    a time: each array's state comes to the device, is updated with the array and goes back before the next one
+    comes (`lax.optimization_barrier` orders them; XLA would otherwise bring the whole state in at once). The
+    gradients are clipped to `clip_norm` by their global norm as the optimizer's clip does it, array by array;
+    its own clip then sees one array whose norm is within it, and leaves it as it is."""
+    norm = optax.tree.norm(grads)
+    treedef = jax.tree.structure(params)
+    index = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    replicated = shardings.step
+
+    def empty(x: Any) -> jax.Array:
+        return jnp.zeros((0,) * x.ndim, x.dtype)
+
+    def only(i: int, tree: Any) -> Any:
+        return jax.tree.map(lambda x, k: x if k == i else empty(x), tree, index)
+
+    def clipped(g: jax.Array) -> jax.Array:  # optax.clip_by_global_norm's arithmetic
+        return jnp.where(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm)
+
+    def move(i: int, tree: Any, kind: str) -> Any:
+        """Parameter `i`'s state (and the counters) in `tree` moved to memory `kind`; the other arrays empty."""
+        return optax.tree_map_params(
+            optimizer,
+            lambda x, s, k: jax.device_put(x, s.with_memory_kind(kind)) if k == i else empty(x),
+            tree,
+            shardings.params,
+            index,
+            transform_non_params=lambda x: jax.device_put(x, replicated.with_memory_kind(kind)),
+        )
+
+    new_params, states, done = [], [], None
+    for i in range(treedef.num_leaves):
+        state_i = move(i, state, "device")
+        if done is not None:
+            state_i, _ = jax.lax.optimization_barrier((state_i, done))
+        params_i = only(i, params)
+        update_i, new_i = optimizer.update(jax.tree.map(clipped, only(i, grads)), state_i, params_i)
+        new_params.append(jax.tree.leaves(optax.apply_updates(params_i, update_i))[i])
+        states.append(move(i, new_i, HOST_MEMORY))
+        done = (states[-1], new_params[-1])
+    owner = optax.tree_map_params(optimizer, lambda _, k: k, state, index, transform_non_params=lambda _: -1)
+    leaves = [jax.tree.leaves(states[k])[j] for j, k in enumerate(jax.tree.leaves(owner))]
+    return jax.tree.unflatten(treedef, new_params), jax.tree.unflatten(jax.tree.structure(states[-1]), leaves)
 
 
 def abstract_state(
@@ -261,11 +314,15 @@ def make_train_step(
         grads, (metrics, counts, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
         count = _nonzero(counts.sum())
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
-        # a state kept on the host comes to the device for the update; out_shardings send it back
-        opt_state = jax.device_put(state.opt_state, on_device(shardings.opt_state)) if host else state.opt_state
-        lr = schedule(schedule_count(opt_state))
-        updates, opt_state = optimizer.update(grads, opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if host:  # the state comes to the device array by array for the update and goes back
+            lr = schedule(jax.device_put(schedule_count(state.opt_state), shardings.step))
+            params, opt_state = streamed_update(
+                optimizer, cfg.clip_norm, grads, state.opt_state, state.params, shardings
+            )
+        else:
+            lr = schedule(schedule_count(state.opt_state))
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {k: (v * counts).sum() / count for k, v in metrics.items()}
         metrics |= {"grad_norm": optax.tree.norm(grads), "micro_grad_sq": micro_sq.mean(), "lr": lr}
         return TrainState(state.step + 1, params, opt_state), metrics

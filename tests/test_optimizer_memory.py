@@ -1,10 +1,13 @@
 """`optimizer_memory: host`: the optimizer state stays in pinned host memory between steps and comes to the
-device for the update. Placement alone: a run trains to the same numbers as with the state on the device,
-resumes from its checkpoints (and from a device run's), and `meshlm plan` counts the state as host memory.
+device for the update, one parameter array at a time. A run trains to the same numbers as with the state on
+the device, resumes from its checkpoints (and from a device run's), and `meshlm plan` counts the state as
+host memory.
 
 The oracle of every run here is the same run with `optimizer_memory: device`. Moving an array between memory
-kinds copies its bytes, and the update is the same elementwise arithmetic on the same values, so the two
-agree exactly, not merely to float32 roundoff."""
+kinds copies its bytes, and the update is the same arithmetic on the same values, but done array by array
+XLA fuses it otherwise (the global-norm clip's scale into Adam's moments: a multiply-add contracted or not),
+so the two agree to float32 roundoff, not bit for bit. The runs use `smooth` Adam (eps 1): with eps 1e-8 an
+early update is about lr x sign(g), and roundoff can flip the sign of a gradient near 0."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -16,7 +19,7 @@ import pytest
 from meshlm import planner, train, train_step
 from meshlm.config import ConfigError, TrainConfig, preset
 from meshlm.sharding import make_mesh
-from tests.helpers.training import SEQ, tiny_config, write_dataset
+from tests.helpers.training import SEQ, smooth, tiny_config, write_dataset
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 MESH = "data=2,fsdp=2,model=2"
@@ -30,14 +33,15 @@ def dataset(tmp_path_factory):
 
 
 def run(dataset, out_dir, **changes) -> train.TrainResult:
-    cfg = tiny_config(dataset, out_dir, **{"mesh": MESH, "total_steps": 4, **changes})
+    cfg = smooth(tiny_config(dataset, out_dir, **{"mesh": MESH, "total_steps": 4, **changes}))
     return train.train(cfg, progress=False, sample=False)
 
 
 def assert_same_run(got: train.TrainResult, want: train.TrainResult) -> None:
-    assert got.losses == {step: want.losses[step] for step in got.losses}  # a resumed run's steps
+    assert list(got.losses) == [3, 4]  # the resumed run's steps
+    np.testing.assert_allclose(list(got.losses.values()), [want.losses[3], want.losses[4]], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got.lm.params), jax.tree.leaves(want.lm.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 
 
 def memory_kinds(tree) -> set[str]:
@@ -53,7 +57,6 @@ def test_a_run_with_the_state_on_the_host_trains_and_resumes_as_the_device_run(l
     want = run(dataset, tmp_path / "device", lora=lora)
     run(dataset, tmp_path / "host", lora=lora, optimizer_memory="host", total_steps=2)
     resumed = run(dataset, tmp_path / "host", lora=lora, optimizer_memory="host")
-    assert list(resumed.losses) == [3, 4]
     assert_same_run(resumed, want)
     run(dataset, tmp_path / "switched", lora=lora, total_steps=2)
     switched = run(dataset, tmp_path / "switched", lora=lora, optimizer_memory="host")

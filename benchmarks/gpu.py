@@ -9,8 +9,9 @@ the time budget is spent:
             the largest batch of a list that fits): tokens/s, MFU, step and compile time;
   generate  bf16 generation: prefill tokens/s of a 2048-token prompt, decode tokens/s at batch 1/16/64,
             batch-1 decode as a fraction of the roofline (weight + KV-cache bytes per step / copy GB/s);
-for the gptj-6b and the gptj-1b presets (`--models` names others, `--sections` picks sections; `--micro-batches`
-and `--param-dtype` shape the training step). `--tiny` shrinks every shape so the same code runs on a CPU.
+for the gptj-6b and the gptj-1b presets (`--models` names others, `--sections` picks sections; `--micro-batches`,
+`--param-dtype` and `--optimizer-memory host` (Adam's state in pinned host memory between steps) shape the training
+step). `--tiny` shrinks every shape so the same code runs on a CPU.
 
     bash benchmarks/gpu.sh            # writes $OUT/gpu.json and $OUT/gpu.md
     python benchmarks/gpu.py --tiny --out /tmp/gpu
@@ -102,12 +103,12 @@ def probe_copy(shapes: Shapes) -> dict[str, float]:
 # Training
 
 
-def optimizer_dtype(cfg: config.ModelConfig, memory: int) -> str:
+def optimizer_dtype(cfg: config.ModelConfig, memory: int, optimizer_memory: str = "device") -> str:
     """fp32 Adam moments if the state (fp32 weights, gradients, moments: 16 bytes/param) plus the
     optimizer's fp32 update (4) leaves 15% of memory for activations; bf16 moments (4 bytes/param less)
-    otherwise."""
+    otherwise. Moments kept in host memory take none of the device's between steps: fp32."""
     need = metrics.state_bytes_per_device(cfg, {}, bytes_per_param=20)
-    return "float32" if need <= 0.85 * memory else "bfloat16"
+    return "float32" if optimizer_memory == "host" or need <= 0.85 * memory else "bfloat16"
 
 
 def token_batch(tokens: jax.Array) -> dict[str, jax.Array]:
@@ -128,8 +129,11 @@ def bench_train(
     mesh = make_mesh(None)
     memory = device_capacity(jax.devices()[0]) or host_memory()
     remat, micro = args.remat, args.micro_batches
-    state_dtype = optimizer_dtype(cfg, memory) if args.optimizer_state == "auto" else args.optimizer_state
+    host = args.optimizer_memory == "host"
+    auto = args.optimizer_state == "auto"
+    state_dtype = optimizer_dtype(cfg, memory, args.optimizer_memory) if auto else args.optimizer_state
     param_bytes = 4 if args.param_dtype == "float32" else 2  # weights and gradients, each
+    moment_bytes = 8 if state_dtype == "float32" else 4
     result: dict[str, Any] = {
         "params": model.count_params(cfg),
         "seq_len": shapes.seq_len,
@@ -138,8 +142,10 @@ def bench_train(
         "param_dtype": args.param_dtype,
         "micro_batches": micro,
         "optimizer_state": state_dtype,
+        "optimizer_memory": args.optimizer_memory,
+        # on the device between steps: weights and gradients, and the moments unless they are on the host
         "state_gb": metrics.state_bytes_per_device(
-            cfg, {}, bytes_per_param=2 * param_bytes + (8 if state_dtype == "float32" else 4)
+            cfg, {}, bytes_per_param=2 * param_bytes + (0 if host else moment_bytes)
         )
         / 1e9,
         "device_memory_gb": memory / 1e9,
@@ -152,6 +158,7 @@ def bench_train(
         tcfg = config.TrainConfig(
             model=cfg,
             param_dtype=args.param_dtype,
+            optimizer_memory=args.optimizer_memory,
             compute_dtype="bfloat16",
             remat=remat,
             attention=attention,
@@ -161,7 +168,7 @@ def bench_train(
             anneal_steps=10,
         )
         opt = optim.make_optimizer(tcfg, cfg, state_dtype=state_dtype)
-        shardings = train_step.state_shardings(cfg, opt, mesh)
+        shardings = train_step.state_shardings(cfg, opt, mesh, memory=args.optimizer_memory)
         step_fn = train_step.make_train_step(tcfg, cfg, opt, shardings)
 
         def init_state(key: jax.Array, opt: Any = opt) -> train_step.TrainState:
@@ -175,7 +182,8 @@ def bench_train(
             start = time.perf_counter()
             compiled = step_fn.lower(state, batch).compile()
             compile_s = time.perf_counter() - start
-            footprint = Footprint.of(compiled).total
+            used = Footprint.of(compiled)
+            footprint = used.total
             if footprint > memory:  # fail fast instead of an allocation error part-way through the step
                 raise MemoryError(f"out of memory: the compiled step needs {footprint / 1e9:.1f} GB")
             state, stats = compiled(state, batch)  # warm-up; each step donates and replaces the state
@@ -201,6 +209,7 @@ def bench_train(
         flops = metrics.flops_per_token(cfg, shapes.seq_len) * tokens_per_s
         result["tried"][batch_size] = "ok"
         result["stored_param_dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(state.params)})
+        result["optimizer_memory_kinds"] = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
         result |= {
             "batch": batch_size,
             "tokens_per_step": micro * batch_size * shapes.seq_len,
@@ -208,6 +217,7 @@ def bench_train(
             "loss": loss,  # after the timed steps, all on the same batch
             "compile_s": compile_s,
             "compiled_gb": footprint / 1e9,
+            "compiled_host_gb": used.host / 1e9,  # host memory the step reads and writes (the offloaded state)
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
             "model_tflops": flops / 1e12,
@@ -423,7 +433,8 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(
                 f"- **{name}** batch {r['micro_batches']} x {r['batch']} x {r['seq_len']}, remat {r['remat']}, "
                 f"weights {r['param_dtype']}, Adam state "
-                f"{r['optimizer_state']}: {fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
+                f"{r['optimizer_state']}{' in host memory' if r['optimizer_memory'] == 'host' else ''}: "
+                f"{fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
                 f"MFU {fmt(100 * r['mfu'])}% (of spec peak; {fmt(100 * r['mfu_vs_matmul'])}% of measured matmul), "
                 f"compile {fmt(r['compile_s'])} s"
             )
@@ -478,6 +489,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "float32", "bfloat16"],
         help="Adam moments' storage; auto: fp32 unless memory requires bf16",
+    )
+    p.add_argument(
+        "--optimizer-memory",
+        default="device",
+        choices=list(config.OPTIMIZER_MEMORY),
+        help="where Adam's state stays between steps (host: pinned host memory, to the device and back each step)",
     )
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]

@@ -450,6 +450,7 @@ DPO_REFERENCES = ("precompute", "copy")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
+OPTIMIZER_MEMORY = ("device", "host")  # where the optimizer state stays between steps
 
 
 @dataclass(frozen=True)
@@ -634,6 +635,9 @@ class TrainConfig:
     b2: float = 0.999
     eps: float = 1e-8
     adam_dtype: str = "float32"  # how Adam's two moments are stored between steps; "bfloat16" saves 4 bytes/param
+    # Where the optimizer state stays between steps: "device", or "host" (pinned host memory: each step brings
+    # it to the device for the update and sends it back), which frees its bytes of device memory between steps.
+    optimizer_memory: str = "device"
     clip_norm: float = 1.0
     z_loss: float = 0.0
     param_dtype: str = "float32"
@@ -723,6 +727,7 @@ class TrainConfig:
             raise ConfigError(
                 "train config: resume_optimizer continues the seed's moments as stored; keep adam_dtype float32"
             )
+        _check_choice("optimizer_memory", self.optimizer_memory, OPTIMIZER_MEMORY)
         _ = self.policy  # checks the dtypes, remat and attention names
         _check_choice("objective", self.objective, OBJECTIVE_NAMES)
         object.__setattr__(self, "dpo", _section(DpoConfig, self.dpo, "dpo"))

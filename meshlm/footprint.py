@@ -2,7 +2,8 @@
 before it loads a model and `meshlm plan` reports, read from XLA's own compiler.
 
 A program's footprint is XLA's `memory_analysis()` of the compiled executable: its arguments, its outputs
-less those aliased to donated arguments, and its temporaries. For a TPU the compiler also refuses a program
+less those aliased to donated arguments, and its temporaries; host memory (an optimizer state kept there)
+apart. For a TPU the compiler also refuses a program
 that exceeds the chip's HBM (RESOURCE_EXHAUSTED), naming the bytes it needed and the bytes available;
 both are parsed here, so the capacity of a TPU comes from the compiler too.
 """
@@ -43,6 +44,9 @@ class Footprint:
     aliased: int  # outputs written into donated arguments: counted once, with the arguments
     temporaries: int
     code: int  # generated code, apart from the data
+    # Host memory the program reads and writes in place (arrays whose sharding names `pinned_host`): apart from
+    # the device's, where the compiler counts it apart (TPU, GPU); a CPU's counts it with the device's, 0 here.
+    host: int = 0
 
     @classmethod
     def of(cls, compiled: Any) -> Footprint:
@@ -53,6 +57,10 @@ class Footprint:
             s.alias_size_in_bytes,
             s.temp_size_in_bytes,
             s.generated_code_size_in_bytes,
+            s.host_argument_size_in_bytes
+            + s.host_output_size_in_bytes
+            - s.host_alias_size_in_bytes
+            + s.host_temp_size_in_bytes,
         )
 
     @property

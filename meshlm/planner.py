@@ -147,7 +147,7 @@ class TrainFit:
 
     micro_batch: int  # sequences per micro-batch, over all devices
     params: int  # trained parameters (a LoRA run: the adapter)
-    optimizer: int
+    optimizer: int  # its state, wherever it is kept
     gradients: int  # held by the step while it runs (part of its temporaries)
     base: int  # a LoRA run's frozen model
     batch: int
@@ -156,18 +156,29 @@ class TrainFit:
     compiled: Footprint | None = None
     estimated: bool = False
     refused: str = ""  # the compiler's words when it refused the program
+    # Host memory per device that the step reads and writes, outside `total`: the compiler's figure (TPU; a
+    # GPU's estimate: the optimizer state), the optimizer state with `optimizer_memory: host` and activations
+    # that a remat policy offloads. A CPU's compiler counts host memory in the total, its device memory alike.
+    host: int = 0
+    optimizer_on_host: bool = False  # the optimizer state is in `host`, not in `total`
 
     @property
     def fits(self) -> bool:
         return within(self.total, self.capacity, self.refused)
 
     @property
+    def device_optimizer(self) -> int:
+        """The optimizer state's share of `total`: none when it is kept in host memory."""
+        return 0 if self.optimizer_on_host else self.optimizer
+
+    @property
     def temporaries(self) -> int | None:
-        """What the step holds beyond its arguments (trained parameters, optimizer state, frozen base,
-        batch): the gradients, the activations and every other temporary."""
+        """What the step holds beyond its arguments (trained parameters, optimizer state on the device,
+        frozen base, batch): the gradients, the activations, an offloaded state while it is updated, and every
+        other temporary."""
         if self.total is None:
             return None
-        return max(self.total - self.params - self.optimizer - self.base - self.batch, 0)
+        return max(self.total - self.params - self.device_optimizer - self.base - self.batch, 0)
 
     @property
     def held_gradients(self) -> int:
@@ -228,6 +239,9 @@ def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len:
         batch=shard_bytes(batch),
         capacity=tgt.capacity,
     )
+    # a state kept in host memory is apart from the device's where the compiler counts it apart (not a CPU's)
+    on_host = cfg.optimizer_memory == "host" and tgt.platform != "cpu"
+    parts |= dict(host=parts["optimizer"] if on_host else 0, optimizer_on_host=on_host)
     if tgt.estimated:
         return TrainFit(total=estimate_train(cfg, mesh, seq_len, **parts), estimated=True, **parts), None
     try:
@@ -235,7 +249,7 @@ def fit_train(cfg: TrainConfig, tgt: Target, mesh: Mesh | AbstractMesh, seq_len:
     except OutOfMemory as e:
         return TrainFit(total=e.needed, refused=str(e), **{**parts, "capacity": e.capacity or parts["capacity"]}), None
     used = Footprint.of(compiled)
-    return TrainFit(total=used.total, compiled=used, **parts), compiled
+    return TrainFit(total=used.total, compiled=used, **{**parts, "host": used.host}), compiled
 
 
 def estimate_train(cfg: TrainConfig, mesh: Any, seq_len: int, **parts: int) -> int:
@@ -244,10 +258,16 @@ def estimate_train(cfg: TrainConfig, mesh: Any, seq_len: int, **parts: int) -> i
     micro-batch's gradient is produced layer by layer while the activations are freed, so the two share
     memory: temporaries = one gradient + max(one gradient, activations). A gradient is counted in float32
     whatever the parameters' dtype, as the compiled figures it is checked against hold it (XLA widens
-    bfloat16 sums in flight)."""
-    arguments = parts["params"] + parts["optimizer"] + parts["base"] + parts["batch"]
+    bfloat16 sums in flight). An optimizer state kept in host memory is no argument of the device's; the
+    update, after the activations are freed, brings it in array by array, but XLA overlaps the transfers,
+    so it is counted as if all of it came in with one more gradient beside it: temporaries = one gradient +
+    max(one gradient, activations, state + one gradient), an upper bound (gptj-1b, one sequence of 2048 on
+    a v5e: 18.85 GiB estimated, 16.10 GiB compiled)."""
+    host = parts.get("optimizer_on_host", False)
+    arguments = parts["params"] + (0 if host else parts["optimizer"]) + parts["base"] + parts["batch"]
     one_gradient = parts["gradients"] // 2 * 4 // jnp.dtype(dtype_of(cfg.param_dtype)).itemsize
-    return arguments + one_gradient + max(one_gradient, activation_bytes(cfg, dict(mesh.shape), seq_len))
+    update = parts["optimizer"] + one_gradient if host else 0
+    return arguments + one_gradient + max(one_gradient, activation_bytes(cfg, dict(mesh.shape), seq_len), update)
 
 
 def activation_bytes(cfg: TrainConfig, sizes: dict[str, int], seq_len: int) -> int:
@@ -314,8 +334,8 @@ def plan_train(
 ) -> TrainPlan:
     """What `cfg`'s train step needs per device on `target_spec`; with `search`, the largest micro-batch
     that fits (bisection over compiles); with `suggest`, when not even the smallest fits, the first of
-    these that makes it fit: remat=full, bf16 Adam moments, every data-parallel device on fsdp, tensor
-    parallelism, LoRA, QLoRA (NF4). `capacity` (bytes per device) replaces the target's own."""
+    these that makes it fit: remat=full, bf16 Adam moments, Adam's state in host memory, every data-parallel
+    device on fsdp, tensor parallelism, LoRA, QLoRA (NF4). `capacity` (bytes per device) replaces the target's own."""
     if cfg.objective == "grpo":
         raise ConfigError(
             "objective grpo: a plan measures the train step alone, not GRPO's rollout engine beside it (not built yet)"
@@ -382,6 +402,9 @@ def suggest_change(cfg: TrainConfig, tgt: Target, mesh: Any, seq: int, say: Call
         candidates.append(("remat=full", cfg.replace(remat="full"), None))
     if cfg.lora is None and cfg.adam_dtype == "float32":
         candidates.append(("adam_dtype=bfloat16", cfg.replace(adam_dtype="bfloat16", remat="full"), None))
+    if cfg.lora is None and cfg.optimizer_memory == "device" and tgt.platform != "cpu":  # a CPU's device is the host
+        changed = cfg.replace(optimizer_memory="host", remat="full")
+        candidates.append(("optimizer_memory=host (Adam's state in host memory between steps)", changed, None))
     for model_ways in _divisors(n):
         if model_ways < sizes["model"] or cfg.model.n_head % model_ways:
             continue
@@ -560,13 +583,15 @@ def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
     devices = p.target.n_devices or math.prod(_sizes_of(p.mesh))
     what = "full fine-tune" if cfg.lora is None else (
         f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} over a {cfg.frozen_dtype} base")  # fmt: skip
+    adam = cfg.adam_dtype + (" in host memory" if cfg.optimizer_memory == "host" else "")
     lines = [
-        f"meshlm plan: {model.count_params(cfg.model):,} params, {what}, remat {cfg.remat}, adam {cfg.adam_dtype}, "
+        f"meshlm plan: {model.count_params(cfg.model):,} params, {what}, remat {cfg.remat}, adam {adam}, "
         f"micro-batch {fit.micro_batch} x {p.seq_len} tokens",
         f"target {p.target.spec}: {devices} x {p.target.device_kind}, mesh {p.mesh}; {how}",
         "per device:",
         f"  parameters (trained)        {gib(fit.params)}",
-        f"  optimizer state             {gib(fit.optimizer)}",
+        f"  optimizer state             {gib(fit.device_optimizer)}"
+        + (" (in host memory: below)" if fit.optimizer_on_host else ""),
     ]
     if fit.base:
         lines.append(f"  frozen base                 {gib(fit.base)}")
@@ -581,6 +606,14 @@ def describe_train(p: TrainPlan, cfg: TrainConfig) -> str:
     lines.append(f"  total                       {gib(fit.total)} of {gib(fit.capacity)}: {verdict}")
     if fit.refused:
         lines.append(f"  the compiler: {fit.refused}")
+    if cfg.optimizer_memory == "host" or fit.host:
+        lines.append("host memory per device (pinned; the step reads and writes it there):")
+    if cfg.optimizer_memory == "host":
+        shared = "" if fit.optimizer_on_host else " (a CPU device's memory is the host's: counted in the total above)"
+        lines.append(f"  optimizer state             {gib(fit.optimizer)}{shared}")
+    offloads = (remat_names(cfg.remat) or ((), ()))[1]
+    if offloads and fit.host:  # the compiler's host figure, less the state (with the chip's padding)
+        lines.append(f"  offloaded activations       {gib(fit.host - (fit.optimizer if fit.optimizer_on_host else 0))}")
     if p.largest is not None:
         lines.append(
             f"largest micro-batch that fits: {p.largest} x {p.seq_len} tokens"

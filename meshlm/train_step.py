@@ -6,7 +6,9 @@ The step runs the model on a batch of rows (tokens, loss weights, document segme
 from the objective table (`meshlm.objectives`): next-token loss, DPO, ORPO or GRPO, never a branch here.
 
 Parameters are kept in `param_dtype` and cast to `compute_dtype` inside the model; the optimizer state
-takes the parameters' shardings, so with an `fsdp` axis it is sharded ZeRO-3 style. With a `lora`
+takes the parameters' shardings, so with an `fsdp` axis it is sharded ZeRO-3 style; with `optimizer_memory:
+host` it stays in pinned host memory between steps, and each step brings it to the device for the update and
+returns it, one parameter array at a time (the JAX memories API: memory kinds on the shardings). With a `lora`
 section only the adapter has gradients and optimizer state; the frozen base is a separate argument, as is
 a full DPO run's frozen copy of its starting model.
 """
@@ -20,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from meshlm import footprint, grpo, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, Policy, TrainConfig
@@ -36,10 +38,20 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+# The memory kind of optimizer state kept on the host between steps (`optimizer_memory: host`): pinned host
+# memory, which the device reads and writes directly, and which TPU, GPU and CPU backends have.
+HOST_MEMORY = "pinned_host"
+
+
 def state_shardings(
-    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, lora: LoraConfig | None = None
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    lora: LoraConfig | None = None,
+    memory: str = "device",
 ) -> TrainState:
-    """Trained parameters by the sharding rules; each optimizer moment like its parameter; counters replicated."""
+    """Trained parameters by the sharding rules; each optimizer moment like its parameter; counters replicated.
+    With `memory` "host" (the config's `optimizer_memory`) the optimizer state's shardings name host memory."""
     abstract = trainable_abstract(model_cfg, lora)
     params = plan(abstract, trainable_axes(model_cfg, lora), mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -47,7 +59,89 @@ def state_shardings(
     opt = optax.tree_map_params(
         optimizer, lambda _, s: s, opt_abstract, params, transform_non_params=lambda _: replicated
     )
+    if memory == "host":
+        check_host_memory(mesh)
+        opt = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), opt)
     return TrainState(replicated, params, opt)
+
+
+def check_host_memory(mesh: Mesh) -> None:
+    """A ConfigError unless the mesh's devices have pinned host memory to keep the optimizer state in."""
+    if isinstance(mesh, AbstractMesh):  # no devices to ask (a GPU plan): every GPU backend has it
+        return
+    device = mesh.devices.flat[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # a device known only by its topology (a TPU plan) has no runtime to ask; TPUs have it
+        return
+    if HOST_MEMORY not in kinds:
+        raise ConfigError(
+            f"optimizer_memory host: {device.platform} devices have no {HOST_MEMORY} memory (they have "
+            f"{sorted(kinds)}); keep optimizer_memory device"
+        )
+
+
+def on_device(shardings: Any) -> Any:
+    """`shardings` in device memory: where the step updates an optimizer state kept on the host."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+
+def offloaded(shardings: TrainState) -> bool:
+    """Whether the optimizer state stays in host memory between steps."""
+    return any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(shardings.opt_state))
+
+
+def streamed_update(
+    optimizer: optax.GradientTransformation,
+    clip_norm: float,
+    grads: Any,
+    state: Any,
+    params: Any,
+    shardings: TrainState,
+) -> tuple[Any, Any]:
+    """The updated parameters and `state` of `optimizer` for a `state` kept in host memory, one parameter array at
+    a time: each array's state comes to the device, is updated with the array and goes back before the next one
+    comes (`lax.optimization_barrier` orders them; XLA would otherwise bring the whole state in at once). The
+    gradients are clipped to `clip_norm` by their global norm as the optimizer's clip does it, array by array;
+    its own clip then sees one array whose norm is within it, and leaves it as it is."""
+    norm = optax.tree.norm(grads)
+    treedef = jax.tree.structure(params)
+    index = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    replicated = shardings.step
+
+    def empty(x: Any) -> jax.Array:
+        return jnp.zeros((0,) * x.ndim, x.dtype)
+
+    def only(i: int, tree: Any) -> Any:
+        return jax.tree.map(lambda x, k: x if k == i else empty(x), tree, index)
+
+    def clipped(g: jax.Array) -> jax.Array:  # optax.clip_by_global_norm's arithmetic
+        return jnp.where(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm)
+
+    def move(i: int, tree: Any, kind: str) -> Any:
+        """Parameter `i`'s state (and the counters) in `tree` moved to memory `kind`; the other arrays empty."""
+        return optax.tree_map_params(
+            optimizer,
+            lambda x, s, k: jax.device_put(x, s.with_memory_kind(kind)) if k == i else empty(x),
+            tree,
+            shardings.params,
+            index,
+            transform_non_params=lambda x: jax.device_put(x, replicated.with_memory_kind(kind)),
+        )
+
+    new_params, states, done = [], [], None
+    for i in range(treedef.num_leaves):
+        state_i = move(i, state, "device")
+        if done is not None:
+            state_i, _ = jax.lax.optimization_barrier((state_i, done))
+        params_i = only(i, params)
+        update_i, new_i = optimizer.update(jax.tree.map(clipped, only(i, grads)), state_i, params_i)
+        new_params.append(jax.tree.leaves(optax.apply_updates(params_i, update_i))[i])
+        states.append(move(i, new_i, HOST_MEMORY))
+        done = (states[-1], new_params[-1])
+    owner = optax.tree_map_params(optimizer, lambda _, k: k, state, index, transform_non_params=lambda _: -1)
+    leaves = [jax.tree.leaves(states[k])[j] for j, k in enumerate(jax.tree.leaves(owner))]
+    return jax.tree.unflatten(treedef, new_params), jax.tree.unflatten(jax.tree.structure(states[-1]), leaves)
 
 
 def abstract_state(
@@ -196,6 +290,7 @@ def make_train_step(
     """
     forward = objective_forward(cfg, model_cfg, cfg.policy)
     schedule = lr_schedule(cfg)
+    host = offloaded(shardings)
 
     def weighted(params: model.Params, frozen: Any, batch: dict[str, jax.Array], key: jax.Array) -> Any:
         result = forward(params, frozen, batch, key)
@@ -219,14 +314,17 @@ def make_train_step(
         grads, (metrics, counts, micro_sq) = jax.lax.scan(micro, zeros, (batch, keys))
         count = _nonzero(counts.sum())
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if host:  # the state comes to the device array by array for the update and goes back
+            lr = schedule(jax.device_put(schedule_count(state.opt_state), shardings.step))
+            params, opt_state = streamed_update(
+                optimizer, cfg.clip_norm, grads, state.opt_state, state.params, shardings
+            )
+        else:
+            lr = schedule(schedule_count(state.opt_state))
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {k: (v * counts).sum() / count for k, v in metrics.items()}
-        metrics |= {
-            "grad_norm": optax.tree.norm(grads),
-            "micro_grad_sq": micro_sq.mean(),
-            "lr": schedule(schedule_count(state.opt_state)),
-        }
+        metrics |= {"grad_norm": optax.tree.norm(grads), "micro_grad_sq": micro_sq.mean(), "lr": lr}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     batch_sharding = batch_shardings(shardings.step.mesh, batch_keys(cfg), leading=1)
@@ -283,7 +381,7 @@ def _frozen_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shard
 def step_program(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, seq_len: int) -> StepProgram:
     """The train step of `cfg` for `model_cfg` on `mesh` over sequences of `seq_len` tokens."""
     optimizer = make_optimizer(cfg, model_cfg)
-    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora)
+    shardings = state_shardings(model_cfg, optimizer, mesh, cfg.lora, cfg.optimizer_memory)
     params, opt_state = abstract_state(shardings, model_cfg, optimizer, cfg.lora, cfg.param_dtype)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt_state)
     batch = abstract_batch(mesh, batch_keys(cfg), (cfg.micro_batches, rows_per_micro_batch(cfg)), seq_len)
@@ -315,6 +413,8 @@ def out_of_memory(cfg: TrainConfig, mesh: Mesh, needed: int | None, capacity: in
         tries.append(f"micro_batches={2 * cfg.micro_batches}")
     if cfg.lora is None and cfg.adam_dtype == "float32":
         tries.append("adam_dtype=bfloat16")
+    if cfg.lora is None and cfg.optimizer_memory == "device" and mesh.devices.flat[0].platform != "cpu":
+        tries.append("optimizer_memory=host")
     if cfg.lora is None:
         tries.append("a lora section")
     needs = "more memory than the device has" if needed is None else f"{footprint.gib(needed)} per device"

@@ -116,11 +116,22 @@ def test_models_sections_micro_batches_and_param_dtype_reach_the_run(tmp_path):
         gpu.parse(["--sections", "train,everything"])
 
 
+@pytest.mark.slow
+def test_optimizer_memory_host_keeps_the_adam_state_in_host_memory(tmp_path):
+    argv = ["--tiny", "--sections", "train", "--optimizer-memory", "host", "--out", str(tmp_path)]
+    train = gpu.run(gpu.parse(argv))["sections"]["train/test-tiny"]
+    assert train["status"] == "ok", train
+    assert (train["optimizer_memory"], train["optimizer_memory_kinds"]) == ("host", ["pinned_host"])
+    assert train["optimizer_state"] == "float32"  # auto: moments off the device need no bf16
+    assert "Adam state float32 in host memory" in (tmp_path / "gpu.md").read_text()
+
+
 def test_optimizer_state_goes_to_bf16_only_where_memory_requires():
     h200 = 0.95 * 141e9
     assert gpu.optimizer_dtype(preset("gptj-6b"), h200) == "bfloat16"  # 6.05B x 20 bytes > 85% of 134 GB
     assert gpu.optimizer_dtype(preset("gptj-6b"), 2 * h200) == "float32"
     assert gpu.optimizer_dtype(preset("gptj-1b"), h200) == "float32"
+    assert gpu.optimizer_dtype(preset("gptj-6b"), h200, "host") == "float32"
 
 
 def test_bf16_stored_adam_state_stays_bf16_and_follows_fp32_adam():

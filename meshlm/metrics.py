@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import secrets
+import socket
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ from jax.sharding import AbstractMesh, Mesh
 from meshlm import devices, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
 from meshlm.lora import adapter_size
+from meshlm.paths import cache_dir
 from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
 
 
@@ -79,12 +84,37 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5)
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
+def host_matmul_peak(dtype: str) -> float:
+    """`measure_matmul_peak(dtype)` of this machine, measured once and kept in meshlm's cache folder
+    (`MESHLM_CACHE`, else ~/.cache/meshlm; `matmul_peak.json`, one figure per host, core count, JAX version
+    and dtype): the measurement takes a second or more of a CPU host at every run's start. Delete the file to
+    measure again (after a measurement disturbed by other work, say)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{socket.gethostname()} cores={cores} jax={jax.__version__} {dtype}"
+    path = cache_dir() / "matmul_peak.json"
+    try:
+        known = json.loads(path.read_text())
+        if isinstance(known.get(key), float) and known[key] > 0:
+            return known[key]
+    except (OSError, ValueError, AttributeError):  # none yet, or unreadable: measured again and rewritten
+        known = {}
+    peak = measure_matmul_peak(dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: peak}, indent=1))
+        tmp.replace(path)  # atomic: a process reading at the same time sees the old file or the new one
+    except OSError:  # a read-only home: measured at each start, as before
+        pass
+    return peak
+
+
 def peak_flops(mesh: Mesh, dtype: str) -> float:
     """Peak FLOP/s of the whole mesh: the device table's bf16 peak for accelerators (NaN for one it lacks), a
-    measured matmul in `dtype` for a CPU host."""
+    measured matmul in `dtype` for a CPU host (`host_matmul_peak`: once per machine)."""
     device = mesh.devices.flat[0]
     if device.platform == "cpu":  # simulated CPU devices share one host's cores
-        return measure_matmul_peak(dtype)
+        return host_matmul_peak(dtype)
     return devices.peak_flops(device) * mesh.devices.size
 
 
@@ -129,14 +159,12 @@ class MetricsLog:
         self.enabled = jax.process_index() == 0
         self._wandb = None
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
             if wandb_project:  # first: a W&B run that cannot start stops the run before anything is written
                 self._wandb = start_wandb(out_dir, wandb_project, wandb_run, config or {})
             if resumed_from is not None:
                 _drop_records_after(out_dir / "metrics.jsonl", resumed_from)
             self._jsonl = (out_dir / "metrics.jsonl").open("a")
-            self._tb = SummaryWriter(str(out_dir / "tb"))
+            self._tb = EventFile(out_dir / "tb")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -146,8 +174,7 @@ class MetricsLog:
             self._jsonl.flush()
         except OSError as e:  # a full disk: say which file (a file object's error names none)
             raise OSError(e.errno, e.strerror, self._jsonl.name) from None
-        for key, value in values.items():
-            self._tb.add_scalar(key, value, step)
+        self._tb.write(step, values)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 
@@ -157,6 +184,64 @@ class MetricsLog:
             self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
+
+
+class EventFile:
+    """A TensorBoard event file of scalars (`events.out.tfevents.*`, as TensorBoard and tensorboardX name it),
+    written here: tensorboardX's import takes torch's (2-3 s at every `meshlm train` start) to write what is a
+    TFRecord of a few protobuf fields. Each `write` is one `Event` (wall_time, step, a `Summary` of one
+    `simple_value` per tag), flushed at once."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        self.path = folder / f"events.out.tfevents.{int(now)}.{socket.gethostname()}"
+        self._file = self.path.open("ab")
+        self._record(_field(1, 1, struct.pack("<d", now)) + _field(3, 2, b"brain.Event:2"))  # file_version
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        summary = b"".join(
+            _field(1, 2, _field(1, 2, k.encode()) + _field(2, 5, _float32(v))) for k, v in values.items()
+        )
+        self._record(_field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, step) + _field(5, 2, summary))
+
+    def _record(self, data: bytes) -> None:
+        from meshlm.corpus import masked_crc32c
+
+        header = struct.pack("<Q", len(data))
+        self._file.write(
+            header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+        )
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _field(number: int, wire_type: int, value: bytes | int) -> bytes:
+    """One protobuf field: a varint (wire type 0), 8 or 4 fixed bytes (1, 5), or length-delimited bytes (2)."""
+    if wire_type == 0:
+        return _varint(number << 3) + _varint(value)
+    if wire_type == 2:
+        return _varint(number << 3 | 2) + _varint(len(value)) + value
+    return _varint(number << 3 | wire_type) + value
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int64 is its two's complement, ten bytes
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes([*out, n])
+
+
+def _float32(value: float) -> bytes:
+    """A float32's bytes; a value past float32's range is its infinity (as numpy rounds it)."""
+    try:
+        return struct.pack("<f", value)
+    except OverflowError:
+        return struct.pack("<f", math.copysign(math.inf, value))
 
 
 def _drop_records_after(path: Path, step: int) -> None:

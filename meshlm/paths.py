@@ -4,12 +4,18 @@ reaches. `config.is_url`, the one test of what is a URL, stays with the configs,
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from meshlm.config import ConfigError, is_url, one_line
 
 PATH_URLS = ("gs://", "s3://", "az://")  # the schemes orbax's path layer reads and writes
+
+
+def cache_dir() -> Path:
+    """meshlm's own cache of things fetched or measured once per machine: `MESHLM_CACHE`, else ~/.cache/meshlm."""
+    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
 
 
 def has_path(path: str | Path) -> bool:

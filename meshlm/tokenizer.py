@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshlm.config import RUN_CHECKPOINTS, ConfigError
-from meshlm.paths import as_path, has_path
+from meshlm.paths import as_path, cache_dir, has_path
 
 EOT_ID = 50256
 EOT_TEXT = "<|endoftext|>"
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # The same bytes ship as whisper/assets/gpt2.tiktoken in this source distribution on PyPI.
 WHISPER_SDIST = "openai-whisper==20250625"
-CACHE_FILE = Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "r50k_base.tiktoken"
+CACHE_FILE = cache_dir() / "r50k_base.tiktoken"
 
 
 # A model folder's tokenizer: tokenizer.json is what meshlm reads; the rest travel with it when a model is

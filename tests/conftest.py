@@ -17,6 +17,15 @@ from typing import TYPE_CHECKING
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's cheapest backend optimisation (LLVM at -O0), as tests/test_gpu_bench.py already runs its script: the
+# suite's programs are tiny, and compiling them is most of its time (test_grpo_train's metrics test 68 -> 39 s,
+# test_engine.py 189 -> 154 s). Matmuls are Eigen's calls at any level; what changes is how XLA's own loops are
+# optimised. Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that
+# share these flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device
+# count). The tpu tier compiles at the default.
+CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+if "tpu" not in os.environ["JAX_PLATFORMS"]:
+    os.environ["XLA_FLAGS"] += f" {CPU_COMPILE_FLAGS}"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The session's own folders, made once by the main pytest process; xdist's workers inherit them:
 # - the GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's

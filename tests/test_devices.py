@@ -150,3 +150,15 @@ def test_attention_flops_are_the_causal_half():
     assert metrics.flops_per_token(local, seq) - matmul == pytest.approx(12 * cfg.d_model * keys)
     wide = cfg.replace(attention_layers=("local",), local_window=seq)
     assert metrics.flops_per_token(wide, seq) == metrics.flops_per_token(cfg, seq)
+
+
+def test_a_cpu_hosts_matmul_peak_is_measured_once_per_machine_and_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda dtype: measured.append(dtype) or 1e11 * len(measured))
+    mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform="cpu", device_kind="cpu")] * 8))
+    assert metrics.peak_flops(mesh, "float32") == metrics.peak_flops(mesh, "float32") == 1e11  # the second: read
+    assert metrics.peak_flops(mesh, "bfloat16") == 2e11 and measured == ["float32", "bfloat16"]
+    (tmp_path / "cache" / "matmul_peak.json").write_text("{not json")  # a torn file is measured again
+    assert metrics.peak_flops(mesh, "float32") == 3e11 and metrics.peak_flops(mesh, "float32") == 3e11
+    assert len(measured) == 3

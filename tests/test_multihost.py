@@ -25,10 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_device_count(flags: str) -> str:
+    """The suite's XLA flags (conftest.py's compile flags) without its 8 simulated devices."""
+    return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def run(processes: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """`meshlm launch` (or one plain process) over 8 simulated devices in all."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = ""  # each process gets its own device count below
+    env["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))  # each process gets its own below
     worker = [sys.executable, "-m", "tests.multihost_worker", *args]
     cmd = [
         sys.executable,
@@ -107,7 +112,8 @@ def test_checkpoint_saved_by_two_processes_into_a_bucket_restores_in_one(runs):
 
 
 def test_a_dying_process_stops_the_job_with_a_clear_message(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
     script = (
         "import os, sys, time; from meshlm import distributed; distributed.initialize(heartbeat_timeout_s=5);"
         "import jax; jax.devices();"

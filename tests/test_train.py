@@ -4,6 +4,7 @@ import copy
 import json
 import shutil
 import signal
+import struct
 import time
 from pathlib import Path
 
@@ -188,7 +189,9 @@ def test_loss_falls_to_near_zero_when_memorising(memorised):
     assert val[120] < 0.05 and val[120] < val[60]  # validation (the same rows) falls with the training loss
     records = [json.loads(line) for line in (memorised.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(records[0])
-    assert list((memorised.out_dir / "tb").glob("events.out.tfevents.*"))
+    (events,) = (memorised.out_dir / "tb").glob("events.out.tfevents.*")
+    tb_losses = {e.step: v.simple_value for e in tensorboard_events(events) for v in e.summary.value if v.tag == "loss"}
+    assert tb_losses == {r["step"]: np.float32(r["loss"]) for r in records if "loss" in r}
 
 
 @pytest.mark.slow
@@ -290,6 +293,41 @@ def test_built_in_chats_and_pairs_carry_loss_on_the_answers_only(name, gpt2_bpe_
     chosen, rejected = (tok.decode(r[w > 0].tolist()) for r, w in zip(rows.tokens[:2], rows.weights[:2], strict=True))
     if name == "demo:pairs":
         assert chosen != rejected and chosen.startswith(" The" if "capital" in chosen or "opposite" in chosen else " ")
+
+
+def tensorboard_events(path: Path) -> list:
+    """The `Event`s of a TensorBoard event file, read with tensorboardX's protobuf classes and checksum (the
+    oracle: meshlm writes the file itself, without tensorboardX's import)."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    data, pos, events = path.read_bytes(), 0, []
+    while pos < len(data):
+        header = data[pos : pos + 8]
+        (length,), (length_crc,) = struct.unpack("<Q", header), struct.unpack("<I", data[pos + 8 : pos + 12])
+        body, (body_crc,) = (
+            data[pos + 12 : pos + 12 + length],
+            struct.unpack("<I", data[pos + 12 + length : pos + 16 + length]),
+        )
+        assert (masked_crc32c(header), masked_crc32c(body)) == (length_crc, body_crc)
+        events.append(Event.FromString(body))
+        pos += 16 + length
+    return events
+
+
+def test_tensorboard_event_file_holds_each_logged_scalar(tmp_path):
+    log = metrics.MetricsLog(tmp_path)
+    log.write(1, {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 1e39, "mfu": float("nan")})
+    log.write(300, {"loss": -0.25})
+    log.close()
+    (path,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    first, *logged = tensorboard_events(path)
+    assert first.file_version == "brain.Event:2"
+    assert [e.step for e in logged] == [1, 300]
+    values = [{v.tag: v.simple_value for v in e.summary.value} for e in logged]
+    assert values[0]["loss"] == 2.5 and values[0]["lr"] == np.float32(1e-3) and values[1] == {"loss": -0.25}
+    assert values[0]["tokens_per_s"] == np.inf and np.isnan(values[0]["mfu"])  # past float32's range: inf
+    assert all(e.wall_time >= first.wall_time > 1.7e9 for e in logged)
 
 
 # ---------------------------------------------------------------------------------------------------

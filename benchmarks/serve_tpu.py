@@ -132,12 +132,13 @@ def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
 def summary(report: dict[str, Any]) -> str:
     e, s, a = report["engine"], report["served"], report["args"]
     weights = a["dtype"] + (f", {a['quantize']} projections" if a["quantize"] else "")
+    source = a["folder"] or "random weights made in place"
     lines = [
         f"# Serving {a['model']} on {e['device']} ({e['platform']}), JAX {e['jax']}",
         "",
         f"`{report['command']}`",
         "",
-        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {a['folder'] or 'random weights made in place'} in {e['load_s']:.0f} s.",
+        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {source} in {e['load_s']:.0f} s.",
         "",
         f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
         "",

@@ -117,7 +117,7 @@ def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     requests = workload(args.requests, args.max_len, vocab=vocab)
     with tempfile.TemporaryDirectory() as where:
         sizes = ["--max-batch", str(max(args.rows)), "--max-len", str(args.max_len), "--chunk", str(args.chunk)]
-        sizes += ["--max-queue", str(args.requests)]  # a saturating rate measures throughput, not refusals
+        sizes += ["--max-queue", str(max(64, args.requests + 8))]  # every request queued (the 8 warm-ups too)
         server = Server(str(args.folder), REPO, *sizes, *weights_options(args), uds=f"{where}/meshlm.sock")
         try:
             warm = workload(8, args.max_len, seed=1, vocab=vocab)  # other prompts: the prefix cache must not flatter

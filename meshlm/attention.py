@@ -29,7 +29,6 @@ kernel wherever its limits allow, interpreted off a TPU (slow: for checking it, 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -182,7 +181,6 @@ def dense(
 # The splash kernel
 
 
-@functools.lru_cache(maxsize=64)
 def _splash_kernel(length: int, heads: int, window: int, block: int, interpret: bool):
     """The splash kernel for [heads, length, head_dim] queries: causal, or (window > 0) causal within
     `window` tokens (a key `window` or more tokens back is out, as `local_window` counts)."""
@@ -201,8 +199,10 @@ def _splash_kernel(length: int, heads: int, window: int, block: int, interpret: 
         block_kv_dq=block,
     )
     mask = sa.MultiHeadMask([head] * heads)
-    with jax.ensure_compile_time_eval():  # the mask's block tables are constants, cached across traces
-        return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # Built inside the caller's trace: the mask's block tables (numpy, cached by splash's `_process_mask`) become
+    # the program's constants. Made eagerly, they went to the default device, which a TPU topology's plan
+    # (`meshlm plan --target tpu:...`) cannot run on.
+    return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def splash(

@@ -249,16 +249,21 @@ class MeshLM(TemplateLM):
 
 
 @functools.cache
-def task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
-    """An lm-eval TaskManager that knows `tasks`. Indexing lm-eval's ~15,000 built-in task files takes about
-    20 s, so when `include_path` alone holds every task, only it is indexed; managers are reused."""
+def _indexed(include_path: str | None, defaults: bool) -> Any:
+    """lm-eval's TaskManager over `include_path` (and its built-in tasks where `defaults`), indexed once a process."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=include_path, include_defaults=defaults)
+
+
+def task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
+    """An lm-eval TaskManager that knows `tasks`. Indexing lm-eval's ~15,000 built-in task files takes about
+    20 s, so when `include_path` alone holds every task, only it is indexed; indexes are reused, a refusal's too."""
     if include_path:
-        local = TaskManager(include_path=include_path, include_defaults=False)
+        local = _indexed(include_path, False)
         if all(t in local.all_tasks for t in tasks):
             return local
-    manager = TaskManager(include_path=include_path)
+    manager = _indexed(include_path, True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them (or pass --include-path)")
@@ -267,7 +272,7 @@ def task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
 
 def check_tasks(tasks: Sequence[str], include_path: str | Path | None = None) -> Any:
     """Refuse an empty or unknown task list in one line naming the tasks (before any model is loaded, where
-    the caller checks first); returns the TaskManager that knows them (`task_manager`, cached)."""
+    the caller checks first); returns the TaskManager that knows them (`task_manager`)."""
     if not tasks:
         raise ConfigError("no tasks given; name lm-eval tasks such as lambada_openai,piqa")
     return task_manager(str(include_path) if include_path else None, tuple(tasks))

@@ -107,15 +107,14 @@ class CacheView(NamedTuple):
         float32 pool is in place; a bfloat16 one XLA widens to float32 and back around it."""
         written = self.slots != NOT_WRITTEN
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
-        T = self.slots.shape[1]
+        by_dma = self.by_dma(whole_pages)
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
             new = new.astype(pool.dtype)
-            if traced_backend() in DMA_BACKENDS:
-                if T == 1:
-                    return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
-                if whole_pages and T <= MAX_PAGE_COPIES * self.cache.page_size:
-                    return write_pages(pool, new, layer, self.slots, written)
+            if by_dma and self.slots.shape[1] == 1:
+                return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
+            if by_dma:
+                return write_pages(pool, new, layer, self.slots, written)
             dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
             return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
 
@@ -125,10 +124,19 @@ class CacheView(NamedTuple):
         c = self.cache
         return self._replace(cache=KVCache(put(c.k, qk), put(c.v, qv), put(c.k_scale, sk), put(c.v_scale, sv)))
 
-    def read(self, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order: on a backend of
-        `DMA_BACKENDS` a page per DMA (`kv_dma.read_pages`), elsewhere one gather."""
-        by_dma = traced_backend() in DMA_BACKENDS
+    def by_dma(self, whole_pages: bool) -> bool:
+        """Whether this call's writes and reads move the pool's tokens by the DMA kernels of `meshlm.kv_dma`: on a
+        backend of `DMA_BACKENDS`, for a decode step or a prompt of whole pages (`whole_pages`) within
+        MAX_PAGE_COPIES. Reads follow the writes: a scatter leaves the pool in a layout of XLA's own, which a
+        kernel's read would copy the whole pool out of in every layer (a speculative step's, a long prompt's)."""
+        T = self.slots.shape[1]
+        fits = T == 1 or (whole_pages and T <= MAX_PAGE_COPIES * self.cache.page_size)
+        return fits and traced_backend() in DMA_BACKENDS
+
+    def read(self, layer: jax.Array, dtype: Any, whole_pages: bool = False) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values of every row, [B, n * page_size, H, K] in table order: a page per DMA
+        (`kv_dma.read_pages`) where the call writes by DMA (`by_dma`), else one gather."""
+        by_dma = self.by_dma(whole_pages)
 
         def pages_of(pool: jax.Array) -> jax.Array:  # [B, n, H, page_size, K]
             return read_pages(pool, layer, self.table) if by_dma else jnp.moveaxis(pool[:, layer, self.table], 0, 2)

@@ -359,7 +359,7 @@ def attention(
         if kernel.paged:  # a decode step reads the pool in place
             assert cache is not None
             return cache.attend(layer.index, q, score_scale(cfg), kernel.name.removeprefix("paged_"))
-        keys, values = (k, v) if cache is None else cache.read(layer.index, h.dtype)
+        keys, values = (k, v) if cache is None else cache.read(layer.index, h.dtype, ctx.whole_pages)
         return attend(kind, q, keys, values, cfg, policy, ctx)
 
     kernels = ctx.kernels

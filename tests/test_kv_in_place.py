@@ -97,6 +97,22 @@ def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(mon
         np.testing.assert_array_equal(g, e)
 
 
+def test_a_call_that_scatters_its_keys_reads_them_back_by_the_gather(monkeypatch: pytest.MonkeyPatch):
+    """Speculated tokens (a few a row, not from a page's first slot) are scattered into the pool, in a layout of
+    XLA's own; reading them back by the DMA kernel, which needs the pool's, would copy the whole pool in every
+    layer (found compiled for a v5e), so such a call gathers. A decode step and a whole-pages prompt use the
+    kernels both ways (the tests above)."""
+    params, cache, table, _, length = arguments()
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CFG.vocab_size, (ROWS, 3)), jnp.int32)
+    monkeypatch.setattr(kv_cache, "DMA_BACKENDS", (jax.default_backend(),))
+    calls = []
+    for name in ("read_pages", "write_pages", "write_tokens"):
+        monkeypatch.setattr(kv_cache, name, lambda *a, name=name: calls.append(name) or getattr(kv_dma, name)(*a))
+    with pltpu.force_tpu_interpret_mode():
+        jax.jit(lambda *a: model.decode(*a, CFG)).lower(params, tokens, cache, table, length)
+    assert calls == []
+
+
 @pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", 1)])
 def test_the_read_kernel_gathers_each_rows_pages_in_table_order(kernel_writes: None, dtype: str, K: int):
     """`kv_dma.read_pages` against numpy's gather: rows whose tables repeat a page, hold page 0 (a table's unused

@@ -4,7 +4,9 @@ largest micro-batch, the GPU estimate stays within 15% of compiled figures, and 
 import functools
 import importlib.util
 import itertools
+import json
 import math
+import os
 
 import jax
 import numpy as np
@@ -117,6 +119,25 @@ def test_over_budget_estimate_suggests_a_change():
     plan = planner.plan_train(cfg, "gpu:rtx4090-24gb", search=True, max_micro_batch=4)
     assert plan.largest == 0 and not plan.config.fits
     assert plan.suggestion and "LoRA" in plan.suggestion
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="TPU targets compile with libtpu (pip install 'meshlm[tpu]')")
+def test_meshlm_plan_for_one_tpu_chip_compiles_the_splash_kernel(tmp_path):
+    """`meshlm plan --target tpu:v5e:2x2 --mesh data=1` at a sequence the splash kernel takes, as a user runs it
+    (a process of its own: in the suite's the failure did not show): the kernel's mask tables were made eagerly,
+    on the one topology device, which only compiles ("'Executable' object has no attribute 'local_devices'")."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "plan.json"
+    cfg = TrainConfig(model=TINY, batch_size=8, compute_dtype="bfloat16", remat="full")
+    config.write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    command = [sys.executable, "-m", "meshlm", "plan", str(config), "--target", "tpu:v5e:2x2", "--mesh", "data=1"]
+    done = subprocess.run([*command, "--no-search"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fits" in done.stdout and "compiled by XLA" in done.stdout
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ Off a TPU the kernels run in Pallas' TPU interpreter (`pltpu.force_tpu_interpret
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,16 @@ from jax.experimental.pallas import tpu as pltpu
 from meshlm.sharding import spec_for
 
 GROUP = 8  # rows whose tile DMAs are in flight together (their tiles share VMEM: 8 x 64 KB for gptj-1b)
+POOL_AXES = ("act_heads", None, None, None, None)  # the pool's logical axes: heads split over `model`
+
+
+def over_heads(kernel: Any, in_axes: tuple, out_axes: tuple, *args: jax.Array) -> jax.Array:
+    """`kernel(*args)`, or under a mesh one call per shard of the heads (the arguments' and result's logical
+    `in_axes` and `out_axes`): every shard moves every row's tokens of the heads it holds, the pool as it lies."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return kernel(*args)
+    in_specs = tuple(spec_for(a) for a in in_axes)
+    return jax.shard_map(kernel, in_specs=in_specs, out_specs=spec_for(out_axes), check_vma=False)(*args)
 
 
 def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref, tiles_vmem, sems, *, group: int):
@@ -99,16 +110,8 @@ def write_tokens(
     `layer`, for the rows `written` [B]; in place where the pool is donated."""
     pages = jnp.where(written, pages, 0).astype(jnp.int32)
     offsets = jnp.where(written, offsets, -1).astype(jnp.int32)  # no slot: page 0 is written back as it is
-    if jax.sharding.get_abstract_mesh().empty:
-        return _write(pool, new, layer, pages, offsets)
-    # every shard writes every row into the heads it holds: rows are gathered, the pool stays as it lies
-    pool_spec = spec_for(("act_heads", None, None, None, None))
-    return jax.shard_map(
-        _write,
-        in_specs=(pool_spec, spec_for((None, "act_heads", None)), spec_for(()), spec_for((None,)), spec_for((None,))),
-        out_specs=pool_spec,
-        check_vma=False,
-    )(pool, new, layer, pages, offsets)
+    axes = (POOL_AXES, (None, "act_heads", None), (), (None,), (None,))
+    return over_heads(_write, axes, POOL_AXES, pool, new, layer, pages, offsets)
 
 
 NO_PAGE = -1  # a `write_pages` chunk that holds no written token
@@ -163,16 +166,8 @@ def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Ar
     at = jnp.minimum(first[:, None] + jnp.arange(chunks * size), T - 1)  # the written tokens first, in whole pages
     new = jnp.take_along_axis(new, at[:, :, None, None], axis=1)  # [B, chunks * size, H, K]
     new = jnp.moveaxis(new.reshape(new.shape[0], chunks, size, *new.shape[2:]), 3, 2)  # [B, chunks, H, size, K]
-    pages = pages.astype(jnp.int32)
-    if jax.sharding.get_abstract_mesh().empty:
-        return _write_pages(pool, new, layer, pages)
-    pool_spec = spec_for(("act_heads", None, None, None, None))
-    return jax.shard_map(
-        _write_pages,
-        in_specs=(pool_spec, spec_for((None, None, "act_heads", None, None)), spec_for(()), spec_for((None, None))),
-        out_specs=pool_spec,
-        check_vma=False,
-    )(pool, new, layer, pages)
+    axes = (POOL_AXES, (None, None, "act_heads", None, None), (), (None, None))
+    return over_heads(_write_pages, axes, POOL_AXES, pool, new, layer, pages.astype(jnp.int32))
 
 
 def _read_kernel(layer_ref, table_ref, pool_ref, out_ref, sem, *, width: int):
@@ -207,11 +202,6 @@ def _read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Arra
 
 def read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
     """The pages of `table` [B, n] of `layer` of pool [H, L, pages, page_size, K], as [B, n, H, page_size, K]."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return _read_pages(pool, layer, table)
-    return jax.shard_map(
-        _read_pages,
-        in_specs=(spec_for(("act_heads", None, None, None, None)), spec_for(()), spec_for((None, None))),
-        out_specs=spec_for((None, None, "act_heads", None, None)),
-        check_vma=False,
-    )(pool, layer, table)
+    return over_heads(
+        _read_pages, (POOL_AXES, (), (None, None)), (None, None, "act_heads", None, None), pool, layer, table
+    )

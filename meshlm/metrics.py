@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from meshlm import devices, model
 from meshlm.config import ConfigError, LoraConfig, ModelConfig, dtype_of
+from meshlm.corpus import masked_crc32c
 from meshlm.lora import adapter_size
 from meshlm.paths import cache_dir
 from meshlm.sharding import MESH_AXES, param_shardings, shard_bytes, with_shardings
@@ -206,8 +207,6 @@ class EventFile:
         self._record(_field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, step) + _field(5, 2, summary))
 
     def _record(self, data: bytes) -> None:
-        from meshlm.corpus import masked_crc32c
-
         header = struct.pack("<Q", len(data))
         self._file.write(
             header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))

@@ -215,7 +215,9 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.
     params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
     rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
     pages = rows * width + 1
-    with jax.set_mesh(mesh):
+    # at the highest matmul precision (the tpu tier's parity tests set it): the paged kernel's float32 x bfloat16
+    # product compiles only at the default, which it sets for itself
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         lowered = runner.lower(program, cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
                                page_size=page, length=2 * page)  # fmt: skip
         text = lowered.compile().as_text()

@@ -53,8 +53,10 @@ def decay_mask(cfg: ModelConfig, lora: LoraConfig | None = None) -> model.Params
 def make_optimizer(
     cfg: TrainConfig, model_cfg: ModelConfig, state_dtype: str | None = None
 ) -> optax.GradientTransformation:
-    """The seed's AdamW. `state_dtype` (default: the config's `adam_dtype`) "bfloat16" stores both moments in
-    bf16 between steps (they are updated in fp32), which saves 4 bytes per parameter where memory is short."""
+    """The seed's AdamW. `state_dtype` (default: the config's `adam_dtype`) is how both moments are stored
+    between steps, whatever the trained weights' dtype (optax would store them in the weights' own: bf16
+    moments for bf16 weights), and they are updated in fp32; "bfloat16" saves 4 bytes per parameter where
+    memory is short."""
     adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(
@@ -67,7 +69,7 @@ def make_optimizer(
         ),
     )
     state_dtype = state_dtype or cfg.adam_dtype
-    return adamw if state_dtype == "float32" else stored_as(adamw, dtype_of(state_dtype))
+    return stored_as(adamw, dtype_of(state_dtype))
 
 
 def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:

@@ -290,8 +290,8 @@ def load_seed_optimizer(cfg: TrainConfig, mesh: Mesh) -> OptimizerState:
             f"resume_optimizer: {cfg.init_from} is not a seed checkpoint; only a full seed (mesh-transformer-jax) "
             "checkpoint carries Adam's moments to resume"
         )
-    # Moments take the parameters' dtype, as optax's Adam keeps them (adam_dtype is float32 with resume_optimizer).
-    seed = read(cfg.init_from, mesh, cfg.param_dtype, cfg.seed_config)
+    # Moments take adam_dtype (float32 with resume_optimizer, as the seed stored them), whatever the weights' dtype.
+    seed = read(cfg.init_from, mesh, cfg.adam_dtype, cfg.seed_config)
     if seed.step >= cfg.total_steps:
         raise ConfigError(
             f"resume_optimizer: {cfg.init_from} is at step {seed.step}, total_steps is {cfg.total_steps}; "

@@ -82,6 +82,20 @@ def test_resumed_run_continues_the_seeds_adam_state_and_step(seed_run, dataset, 
     assert int(optax.tree_utils.tree_get(restarted, "ScaleByAdamState").count) == seed_run.adam_count + 2
 
 
+@pytest.mark.slow
+def test_a_bf16_run_resumes_the_seeds_float32_moments(seed_run, dataset, tmp_path):
+    """bf16 weights continue the seed's moments in float32 (adam_dtype), as they were stored, not in the weights'
+    dtype: the compiled step holds float32 moments, and bf16 ones failed its first call."""
+    cfg = tiny_config(dataset, tmp_path / "run", total_steps=seed_run.step + 1).replace(param_dtype="bfloat16")
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    resume = ["--init-from", str(seed_run.step_dir), "--seed-config", str(seed_run.seed_config), "--resume-optimizer"]
+    assert cli.main(["train", str(config), *resume, "--no-progress"]) == 0
+    adam = optax.tree_utils.tree_get(saved_opt_state(tmp_path / "run", seed_run.step + 1, cfg), "ScaleByAdamState")
+    assert {np.asarray(x).dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype("float32")}
+    assert int(adam.count) == seed_run.adam_count + 1
+
+
 def test_resume_optimizer_errors_are_one_line(seed_run, dataset, hf_tiny, tmp_path, capsys):
     base = ["--set", f"data={dataset}", "--set", f"out_dir={tmp_path / 'run'}", "--set", "batch_size=8"]
     err = run_cli_error(capsys, *base, "--resume-optimizer")

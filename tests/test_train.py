@@ -103,6 +103,19 @@ def test_bf16_adam_moments_are_stored_in_bf16_and_update_like_fp32_ones():
         TrainConfig(adam_dtype="float16")
 
 
+def test_adam_moments_take_adam_dtype_not_the_weights_dtype():
+    """bf16 weights with `adam_dtype: float32` keep fp32 moments (optax alone stores a moment in its weight's
+    dtype: bf16 moments, which a run asking for fp32 ones got silently, with half the state's bytes)."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), model.init(CFG8, jax.random.key(0)))
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+    for dtype in ("float32", "bfloat16"):
+        cfg = TrainConfig(lr=0.01, warmup_steps=0, param_dtype="bfloat16", adam_dtype=dtype)
+        opt = optim.make_optimizer(cfg, CFG8)
+        state = opt.init(params)
+        _, state = jax.jit(opt.update)(grads, state, params)
+        assert {x.dtype for x in jax.tree.leaves(state) if x.ndim > 0} == {jnp.dtype(dtype)}
+
+
 def test_noise_scale_recovers_the_true_gradient_and_noise_from_expected_norms():
     """With per-example gradients of mean G and total variance S, E|g_B|^2 = |G|^2 + S/B for a batch of B."""
     g2, s = 3.0, 40.0
@@ -411,6 +424,8 @@ def test_shipped_configs_load_and_the_demo_config_is_the_built_in_default():
     assert (sft.data, dpo.data, dpo.init_from, dpo.objective) == ("demo:chats", "demo:pairs", sft.out_dir, "dpo")
     ft = load_train_config(REPO / "configs" / "gptj-6b-finetune.yaml")
     assert (ft.compute_dtype, ft.remat, ft.mesh, ft.init_from) == ("bfloat16", "full", "fsdp=-1", "gpt-j-6b")
+    v5e = load_train_config(REPO / "configs" / "gptj-1b-v5e.yaml")
+    assert (v5e.model, v5e.param_dtype, v5e.adam_dtype) == (meshlm.preset("gptj-1b"), "bfloat16", "float32")
 
 
 def test_training_state_per_device_follows_the_sharding_rules():

@@ -85,6 +85,16 @@ def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
 
 
+def test_the_default_pool_holds_max_batch_rows_of_max_len_in_whole_pages(lm):
+    """max_len 10 over pages of 4 is 3 pages a row, not 2.5: every row of max_batch runs at once (the default pool
+    of max_batch x max_len tokens, 10 pages, held 3 such rows, and the fourth waited for them to finish)."""
+    engine = lm.engine(max_batch=4, max_len=10, page_size=PAGE, prefix_caching=False)
+    prompts = [[7 + i] * 6 for i in range(4)]
+    first = next(iter(engine.run(prompts, [greedy(4)] * 4, chunk=2)))
+    assert [len(o.tokens) for o in first] == [3, 3, 3, 3]  # each row's prefill and a chunk of 2, in the first step
+    assert engine.snapshot().kv_pages == 4 * pages_for(10, PAGE)
+
+
 @pytest.mark.slow
 def test_a_row_holds_pages_only_for_its_tokens(lm):
     engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)

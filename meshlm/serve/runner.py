@@ -566,8 +566,9 @@ class Runner:
         return shard_bytes(rows), shard_bytes(logits)
 
     def _default_kv_tokens(self, spare: int | None) -> int:
-        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most `max_batch` full rows."""
-        rows = self.max_batch * self.shapes.max_len
+        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most `max_batch` full rows,
+        each in whole pages (a `max_len` not a multiple of the page size leaves part of a row's last page empty)."""
+        rows = self.max_batch * pages_for(self.shapes.max_len, self.page_size) * self.page_size
         if spare is None:
             return rows
         return max(self.page_size, min(int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token(), rows))

@@ -414,6 +414,11 @@ def fmt(x: Any, digits: int = 1) -> str:
     return str(x)
 
 
+def of_matmul(share: float) -> str:
+    """', N% of measured matmul', or nothing where this run measured no matmul (its sections left it out)."""
+    return "" if math.isnan(share) else f", {fmt(100 * share)}% of measured matmul"
+
+
 def summary(report: dict[str, Any]) -> str:
     m, s = report["machine"], report["sections"]
     lines = [
@@ -435,7 +440,7 @@ def summary(report: dict[str, Any]) -> str:
                 f"weights {r['param_dtype']}, Adam state "
                 f"{r['optimizer_state']}{' in host memory' if r['optimizer_memory'] == 'host' else ''}: "
                 f"{fmt(r['tokens_per_s'], 0)} tokens/s, step {fmt(r['step_s'], 3)} s, "
-                f"MFU {fmt(100 * r['mfu'])}% (of spec peak; {fmt(100 * r['mfu_vs_matmul'])}% of measured matmul), "
+                f"MFU {fmt(100 * r['mfu'])}% (of spec peak{of_matmul(r['mfu_vs_matmul'])}), "
                 f"compile {fmt(r['compile_s'])} s"
             )
         else:
@@ -444,8 +449,8 @@ def summary(report: dict[str, Any]) -> str:
                 for b, d in r["decode"].items()
             )
             lines.append(
-                f"- **{name}**: prefill {r['prefill_len']} tokens {fmt(r['prefill_tokens_per_s'], 0)} tokens/s "
-                f"({fmt(100 * r['prefill_mfu_vs_matmul'])}% of matmul); decode ({r['decode_context']} context) "
+                f"- **{name}**: prefill {r['prefill_len']} tokens {fmt(r['prefill_tokens_per_s'], 0)} tokens/s"
+                f"{of_matmul(r['prefill_mfu_vs_matmul'])}; decode ({r['decode_context']} context) "
                 f"{decode}; batch-1 decode {fmt(100 * r['batch1_roofline_fraction'])}% of the bandwidth roofline"
             )
     return "\n".join(lines) + "\n"

@@ -8,7 +8,10 @@ a unix socket, on the same Hugging Face folder.
 1. **Engine.** For each of `--rows` R: R prompts of `--context` tokens generate `--new` tokens each (greedy,
    `ignore_eos`) through `LanguageModel.engine(max_batch=R).generate`: the scheduler, the sampler and the host
    loop as a server runs them, `--chunk` steps per device call. A run of one new token (the prefill and the
-   first choice) is timed too; decode tokens/s is R x (new - 1) over the difference, best of `--repeats`.
+   first choice) is timed too. The engine admits a few prompts a step and decodes the admitted rows meanwhile,
+   so the decode step is timed over the engine steps in which every row decoded (after the last prefill,
+   before the first row finished; R x (new - 1) over the difference of the runs where `--new` leaves none),
+   and tokens/s over the whole run is printed beside it; best of `--repeats`.
 2. **Served.** `meshlm serve FOLDER --uds PATH` with the same weights options and `--max-batch` the largest
    R, and `benchmarks/serve.py`'s mixed workload (log-normal prompt and output lengths, Poisson arrivals at
    `--rate` requests/s, streamed): output tokens/s, time to first token and latency, p50 and p99.
@@ -87,29 +90,51 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
         engine = lm.engine(max_batch=rows, max_len=args.context + args.new, kv_cache_dtype=kv, prefix_caching=False)
         prompts = [rng.integers(1, lm.config.n_vocab_used, args.context).tolist() for _ in range(rows)]
 
-        def run(new: int, prompts: list[list[int]] = prompts, engine: Any = engine) -> float:
+        def run(new: int, prompts: list[list[int]] = prompts, engine: Any = engine) -> tuple[float, list[Mark]]:
+            """Seconds of the whole generation, and the marks of its steps."""
             params = [lm.sampling(new, ignore_eos=True, temperature=0.0)] * len(prompts)
             began = time.perf_counter()
-            done = engine.generate(prompts, params, chunk=args.chunk)
-            assert all(len(c.tokens) == new for c in done), "a row stopped early"
-            return time.perf_counter() - began
+            marks = [(time.perf_counter(), [len(o.tokens) for o in outputs])
+                     for outputs in engine.run(prompts, params, chunk=args.chunk)]  # fmt: skip
+            assert all(n == new for n in marks[-1][1]), "a row stopped early"
+            return time.perf_counter() - began, marks
 
         run(1), run(args.new)  # compiles the prefill and the decode programs
-        first = min(run(1) for _ in range(args.repeats))
-        whole = min(run(args.new) for _ in range(args.repeats))
-        step = (whole - first) / (args.new - 1)
+        first = min(run(1)[0] for _ in range(args.repeats))
+        runs = [run(args.new) for _ in range(args.repeats)]
+        whole = min(seconds for seconds, _ in runs)
+        steady = [step for _, marks in runs if (step := steady_step(marks, args.new)) is not None]
+        step = min(steady) if steady else (whole - first) / (args.new - 1)  # too few tokens for a steady step
+        how = "every row decoding" if steady else "whole - first token (no step had every row decoding)"
         if args.profile and rows == max(args.rows):
             with jax.profiler.trace(str(args.profile)):
-                out["profiled_first_s"] = run(1)
-            print(f"profiled: prefill + first token of {rows} rows, {out['profiled_first_s']:.3f} s", flush=True)
+                out["profiled_s"] = run(args.new)[0]
+            print(f"profiled: prefill and {args.new} tokens of {rows} rows, {out['profiled_s']:.3f} s", flush=True)
             summarize(args.profile, top=25)
-        out["rows"][rows] = {"first_s": first, "whole_s": whole, "step_ms": 1e3 * step, "tokens_per_s": rows / step}
-        print(f"engine, {rows} rows: prefill + first token {first:.3f} s, decode step {1e3 * step:.2f} ms, "
-              f"{rows / step:,.0f} tokens/s", flush=True)  # fmt: skip
+        out["rows"][rows] = {"first_s": first, "whole_s": whole, "step_ms": 1e3 * step, "tokens_per_s": rows / step,
+                             "whole_tokens_per_s": rows * args.new / whole, "step_timed": how}  # fmt: skip
+        print(
+            f"engine, {rows} rows: prefill + first token {first:.3f} s, decode step {1e3 * step:.2f} ms, "
+            f"{rows / step:,.0f} tokens/s ({rows * args.new / whole:,.0f} over the whole run)",
+            flush=True,
+        )
         engine.stop()
         del engine
         gc.collect()
     return out
+
+
+Mark = tuple[float, list[int]]  # after an engine step: the time, and the tokens each row has
+
+
+def steady_step(marks: list[Mark], new: int) -> float | None:
+    """Seconds per decode step over the engine steps in which every row decoded: after the last row's prefill
+    (the engine admits a few rows a step and decodes the admitted ones meanwhile, so that a prompt does not
+    stall them) and before the first row finished; None where no step was such."""
+    begin = next(i for i, (_, n) in enumerate(marks) if min(n) >= 1)
+    end = max((i for i, (_, n) in enumerate(marks) if max(n) < new), default=begin)
+    (t0, n0), (t1, n1) = marks[begin], marks[end]
+    return (t1 - t0) / (min(n1) - min(n0)) if min(n1) > min(n0) else None
 
 
 def served_part(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -142,13 +167,14 @@ def summary(report: dict[str, Any]) -> str:
         "",
         f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
         "",
-        f"| rows | prefill + first token | decode step | step / {min(a['rows'])} rows' | tokens/s |",
-        "| --- | --- | --- | --- | --- |",
+        f"| rows | prefill + first token | decode step | step / {min(a['rows'])} rows' | tokens/s | "
+        "tokens/s over the whole run | step timed over |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     least = e["rows"][str(min(a["rows"]))]["step_ms"]
     for rows, r in e["rows"].items():
         lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {r['step_ms'] / least:.2f}x | "
-                     f"{r['tokens_per_s']:,.0f} |")  # fmt: skip
+                     f"{r['tokens_per_s']:,.0f} | {r['whole_tokens_per_s']:,.0f} | {r['step_timed']} |")  # fmt: skip
     lines.append("")
     if "skipped" in s:
         lines.append(f"Served over a unix socket: not run ({s['skipped']}).")
@@ -182,7 +208,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1280, help="served part: prompt + output tokens per request")
     p.add_argument("--time-limit", type=float, default=120.0, help="served part: seconds of arrivals at most")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    p.add_argument("--profile", type=Path, help="engine part: a folder for a profile of the most rows' first token")
+    p.add_argument("--profile", type=Path, help="engine part: a folder for a profile of the most rows' generation")
     p.add_argument("--part", choices=["engine"], help=argparse.SUPPRESS)  # the child process's work
     args = p.parse_args(argv)
     if args.requests and not args.folder:

@@ -85,6 +85,19 @@ def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
 
 
+def test_max_batch_rows_run_at_once_not_the_compiled_batch_it_rounds_to(lm):
+    """max_batch 3 compiles batches of 4 (a power of two) but runs 3 rows at once, with a pool for 3: a fourth
+    waits, as the plan (`meshlm plan --serve`) counts it. The tokens are the 4-row engine's."""
+    engine = lm.engine(max_batch=3, max_len=16, page_size=PAGE, prefix_caching=False)
+    prompts = [[7 + i] * 6 for i in range(4)]
+    first = next(iter(engine.run(prompts, [greedy(4)] * 4, chunk=2)))
+    assert [len(o.tokens) for o in first] == [3, 3, 3, 0]
+    assert engine.snapshot().max_batch == 3 and engine.snapshot().kv_pages == 3 * pages_for(16, PAGE)
+    wide = lm.engine(max_batch=4, max_len=16, page_size=PAGE, prefix_caching=False)
+    want = [c.tokens for c in wide.generate(prompts, [greedy(4)] * 4)]
+    assert [c.tokens for c in engine.generate(prompts, [greedy(4)] * 4)] == want
+
+
 def test_the_default_pool_holds_max_batch_rows_of_max_len_in_whole_pages(lm):
     """max_len 10 over pages of 4 is 3 pages a row, not 2.5: every row of max_batch runs at once (the default pool
     of max_batch x max_len tokens, 10 pages, held 3 such rows, and the fourth waited for them to finish)."""
@@ -262,6 +275,28 @@ def test_scored_prompts_give_each_tokens_logprob_through_the_prefix_cache(lm, sh
             for p, alternatives in enumerate(completion.prompt_top_logprobs[1:]):
                 assert [i for i, _ in alternatives] == top_ids[p].tolist(), (round_, p)
                 np.testing.assert_allclose([v for _, v in alternatives], top_lps[p], atol=1e-5, rtol=1e-5)
+    assert engine.snapshot().kv_pages_used == 0
+
+
+def test_a_one_token_prompt_scores_nothing_and_fails_no_one(lm, monkeypatch):
+    """A one-token prompt with prompt logprobs has none to give but its first token's None (a prefill scoring no
+    token returned no prompt logprobs, and reading them failed the step: every row of a server's engine); and a
+    row whose scoring fails ends alone."""
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=64)
+    [plain] = engine.generate([[5]], [greedy(3)])
+    [scored] = engine.generate([[5]], [greedy(3).replace(prompt_logprobs=1)])
+    assert scored.prompt_logprobs == [None] and scored.prompt_top_logprobs == [None]
+    assert scored.tokens == plain.tokens and len(plain.tokens) == 3
+
+    real = engine.scheduler._score
+    monkeypatch.setattr(engine.scheduler, "_score", lambda r, step, i: 1 / 0 if r.prompt[0] == 9 else real(r, step, i))
+    requests = engine.add_requests([[9, 4, 2], [7, 4, 2]], [greedy(3).replace(prompt_logprobs=1)] * 2)
+    while engine.has_work():
+        engine.step(2)
+    broken, beside = requests
+    assert "division by zero" in broken.error and beside.error is None
+    assert len(beside.output.tokens) == 3 and beside.output.prompt_logprobs[0] is None
+    engine.step(2)  # the failed row's page, spoiled, is zeroed and freed by the next step
     assert engine.snapshot().kv_pages_used == 0
 
 

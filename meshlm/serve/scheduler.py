@@ -162,8 +162,9 @@ def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
 
 
 class Scheduler:
-    """The queue and `shapes.max_batch` slots over a pool of `n_pages` KV pages. `speculate` tokens per row
-    and step are proposed by prompt lookup over `ngram` tokens, or by a draft model on the device (`draft`)."""
+    """The queue and `max_rows` slots (default `shapes.max_batch`, the compiled rows, which round `max_rows` up to a
+    bucket) over a pool of `n_pages` KV pages. `speculate` tokens per row and step are proposed by prompt lookup
+    over `ngram` tokens, or by a draft model on the device (`draft`)."""
 
     def __init__(
         self,
@@ -176,6 +177,7 @@ class Scheduler:
         speculate: int = 0,
         ngram: int = 0,
         draft: bool = False,
+        max_rows: int | None = None,
     ):
         """`n_tokens`: the ids a row may produce (the tokenizer's; default `vocab_size`): a row whose step
         yields another (NaN logits from a diverged adapter pick a padded id) fails alone."""
@@ -186,7 +188,7 @@ class Scheduler:
         self.page_size = shapes.page_size
         self.pool = PagePool(n_pages, shapes.page_size, prefix_caching)
         self.queue: deque[Request] = deque()
-        self.slots: list[Request | None] = [None] * shapes.max_batch
+        self.slots: list[Request | None] = [None] * (max_rows or shapes.max_batch)  # no more rows run at once
         self.stats = Stats()
 
     # requests -------------------------------------------------------------------------------------
@@ -341,7 +343,11 @@ class Scheduler:
             self.stats.prefill_calls += 1
             now = time.perf_counter()
             for i, r in enumerate(rows):
-                scores = self._score(r, step, i) if r.scored else None
+                try:
+                    scores = self._score(r, step, i) if r.scored else None
+                except Exception as e:  # as in `_take` below: one row's failure never fails the others
+                    r.fail(f"generation failed for this request: {e}")
+                    continue
                 r.length = len(r.prompt)
                 self.pool.publish(r.prompt, r.pages, scores, r.adapter_key)
                 self.stats.prompt_tokens += len(r.prompt)
@@ -394,9 +400,14 @@ class Scheduler:
         cached = [self.pool.scores[page] for page in r.pages[: r.length // size]]
         first = (np.full(1, np.nan, np.float32), np.full((1, TOP_LOGPROBS), -1, np.int32),
                  np.zeros((1, TOP_LOGPROBS), np.float32))  # fmt: skip
-        # this prefill's position j scores prompt token r.length - r.refed + j + 1, up to the prompt's last
+        # this prefill's position j scores prompt token r.length - r.refed + j + 1, up to the prompt's last; a
+        # one-token prompt has nothing to score (and a call scoring no row returns no prompt logprobs)
         n = r.to_score
-        fresh = (step.prompt_logprob[i, :n], step.prompt_top_ids[i, :n], step.prompt_top_logprobs[i, :n])
+        fresh = (
+            tuple(x[:0] for x in first)
+            if n == 0
+            else (step.prompt_logprob[i, :n], step.prompt_top_ids[i, :n], step.prompt_top_logprobs[i, :n])
+        )
         lp, ids, lps = (np.concatenate(parts) for parts in zip(*(cached or [first]), fresh, strict=True))
         k = r.output.sampling.prompt_logprobs
         with r.lock:

@@ -30,6 +30,7 @@ from meshlm.devices import GPUS, peak_flops
 from meshlm.footprint import Footprint, OutOfMemory, gib
 from meshlm.lora import adapter_size
 from meshlm.serve import runner
+from meshlm.serve.batch import Shapes
 from meshlm.serve.config import EngineConfig
 from meshlm.serve.engine import DEFAULT_LORA_RANK
 from meshlm.serve.pages import pages_for
@@ -505,9 +506,10 @@ def fit_serve(
     slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
     params = {**params, "adapters": slots} if slots else params
     ways = batch_ways(mesh)
-    n_rows = -(-rows // ways) * ways
+    n_rows = Shapes.of(rows, context, page_size, ways).max_batch  # the slots and decode batch, as the engine rounds
     width = pages_for(context, page_size)
-    cache, rows_state = runner.abstract_state(cfg, policy, mesh, n_rows * width + 1, page_size, n_rows)
+    pages = rows * width + 1  # whole pages for the rows that run at once, as the engine's default pool
+    cache, rows_state = runner.abstract_state(cfg, policy, mesh, pages, page_size, n_rows)
     adapter_bytes = shard_bytes(slots)
     weights, capacity = shard_bytes(params) - adapter_bytes, tgt.capacity
     state = shard_bytes((cache, rows_state))
@@ -515,7 +517,6 @@ def fit_serve(
         one = 2 * context * cfg.d_model * 4 * 4 + context * (cfg.vocab_size // dict(mesh.shape)["model"]) * 4
         total = weights + adapter_bytes + state + one
         return ServeFit(rows, weights, state, adapter_bytes, total, capacity, estimated=True)
-    pages = n_rows * width + 1
     try:
         with jax.set_mesh(mesh):
             shapes = dict(pages=pages, width=width, params=params, page_size=page_size)

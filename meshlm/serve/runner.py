@@ -503,7 +503,8 @@ class Runner:
         self.params = params if not adapter_slots else {**params, "adapters": self._slots(adapter_slots, adapter_rank)}
         page_size = config.tokens_per_page(mesh.devices.flat[0].platform)
         self.shapes = Shapes.of(config.max_batch, config.context(cfg.max_seq_len), page_size, batch_ways(mesh))
-        self.max_batch, self.page_size = self.shapes.max_batch, page_size
+        self.max_batch, self.page_size = self.shapes.max_batch, page_size  # the slots: max_rows in a bucket
+        self.max_rows = config.max_batch
         free, slots = free_memory(self._local_device()), self._slot_bytes()
         chosen = config.kv_tokens is not None
         kv_tokens = config.kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
@@ -566,9 +567,10 @@ class Runner:
         return shard_bytes(rows), shard_bytes(logits)
 
     def _default_kv_tokens(self, spare: int | None) -> int:
-        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most `max_batch` full rows,
-        each in whole pages (a `max_len` not a multiple of the page size leaves part of a row's last page empty)."""
-        rows = self.max_batch * pages_for(self.shapes.max_len, self.page_size) * self.page_size
+        """What `KV_MEMORY_FRACTION` of the `spare` bytes hold (unknown: no limit), at most the config's `max_batch`
+        full rows (the rows that run at once, not the compiled batch that rounds them up), each in whole pages (a
+        `max_len` not a multiple of the page size leaves part of a row's last page empty)."""
+        rows = self.max_rows * pages_for(self.shapes.max_len, self.page_size) * self.page_size
         if spare is None:
             return rows
         return max(self.page_size, min(int(KV_MEMORY_FRACTION * spare) // self.kv_bytes_per_token(), rows))

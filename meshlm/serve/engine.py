@@ -62,7 +62,7 @@ class Snapshot:
 
     running: int  # rows being generated
     queued: int  # rows waiting for a slot
-    max_batch: int
+    max_batch: int  # rows that run at once, as asked (the compiled batch may round it up)
     max_len: int
     page_size: int
     kv_pages: int  # pages a row can be given

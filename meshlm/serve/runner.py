@@ -475,10 +475,11 @@ def decode_args(cfg: ModelConfig, mesh: Mesh, rows: int, table_width: int) -> De
 
 class Runner:
     """The device state of one engine: the weights, a KV pool of `n_pages` pages (the draft's beside it) and
-    `max_batch` slots, and the programs that update them in place, sized by the engine's `EngineConfig`.
+    `max_batch` slots (the compiled batch: the config's `max_batch`, `max_rows` here, rounded up to a bucket), and
+    the programs that update them in place, sized by the engine's `EngineConfig`.
 
     The config's `kv_tokens` defaults to what fits in `KV_MEMORY_FRACTION` of the device memory free beside the
-    weights (loaded already) and the slots, at most `max_batch` full rows. A pool and slots larger than the free
+    weights (loaded already) and the slots, at most `max_rows` full rows. A pool and slots larger than the free
     memory are refused before they are allocated. The weights (the draft's too) and the adapter slots are
     laid out by `rules` (`sharding.SERVING` unless a comparison asks for another set)."""
 
@@ -583,7 +584,8 @@ class Runner:
         state, logits = slots
         needed = pool + state + logits
         if needed > free:
-            rows = f"{self.max_batch} rows (state {gib(state)}, one step's logits {gib(logits)})"
+            compiled = f", compiled as {self.max_batch}" if self.max_batch != self.max_rows else ""
+            rows = f"{self.max_rows} rows{compiled} (state {gib(state)}, one step's logits {gib(logits)})"
             if chosen:
                 what, lower = f"{self.kv_tokens:,} KV tokens ({gib(pool)}) and {rows}", "kv_tokens or max_batch"
             else:  # the default pool is a share of what the rows leave: the rows alone do not fit

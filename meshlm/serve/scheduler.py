@@ -188,6 +188,8 @@ class Scheduler:
         self.page_size = shapes.page_size
         self.pool = PagePool(n_pages, shapes.page_size, prefix_caching)
         self.queue: deque[Request] = deque()
+        if max_rows is not None and not 1 <= max_rows <= shapes.max_batch:
+            raise ValueError(f"max_rows {max_rows} must be 1 to the compiled batch's {shapes.max_batch}")
         self.slots: list[Request | None] = [None] * (max_rows or shapes.max_batch)  # no more rows run at once
         self.stats = Stats()
 

@@ -80,6 +80,10 @@ class Request:
         self.error, self.error_status = error, status
         _notify(self)
 
+    def fail_from(self, what: str, e: Exception) -> None:
+        """End this row alone for `e`, raised while `what`: 400 for an InputError (the request's own), else 500."""
+        self.fail(f"{what}: {e}", 400 if isinstance(e, InputError) else 500)
+
     @property
     def budget(self) -> int:
         """Tokens this row may ever hold in the cache."""
@@ -334,7 +338,7 @@ class Scheduler:
                     r.matcher.fill(allowed[i])
                 except Exception as e:  # this row's constraint failed: it alone ends (its tokens are dropped)
                     allowed[i] = 0
-                    r.fail(f"the output constraint failed: {e}", 400 if isinstance(e, InputError) else 500)
+                    r.fail_from("the output constraint failed", e)
         return allowed
 
     def update(self, scheduled: Scheduled, step: Step) -> None:
@@ -348,7 +352,7 @@ class Scheduler:
                 try:
                     scores = self._score(r, step, i) if r.scored else None
                 except Exception as e:  # as in `_take` below: one row's failure never fails the others
-                    r.fail(f"generation failed for this request: {e}")
+                    r.fail_from("generation failed for this request", e)
                     continue
                 r.length = len(r.prompt)
                 self.pool.publish(r.prompt, r.pages, scores, r.adapter_key)
@@ -372,7 +376,7 @@ class Scheduler:
             try:
                 self._take(r, step, i)
             except Exception as e:  # one row's failure (a bad id, its constraint) never fails the others
-                r.fail(f"generation failed for this request: {e}", 400 if isinstance(e, InputError) else 500)
+                r.fail_from("generation failed for this request", e)
                 continue
             _notify(r)
         self.drop_finished()

@@ -97,7 +97,7 @@ def main() -> None:
 
     params = meshlm.from_config(cfg, None, args.dtype, seed=0, quantize=args.quantize).params
     weight_bytes = tree_bytes(params)
-    per_token = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * jnp.dtype(pool_dtype).itemsize  # K and V
+    per_token = tree_bytes(jax.eval_shape(lambda: kv_cache.init_cache(cfg, 1, 1, pool_dtype)))  # K, V (and scales)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):

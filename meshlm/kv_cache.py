@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig, dtype_of
 from meshlm.kv_dma import MAX_PAGE_COPIES, read_pages, write_pages, write_tokens
-from meshlm.paged_attention import QUANT_MAX, paged_attention
+from meshlm.paged_attention import paged_attention
 from meshlm.sharding import constrain, traced_backend
 
 
@@ -32,16 +32,17 @@ class KVCache(NamedTuple):
     score's zero weight times NaN is NaN.
 
     An int8 pool (`KV_QUANTIZED`) keeps each token's keys and values per head as int8 with one float32
-    scale: the value is q * scale / 127.5, the TPU paged kernel's convention (`QuantizedTensor`), q in
-    [-127, 127] from the vector's largest magnitude. It holds half a bfloat16 pool's bytes (plus 4 per head
-    and token), so twice the rows.
+    scale: the value is q * scale, q in [-127, 127] from the vector's largest magnitude. It holds half a
+    bfloat16 pool's bytes (plus 4 per head and token), so twice the rows. The scales lie page-major,
+    [L, pages, H, page_size]: a page's scales are whole [H, page_size] tiles, one lane a token, which the TPU
+    kernel (`meshlm.paged_attention`) reads beside the page and applies to the scores and the probabilities.
     """
 
     # Heads first: reshaped to [H, L * pages, page_size, K] (no copy), every layer's pages are one pool
     # that the paged-attention kernels read in place (`CacheView.attend`).
     k: jax.Array  # [H, L, pages, page_size, K]
     v: jax.Array  # [H, L, pages, page_size, K]
-    k_scale: jax.Array | None = None  # [H, L, pages, page_size, 1] float32 for an int8 pool, else None
+    k_scale: jax.Array | None = None  # [L, pages, H, page_size] float32 for an int8 pool, else None
     v_scale: jax.Array | None = None
 
     @property
@@ -52,11 +53,16 @@ class KVCache(NamedTuple):
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    def zero_pages(self, pages: jax.Array) -> KVCache:
+        """The pool with `pages` zeroed in every layer (ids out of range are dropped)."""
+        zero = lambda pool, at: None if pool is None else pool.at[at].set(0, mode="drop")
+        head_first, page_major = (slice(None), slice(None), pages), (slice(None), pages)
+        return KVCache(zero(self.k, head_first), zero(self.v, head_first), *(zero(s, page_major) for s in self[2:]))
+
 
 CACHE_AXES = ("act_heads", "layers", None, None, "head_dim")
-SCALE_AXES = ("act_heads", "layers", None, None, None)
+SCALE_AXES = ("layers", None, "act_heads", None)
 KV_QUANTIZED = "int8"  # the pool dtype stored with scales; any float dtype is stored as it is
-# QUANT_MAX: the scales' unit, as the TPU kernel reads them (from meshlm.paged_attention, below this module)
 NOT_WRITTEN = -1  # a `CacheView.slots` entry of a token that is not stored
 DMA_BACKENDS = ("tpu",)  # where the pool is written and read by the DMA kernels (`CacheView.write`, `.read`)
 
@@ -68,20 +74,22 @@ def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float
     if dtype != KV_QUANTIZED:
         return KVCache(*(constrain(jnp.zeros(shape, dtype_of(dtype)), CACHE_AXES) for _ in range(2)))
     pools = [constrain(jnp.zeros(shape, jnp.int8), CACHE_AXES) for _ in range(2)]
-    scales = [constrain(jnp.zeros((*shape[:-1], 1), jnp.float32), SCALE_AXES) for _ in range(2)]
+    scale_shape = (cfg.n_layer, pages, cfg.n_head, page_size)
+    scales = [constrain(jnp.zeros(scale_shape, jnp.float32), SCALE_AXES) for _ in range(2)]
     return KVCache(*pools, *scales)
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] as int8 in [-127, 127] and its scales [..., 1] (x = q * scale / QUANT_MAX)."""
+    """x [..., K] as int8 in [-127, 127] and its scales [...] (x = q * scale, to half a step)."""
     x = x.astype(jnp.float32)
-    top = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    q = jnp.rint(x * (127 / jnp.where(top > 0, top, 1.0))).astype(jnp.int8)
-    return q, top * (QUANT_MAX / 127)
+    top = jnp.max(jnp.abs(x), axis=-1)
+    q = jnp.rint(x * (127 / jnp.where(top > 0, top, 1.0))[..., None]).astype(jnp.int8)
+    return q, top / 127
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    return (q.astype(jnp.float32) * (scale / QUANT_MAX)).astype(dtype)
+    """q [..., K] int8 with its scales [...] as `dtype`."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 class CacheView(NamedTuple):
@@ -109,13 +117,15 @@ class CacheView(NamedTuple):
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
         by_dma = self.by_dma(whole_pages)
 
-        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:  # new [B, T, H, K] keys or values, [B, T, H] scales
             new = new.astype(pool.dtype)
             if by_dma and self.slots.shape[1] == 1:
                 return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
             if by_dma:
                 return write_pages(pool, new, layer, self.slots, written)
-            dropped = jnp.where(written, pages, pool.shape[2])  # out of range: the scatter drops it
+            dropped = jnp.where(written, pages, self.cache.k.shape[2])  # out of range: the scatter drops it
+            if pool.ndim == 4:  # scales, page-major
+                return pool.at[layer, dropped, :, offsets].set(new, mode="drop")
             return pool.at[:, layer, dropped, offsets].set(jnp.moveaxis(new, 2, 0), mode="drop")
 
         if not self.cache.quantized:
@@ -138,8 +148,10 @@ class CacheView(NamedTuple):
         (`kv_dma.read_pages`) where the call writes by DMA (`by_dma`), else one gather."""
         by_dma = self.by_dma(whole_pages)
 
-        def pages_of(pool: jax.Array) -> jax.Array:  # [B, n, H, page_size, K]
-            return read_pages(pool, layer, self.table) if by_dma else jnp.moveaxis(pool[:, layer, self.table], 0, 2)
+        def pages_of(pool: jax.Array) -> jax.Array:  # [B, n, H, page_size, K], or [B, n, H, page_size] of scales
+            if by_dma:
+                return read_pages(pool, layer, self.table)
+            return pool[layer, self.table] if pool.ndim == 4 else jnp.moveaxis(pool[:, layer, self.table], 0, 2)
 
         def gather(pool: jax.Array, scale: jax.Array | None) -> jax.Array:
             pages = pages_of(pool)
@@ -156,8 +168,9 @@ class CacheView(NamedTuple):
     def attend(self, layer: jax.Array, q: jax.Array, scale: float, kernel: str) -> jax.Array:
         """One query per row, q [B, 1, H, K], over the row's cached tokens by a paged-attention kernel,
         reading the pool in place: layer l's page p is page l * pages + p of the [H, L * pages, ...] view."""
-        H, L, P, size, _ = self.cache.k.shape
-        k, v, k_scale, v_scale = (None if x is None else x.reshape(H, L * P, size, -1) for x in self.cache)
+        H, L, P, size, K = self.cache.k.shape
+        k, v = (x.reshape(H, L * P, size, K) for x in self.cache[:2])
+        k_scale, v_scale = (None if x is None else x.reshape(L * P, H, size) for x in self.cache[2:])
         query = (q[:, 0] * scale).astype(q.dtype if self.cache.quantized else k.dtype)
         out = paged_attention(query, k, v, self.table + layer * P, self.lengths, kernel, k_scale, v_scale)
         return out[:, None].astype(q.dtype)

@@ -22,6 +22,8 @@ A prompt's attention reads its rows' pages back (`read_pages`) a page per DMA to
 from the pool, for heads of 256 lanes, split the whole pool into two 128-lane halves first, in every layer
 of every prefill call (GPT-J-6B on a v5e: 2 x 6.5 ms a layer and call at 16 rows, 5.8 of the 6.7 s to their
 first token).
+An int8 pool's scales ([L, pages, H, page_size] float32, page-major: `kv_cache.KVCache`) move by the same
+kernels: a page's scales are [H, page_size], one lane a token, so a decode step's tile is the whole page.
 Off a TPU the kernels run in Pallas' TPU interpreter (`pltpu.force_tpu_interpret_mode`), as the tests do.
 """
 
@@ -39,6 +41,24 @@ from meshlm.sharding import spec_for
 
 GROUP = 8  # rows whose tile DMAs are in flight together (their tiles share VMEM: 8 x 64 KB for gptj-1b)
 POOL_AXES = ("act_heads", None, None, None, None)  # the pool's logical axes: heads split over `model`
+SCALE_POOL_AXES = (None, None, "act_heads", None)  # an int8 pool's scales, page-major
+
+
+def _pool_axes(pool: jax.Array) -> tuple:
+    return POOL_AXES if pool.ndim == 5 else SCALE_POOL_AXES
+
+
+def _page(ref: Any, layer: jax.Array, page: jax.Array) -> Any:
+    """Page `page` of `layer`: [H, page_size, K] of keys or values [H, L, pages, page_size, K], [H, page_size] of
+    their scales [L, pages, H, page_size]."""
+    return ref.at[:, layer, page] if len(ref.shape) == 5 else ref.at[layer, page]
+
+
+def _tokens(ref: Any, layer: jax.Array, page: jax.Array, start: jax.Array, count: int) -> Any:
+    """Tokens [start, start + count) of a page (as `_page`): [H, count, K] or [H, count]."""
+    if len(ref.shape) == 5:
+        return ref.at[:, layer, page, pl.ds(start, count)]
+    return ref.at[layer, page, :, pl.ds(start, count)]
 
 
 def over_heads(kernel: Any, in_axes: tuple, out_axes: tuple, *args: jax.Array) -> jax.Array:
@@ -52,7 +72,7 @@ def over_heads(kernel: Any, in_axes: tuple, out_axes: tuple, *args: jax.Array) -
 
 def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref, tiles_vmem, sems, *, group: int):
     """Rows [g * group, (g + 1) * group) of program g: the tile holding each row's slot in, the slot set
-    there, the tile out."""
+    there, the tile out (a scale pool's tile is the whole page: its tokens are lanes)."""
     del pool_ref  # the same buffer as out_ref (aliased)
     layer, first, tile = layer_ref[0], pl.program_id(0) * group, tiles_vmem.shape[2]
     starts = [pl.multiple_of(jnp.maximum(offsets_ref[first + i], 0) // tile * tile, tile) for i in range(group)]
@@ -61,7 +81,7 @@ def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref,
         """Every row's tile from the pool into VMEM, or back: all the group's DMAs in flight, then awaited."""
         copies = []
         for i in range(group):
-            hbm = out_ref.at[:, layer, pages_ref[first + i], pl.ds(starts[i], tile)]
+            hbm = _tokens(out_ref, layer, pages_ref[first + i], starts[i], tile)
             src, dst = (hbm, tiles_vmem.at[i]) if into_vmem else (tiles_vmem.at[i], hbm)
             copies.append(pltpu.make_async_copy(src, dst, sems.at[i]))
             copies[-1].start()
@@ -72,7 +92,7 @@ def _write_kernel(layer_ref, pages_ref, offsets_ref, new_ref, pool_ref, out_ref,
     slot = jax.lax.broadcasted_iota(jnp.int32, tiles_vmem.shape[1:], 1)
     for i in range(group):
         at = offsets_ref[first + i] - starts[i]  # -1 for a row not written
-        tiles_vmem[i] = jnp.where(slot == at, new_ref[i][:, None, :], tiles_vmem[i])
+        tiles_vmem[i] = jnp.where(slot == at, new_ref[i], tiles_vmem[i])  # new [H, 1, K] or [H, 1]
     copy_tiles(into_vmem=False)
 
 
@@ -84,18 +104,19 @@ def tile_rows(page_size: int, dtype: jnp.dtype) -> int:
 
 
 def _write(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
-    B, H, K = new.shape
+    B, H = new.shape[:2]  # new [B, H, 1, K], or [B, H, 1] scales
     group = next(g for g in range(min(GROUP, B), 0, -1) if B % g == 0)
-    tile = tile_rows(pool.shape[3], pool.dtype)
+    size = pool.shape[3]  # a page's scales' window is the page: its tokens are lanes
+    window = (H, tile_rows(size, pool.dtype), pool.shape[4]) if pool.ndim == 5 else (H, size)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel, group=group),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B // group,),
-            in_specs=[pl.BlockSpec((group, H, K), lambda g, *_: (g, 0, 0)), anywhere],
+            in_specs=[pl.BlockSpec((group, *new.shape[1:]), lambda g, *_: (g,) + (0,) * (new.ndim - 1)), anywhere],
             out_specs=anywhere,
-            scratch_shapes=[pltpu.VMEM((group, H, tile, K), pool.dtype), pltpu.SemaphoreType.DMA((group,))],
+            scratch_shapes=[pltpu.VMEM((group, *window), pool.dtype), pltpu.SemaphoreType.DMA((group,))],
         ),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={4: 0},  # operands count the three prefetched scalars
@@ -107,11 +128,13 @@ def write_tokens(
     pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array, offsets: jax.Array, written: jax.Array
 ) -> jax.Array:
     """pool [H, L, pages, page_size, K] with new [B, H, K] stored at slot offsets[b] of page pages[b] of
-    `layer`, for the rows `written` [B]; in place where the pool is donated."""
+    `layer`, for the rows `written` [B]; in place where the pool is donated. Or an int8 pool's scales
+    [L, pages, H, page_size] with new [B, H]."""
     pages = jnp.where(written, pages, 0).astype(jnp.int32)
     offsets = jnp.where(written, offsets, -1).astype(jnp.int32)  # no slot: page 0 is written back as it is
-    axes = (POOL_AXES, (None, "act_heads", None), (), (None,), (None,))
-    return over_heads(_write, axes, POOL_AXES, pool, new, layer, pages, offsets)
+    new = new[:, :, None]  # as the slot's window in the page: [B, H, 1, K] or [B, H, 1]
+    axes = (_pool_axes(pool), (None, "act_heads", None, None)[: new.ndim], (), (None,), (None,))
+    return over_heads(_write, axes, _pool_axes(pool), pool, new, layer, pages, offsets)
 
 
 NO_PAGE = -1  # a `write_pages` chunk that holds no written token
@@ -124,7 +147,7 @@ def _pages_kernel(layer_ref, pages_ref, new_ref, pool_ref, out_ref, sems, *, chu
     del pool_ref  # the same buffer as out_ref (aliased)
     b, layer = pl.program_id(0), layer_ref[0]
     copies = [
-        pltpu.make_async_copy(new_ref.at[b, j], out_ref.at[:, layer, jnp.maximum(pages_ref[b, j], 0)], sems.at[j])
+        pltpu.make_async_copy(new_ref.at[b, j], _page(out_ref, layer, jnp.maximum(pages_ref[b, j], 0)), sems.at[j])
         for j in range(chunks)
     ]
     for j, copy in enumerate(copies):
@@ -155,7 +178,8 @@ def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Ar
     """pool [H, L, pages, page_size, K] with each row's written tokens of new [B, T, H, K] stored at their flat
     `slots` [B, T] (page * page_size + offset) of `layer`; in place where the pool is donated. A row's written
     tokens are consecutive from a page's first slot (a prompt after a cached prefix of whole pages), in at most
-    MAX_PAGE_COPIES pages; what a row does not write is padding."""
+    MAX_PAGE_COPIES pages; what a row does not write is padding. Or an int8 pool's scales [L, pages, H,
+    page_size] with new [B, T, H]."""
     size = pool.shape[3]
     T = slots.shape[1]
     chunks = -(-T // size)
@@ -164,26 +188,27 @@ def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Ar
     held = size * jnp.arange(chunks) < written.sum(axis=1, keepdims=True)
     pages = jnp.where(held, jnp.take_along_axis(slots, jnp.minimum(starts, T - 1), axis=1) // size, NO_PAGE)
     at = jnp.minimum(first[:, None] + jnp.arange(chunks * size), T - 1)  # the written tokens first, in whole pages
-    new = jnp.take_along_axis(new, at[:, :, None, None], axis=1)  # [B, chunks * size, H, K]
-    new = jnp.moveaxis(new.reshape(new.shape[0], chunks, size, *new.shape[2:]), 3, 2)  # [B, chunks, H, size, K]
-    axes = (POOL_AXES, (None, None, "act_heads", None, None), (), (None, None))
-    return over_heads(_write_pages, axes, POOL_AXES, pool, new, layer, pages.astype(jnp.int32))
+    at = at.reshape(*at.shape, *(1,) * (new.ndim - 2))
+    new = jnp.take_along_axis(new, at, axis=1)  # [B, chunks * size, H(, K)]
+    new = jnp.moveaxis(new.reshape(new.shape[0], chunks, size, *new.shape[2:]), 3, 2)  # [B, chunks, H, size(, K)]
+    axes = (_pool_axes(pool), (None, None, "act_heads", None, None)[: new.ndim], (), (None, None))
+    return over_heads(_write_pages, axes, _pool_axes(pool), pool, new, layer, pages.astype(jnp.int32))
 
 
 def _read_kernel(layer_ref, table_ref, pool_ref, out_ref, sem, *, width: int):
-    """Row b = program b: each page of its table [H, page_size, K] DMA'd from the pool to out[b, j], all in
-    flight on one semaphore, then awaited."""
+    """Row b = program b: each page of its table ([H, page_size, K], or its scales) DMA'd from the pool to out[b, j],
+    all in flight on one semaphore, then awaited."""
     b, layer = pl.program_id(0), layer_ref[0]
 
     def copy(j: jax.Array) -> pltpu.AsyncCopyDescriptor:
-        return pltpu.make_async_copy(pool_ref.at[:, layer, table_ref[b, j]], out_ref.at[b, j], sem)
+        return pltpu.make_async_copy(_page(pool_ref, layer, table_ref[b, j]), out_ref.at[b, j], sem)
 
     jax.lax.fori_loop(0, width, lambda j, _: copy(j).start(), None)
     jax.lax.fori_loop(0, width, lambda j, _: copy(j).wait(), None)
 
 
 def _read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
-    H, _, _, size, K = pool.shape
+    page = (pool.shape[0], *pool.shape[3:]) if pool.ndim == 5 else pool.shape[2:]  # [H, page_size(, K)]
     B, width = table.shape
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
@@ -195,13 +220,13 @@ def _read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Arra
             out_specs=anywhere,
             scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         ),
-        out_shape=jax.ShapeDtypeStruct((B, width, H, size, K), pool.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, width, *page), pool.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     )(layer.reshape(1).astype(jnp.int32), table.astype(jnp.int32), pool)
 
 
 def read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
-    """The pages of `table` [B, n] of `layer` of pool [H, L, pages, page_size, K], as [B, n, H, page_size, K]."""
-    return over_heads(
-        _read_pages, (POOL_AXES, (), (None, None)), (None, None, "act_heads", None, None), pool, layer, table
-    )
+    """The pages of `table` [B, n] of `layer` of pool [H, L, pages, page_size, K], as [B, n, H, page_size, K] (of an
+    int8 pool's scales [L, pages, H, page_size], as [B, n, H, page_size])."""
+    out_axes = (None, None, "act_heads", None, None)[: pool.ndim]
+    return over_heads(_read_pages, (_pool_axes(pool), (), (None, None)), out_axes, pool, layer, table)

@@ -5,12 +5,16 @@ contiguous [B, S, H, K] copy first. Two kernels take the same pool layout, [H, p
 
 - "gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton); on a CPU it runs in Pallas'
   interpreter, which is how the tests check it against the gather path;
-- "tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic). It reads keys and values as
-  bfloat16, so it serves bfloat16 pools, and int8 pools with their scales (its `QuantizedTensor`); the
-  tests run it in the TPU interpreter.
+- "tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic) for bfloat16 pools, and this module's
+  own kernel (`_int8_tpu`) for int8 pools; the tests run both in the TPU interpreter.
 
-An int8 pool's scales (`kv_cache.KVCache`, [H, pages, page_size, 1], value = q * scale / 127.5) go to the
-TPU kernel as they are and to the GPU kernel as the factors it multiplies by, [H, pages, page_size].
+An int8 pool keeps a float32 scale per token and head (`kv_cache.KVCache`: [pages, H, page_size] here, one
+lane a token). JAX's TPU kernel takes such scales only as a [H, pages, page_size, K] array, which it
+broadcasts in HBM over the whole pool in every layer (gptj-1b at 4 rows on a v5e: 2.84 GB of temporaries
+against 0.41 with bfloat16), so an int8 pool cost more than a bfloat16 one. `_int8_tpu` reads a page of
+every head and its scales' [H, page_size] tile, both as they lie, and applies the scales where they are
+constant: a key's to its score, a value's to its probability. The GPU kernel takes the scales heads-first,
+[H, pages, page_size], transposed here per call (a 64th of the pool's bytes at GPT-J's heads of 256).
 
 Under a mesh a kernel runs per shard: rows split over the batch axes, heads over `model`, the pool
 (heads over `model`, every page on every batch shard) as it lies.
@@ -25,18 +29,85 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
-from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
 from meshlm.sharding import spec_for, traced_backend
 
-QUANT_MAX = MAX_INT8  # an int8 pool's scale unit, the TPU kernel's (127.5); `kv_cache` reads it from here
 Array = jax.Array
 Scale = jax.Array | None
 
 BLOCK_H = 16  # the GPU kernel's query heads per block (its minimum; one KV head's queries are padded to it)
 TPU_BLOCK_PAGES = 8  # pages the TPU kernel reads per block: fewer made a decode step 30x its bandwidth time
+
+
+def _int8_tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref):
+    """Program (b, j): page j of row b, every head. Keys [H, page_size, K] int8 and their scales [H, page_size]
+    in; per head the page's scores, an online softmax's running max (m), sum (l) and weighted values (acc)
+    updated; row b's output from them after its last page. Pages past the row's length are neither read
+    (their block index repeats the last page's) nor computed."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    size, length = k_ref.shape[1], lengths_ref[b]
+
+    @pl.when(j == 0)
+    def _start() -> None:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(j * size < length)
+    def _page() -> None:
+        dtype = q_ref.dtype
+        exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+        held = j * size + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) < length
+        for h in range(k_ref.shape[0]):  # one [1, K] query against its head's [page_size, K] page
+            row = slice(h, h + 1)
+            keys = k_ref[h].astype(dtype)
+            scores = jax.lax.dot_general(q_ref[row, :], keys, (((1,), (1,)), ((), ())), precision=exact,
+                                         preferred_element_type=jnp.float32)  # fmt: skip
+            scores = jnp.where(held, scores * ks_ref[row, :], -jnp.inf)  # [1, page_size]
+            m_prev = m_ref[row, :]  # [1, 128], its lanes equal
+            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            p = jnp.exp(scores - m_next[:, :1])
+            alpha = jnp.exp(m_prev - m_next)
+            m_ref[row, :], l_ref[row, :] = m_next, alpha * l_ref[row, :] + jnp.sum(p, axis=1, keepdims=True)
+            weights = (p * vs_ref[row, :]).astype(dtype)
+            out = jax.lax.dot_general(weights, v_ref[h].astype(dtype), (((1,), (0,)), ((), ())), precision=exact,
+                                      preferred_element_type=jnp.float32)  # fmt: skip
+            acc_ref[row, :] = alpha[:, :1] * acc_ref[row, :] + out
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish() -> None:
+        total = l_ref[:, :1]
+        o_ref[...] = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _int8_tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Array, v_scale: Array) -> Array:
+    """`_int8_tpu_kernel` over rows' tables [B, n] of pools [H, pages, page_size, K] int8 with scales [pages, H,
+    page_size]: [B, H, K] in q's dtype."""
+    H, _, size, K = k.shape
+    B, n = table.shape
+
+    def page(b: Array, j: Array, lengths: Array, table: Array) -> Array:
+        return table[b, jnp.minimum(j, jnp.maximum(lengths[b] - 1, 0) // size)]
+
+    rows = pl.BlockSpec((None, H, K), lambda b, j, *_: (b, 0, 0))
+    pool = pl.BlockSpec((H, None, size, K), lambda b, j, *refs: (0, page(b, j, *refs), 0, 0))
+    scales = pl.BlockSpec((None, H, size), lambda b, j, *refs: (page(b, j, *refs), 0, 0))
+    return pl.pallas_call(
+        _int8_tpu_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, n),
+            in_specs=[rows, pool, pool, scales, scales],
+            out_specs=rows,
+            scratch_shapes=[pltpu.VMEM((H, 128), jnp.float32)] * 2 + [pltpu.VMEM((H, K), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, H, K), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    )(lengths.astype(jnp.int32), table.astype(jnp.int32), q, k, v, k_scale, v_scale)
 
 
 def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
@@ -46,11 +117,11 @@ def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
         call = functools.partial(tpu_kernel, pages_per_compute_block=TPU_BLOCK_PAGES)
 
         def tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Scale, v_scale: Scale) -> Array:
+            if k_scale is not None:
+                return _int8_tpu(q, k, v, table, lengths, k_scale, v_scale)
             # the kernel multiplies float32 queries by a bfloat16 pool's keys, which Mosaic compiles only at the
             # default precision: a caller's "highest" (a parity test's) would stop the compile
             mixed = k.dtype == jnp.bfloat16
-            if k_scale is not None:
-                k, v = QuantizedTensor(k, k_scale), QuantizedTensor(v, v_scale)
             # whole blocks: the padding names page 0, and the kernel reads no block past a row's length
             table = jnp.pad(table, ((0, 0), (0, -pages_per_row % TPU_BLOCK_PAGES)))
             with jax.default_matmul_precision("default") if mixed else contextlib.nullcontext():
@@ -67,8 +138,8 @@ def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
     )
 
     def gpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Scale, v_scale: Scale) -> Array:
-        if k_scale is not None:
-            k_scale, v_scale = (s[..., 0] / QUANT_MAX for s in (k_scale, v_scale))
+        if k_scale is not None:  # heads first, as the kernel indexes them
+            k_scale, v_scale = (jnp.swapaxes(s, 0, 1) for s in (k_scale, v_scale))
         return call(q, k, v, table, lengths, k_scale, v_scale)
 
     return gpu
@@ -85,14 +156,14 @@ def paged_attention(
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T) v for q [B, H, K] (already scaled) over the first `lengths[b]` tokens of row b's
-    pages `table[b]` in the pools [H, pages, page_size, K] (int8 ones with their scales), by the `kernel`
-    ("gpu" or "tpu"): [B, H, K]."""
+    pages `table[b]` in the pools [H, pages, page_size, K] (int8 ones with their scales [pages, H,
+    page_size]), by the `kernel` ("gpu" or "tpu"): [B, H, K]."""
     call = _kernel(kernel, table.shape[1])
     if jax.sharding.get_abstract_mesh().empty:
         return call(q, k_pages, v_pages, table, lengths, k_scale, v_scale)
     rows = spec_for(("batch", "act_heads", None))
     pool = spec_for(("act_heads", None, None, None))
-    scales = pool if k_scale is not None else None
+    scales = spec_for((None, "act_heads", None)) if k_scale is not None else None
     return jax.shard_map(
         call,
         in_specs=(rows, pool, pool, spec_for(("batch", None)), spec_for(("batch",)), scales, scales),

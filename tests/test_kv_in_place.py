@@ -113,46 +113,65 @@ def test_a_call_that_scatters_its_keys_reads_them_back_by_the_gather(monkeypatch
     assert calls == []
 
 
-@pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", 1)])
+SCALES = 0  # `K` of a case that moves an int8 pool's scales: a pool [L, pages, H, page_size] float32
+
+
+def make_pool(rng: np.random.Generator, H: int, L: int, P: int, S: int, K: int, dtype: str) -> jax.Array:
+    """Keys or values [H, L, P, S, K] in `dtype` (int8: small integers), or scales [L, P, H, S] (K = SCALES)."""
+    if K == SCALES:
+        return jnp.asarray(rng.normal(size=(L, P, H, S)), jnp.float32)
+    pool = rng.normal(size=(H, L, P, S, K)) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
+    return jnp.asarray(pool, dtype)
+
+
+def page_of(pool: np.ndarray, layer: int, page: Any) -> tuple:
+    """numpy's index of a page of `layer` (`page` may be a list): [H, S, K] of keys or values, [H, S] of scales."""
+    return (slice(None), layer, page) if pool.ndim == 5 else (layer, page)
+
+
+def slot_of(pool: np.ndarray, layer: int, page: int, offset: int) -> tuple:
+    """numpy's index of a token's keys [H, K] or scales [H]."""
+    return (slice(None), layer, page, offset) if pool.ndim == 5 else (layer, page, slice(None), offset)
+
+
+@pytest.mark.parametrize("dtype, K", [("bfloat16", 128), ("int8", 128), ("float32", SCALES)])
 def test_the_read_kernel_gathers_each_rows_pages_in_table_order(kernel_writes: None, dtype: str, K: int):
     """`kv_dma.read_pages` against numpy's gather: rows whose tables repeat a page, hold page 0 (a table's unused
-    entries) and list pages out of order, from a layer past the first (int8: a pool; float32 [.., 1]: its scales).
+    entries) and list pages out of order, from a layer past the first (int8: a pool; float32: its scales).
     One device: Pallas' TPU interpreter hangs on these DMA kernels under shard_map (the write kernels' too)."""
     H, L, P, S = 2, 3, 9, 16
-    rng = np.random.default_rng(3)
-    pool = rng.normal(size=(H, L, P, S, K)) if dtype != "int8" else rng.integers(-127, 128, (H, L, P, S, K))
-    pool = jnp.asarray(pool, dtype)
+    pool = make_pool(np.random.default_rng(3), H, L, P, S, K, dtype)
     table = jnp.asarray([[4, 1, 8], [2, 2, 0], [0, 0, 0]], jnp.int32)
     out = jax.jit(kv_dma.read_pages)(pool, jnp.int32(2), table)
-    np.testing.assert_array_equal(np.asarray(out), np.moveaxis(np.asarray(pool)[:, 2][:, np.asarray(table)], 0, 2))
+    expected = np.asarray(pool)[page_of(pool, 2, np.asarray(table))]  # [B, n, ...] of scales, [H, B, n, ...] else
+    np.testing.assert_array_equal(np.asarray(out), expected if K == SCALES else np.moveaxis(expected, 0, 2))
 
 
-# pages of one DMA tile (bfloat16; int8's tile is larger than the page) and of several (float32: an int8
-# pool's scales; bfloat16 pages of three tiles)
+# pages of one DMA tile (bfloat16; int8's tile is larger than the page) and of several (bfloat16 pages of
+# three tiles); an int8 pool's scales, whose tile is the page (its tokens are lanes)
 @pytest.mark.parametrize(
-    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 16), ("float32", 1, 16), ("bfloat16", 128, 48)]
+    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 16), ("float32", SCALES, 16), ("bfloat16", 128, 48)]
 )
 def test_the_write_kernel_stores_the_written_rows_and_nothing_else(kernel_writes: None, dtype: str, K: int, S: int):
     """Rows in two groups of the kernel's grid (`kv_dma.GROUP`), one not written, slots at a page's first
     and last token and between, in each of its tiles, against numpy."""
     H, L, P, B = 2, 3, 12, 10
     rng = np.random.default_rng(0)
-    pool = rng.normal(size=(H, L, P, S, K)).astype(dtype) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
-    pool = jnp.asarray(pool, dtype)
-    new = jnp.asarray(rng.normal(size=(B, H, K)) * 9, dtype)
+    pool = make_pool(rng, H, L, P, S, K, dtype)
+    new = jnp.asarray(rng.normal(size=(B, H, K) if K else (B, H)) * 9, pool.dtype)
     pages = jnp.asarray(rng.permutation(np.arange(1, P))[:B], jnp.int32)  # each row its own page, never page 0
     offsets = jnp.asarray([0, S - 1, 7, S // 2, 9, 1, 14, 8, 2, S - 5], jnp.int32)
     written = jnp.asarray([True] * 4 + [False] + [True] * 5)
     out = jax.jit(kv_dma.write_tokens)(pool, new, jnp.int32(1), pages, offsets, written)
     expected = np.array(pool)
     for b in np.flatnonzero(written):
-        expected[:, 1, pages[b], offsets[b]] = new[b]
+        expected[slot_of(expected, 1, pages[b], offsets[b])] = new[b]
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 # pages of one DMA tile and of half a tile (int8's tile holds 32 tokens; the chunks lie on an untiled axis)
 @pytest.mark.parametrize(
-    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 32), ("int8", 128, 16), ("float32", 1, 16)]
+    "dtype, K, S", [("bfloat16", 128, 16), ("int8", 128, 32), ("int8", 128, 16), ("float32", SCALES, 16)]
 )
 def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
     kernel_writes: None, dtype: str, K: int, S: int
@@ -163,9 +182,8 @@ def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
     among them, keep what they held; what a row's last page holds past its tokens is padding, never read."""
     H, L, P, T = 2, 3, 12, 2 * S + 5
     rng = np.random.default_rng(1)
-    pool = rng.normal(size=(H, L, P, S, K)).astype(dtype) if dtype != "int8" else rng.integers(-9, 9, (H, L, P, S, K))
-    pool = jnp.asarray(pool, dtype)
-    new = jnp.asarray(rng.normal(size=(4, T, H, K)) * 9, dtype)
+    pool = make_pool(rng, H, L, P, S, K, dtype)
+    new = jnp.asarray(rng.normal(size=(4, T, H, K) if K else (4, T, H)) * 9, pool.dtype)
     tables = [[3, 7, 4], [9, 2, 0], [5, 0, 0], [0, 0, 0]]  # each row's pages in order
     first, count = [0, 1, 0, 0], [T, S + 3, 4, 0]  # the first written token and how many
     written = np.zeros((4, T), bool)
@@ -178,24 +196,30 @@ def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
     expected = np.array(pool)
     for b, t in zip(*np.nonzero(written), strict=True):
         page, offset = divmod(int(slots[b, t]), S)
-        np.testing.assert_array_equal(out[:, 1, page, offset], np.asarray(new[b, t]))
-        expected[:, 1, page, offset] = new[b, t]
-    np.testing.assert_array_equal(out[:, 1, [3, 7, 9]], expected[:, 1, [3, 7, 9]])  # the rows' full pages
-    out[:, 1, [4, 2, 5]] = expected[:, 1, [4, 2, 5]]  # partly written: past the written slots, the row's padding
+        np.testing.assert_array_equal(out[slot_of(out, 1, page, offset)], np.asarray(new[b, t]))
+        expected[slot_of(expected, 1, page, offset)] = new[b, t]
+    full, partly = page_of(out, 1, [3, 7, 9]), page_of(out, 1, [4, 2, 5])
+    np.testing.assert_array_equal(out[full], expected[full])  # the rows' full pages
+    out[partly] = expected[partly]  # partly written: past the written slots, the row's padding
     np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "program, kernels, heads", [("decode", 3, "2x128"), ("prefill", 4, "2x128"), ("prefill", 4, "16x256")]
-)
-def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.MonkeyPatch, program, kernels, heads):
+    "program, kernels, heads, kv",
+    [("decode", 3, "2x128", None), ("prefill", 4, "2x128", None), ("prefill", 4, "16x256", None),
+     ("decode", 5, "16x256", "int8"), ("prefill", 8, "2x128", "int8")],
+)  # fmt: skip
+def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
+    monkeypatch: pytest.MonkeyPatch, program, kernels, heads, kv
+):
     """Ahead of time, without a chip: the engine's decode program (a loop of steps over the layer scan, the
     paged kernel reading the pool) and its prefill program compiled for a TPU v5e hold no copy of the pool and
     no scatter into it, whose layout the writes could otherwise set apart from the kernel's (a copy per layer
     and step: a step's cost grew with its rows; a prefill's rewrote the pool in every layer: 7 s to the first
     token of 16 rows of 512 for GPT-J-6B on a v5e). The mesh's TPU devices decide the write path and the
-    decode kernel (`sharding.traced_backend`), as `meshlm plan --serve --target tpu:...` compiles it."""
+    decode kernel (`sharding.traced_backend`), as `meshlm plan --serve --target tpu:...` compiles it. An int8
+    pool's scales move by the same kernels (two more each way), and Mosaic compiles its paged kernel for the chip."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     import re
 
@@ -210,7 +234,7 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.
     sizes = {"2x128": dict(n_head=2), "16x256": dict(n_head=16, d_model=4096, n_layer=1)}[heads]
     cfg = config.preset("gptj-tiny").replace(**sizes)
     mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
-    policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16")
+    policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16", kv_cache_dtype=kv)
     params = model.abstract_params(cfg, "bfloat16")
     params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
     rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
@@ -226,11 +250,14 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(monkeypatch: pytest.
     assert text.count('custom_call_target="tpu_custom_call"') == kernels
     pool = rf"\[{cfg.n_head},{cfg.n_layer},{pages},{page},{cfg.d_head}\]"
     moved = re.compile(pool + r"\{(?!4,3,2,1,0:)[^}]*\} copy(-start)?\(")  # to a layout not the kernel's
-    copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line)]
+    scale_pool = rf"\[{cfg.n_layer},{pages},{cfg.n_head},{page}\]"  # an int8 pool's scales
+    scales = re.compile(scale_pool + r"\{(?!3,2,1,0:)[^}]*\} copy(-start)?\(")
+    copies = [line.strip()[:120] for line in text.splitlines() if moved.search(line) or scales.search(line)]
     assert not copies, copies[:2]
     parts = re.compile(rf"= \w+\[{cfg.n_head},{cfg.n_layer},{pages},{page},(?!{cfg.d_head}\])\d+\]")  # its lanes split
     split = [line.strip()[:120] for line in text.splitlines() if parts.search(line)]
     assert not split, split[:2]
-    scatter = re.compile(r"%scatter\S* = \w+" + pool + r"|= \w+" + pool + r"\{[^}]*\} scatter\(")  # into the pool
+    pools = f"(?:{pool}|{scale_pool})"
+    scatter = re.compile(r"%scatter\S* = \w+" + pools + r"|= \w+" + pools + r"\{[^}]*\} scatter\(")  # into the pool
     scatters = [line.strip()[:120] for line in text.splitlines() if scatter.search(line)]
     assert not scatters, scatters[:2]

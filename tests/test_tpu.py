@@ -90,7 +90,7 @@ def test_a_dpo_run_on_the_chip_matches_the_cpu(tmp_path):
 ENGINE_CFG = CFG8.replace(n_head=2, d_model=256, d_ff=512, max_seq_len=320)
 
 
-def engine_outputs(platform: str, dtype: str, attention: str | None = None) -> list:
+def engine_outputs(platform: str, dtype: str, attention: str | None = None, kv_cache_dtype: str | None = None) -> list:
     """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
     step a token, both by `meshlm.kv_dma`'s kernels on a TPU), then of one that shares the longest one's first
     page (a prefill after a cached prefix) and scores its prompt (its cached last token run again, not written),
@@ -99,7 +99,7 @@ def engine_outputs(platform: str, dtype: str, attention: str | None = None) -> l
     prompts = [rng.integers(1, ENGINE_CFG.vocab_size, n).tolist() for n in (5, 130, 200)]
     with jax.default_matmul_precision("highest"):
         lm = api.from_config(ENGINE_CFG, make_mesh("data=1", jax.devices(platform)[:1]), dtype, seed=0)
-        engine = lm.engine(max_batch=4, max_len=300, attention=attention)
+        engine = lm.engine(max_batch=4, max_len=300, attention=attention, kv_cache_dtype=kv_cache_dtype)
         greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)
         first = engine.generate(prompts, [greedy] * len(prompts))
         shared = prompts[2][:150] + rng.integers(1, ENGINE_CFG.vocab_size, 20).tolist()
@@ -123,3 +123,13 @@ def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
         same = next((i for i, (a, b) in enumerate(zip(p.tokens, g.tokens, strict=True)) if a != b), len(p.tokens))
         assert same >= 8, (p.tokens, g.tokens)  # bf16 rounding may flip a near tie later in a random model
         np.testing.assert_allclose(p.logprobs[:same], g.logprobs[:same], atol=0.05)
+
+
+def test_an_int8_pool_on_the_chip_serves_what_it_serves_on_the_cpu():
+    """float32 compute over an int8 pool: on the chip meshlm's int8 paged kernel reads the pages and their scales in
+    place (the scales written by the DMA kernels), on the CPU the gather path dequantizes them; both quantize the
+    same keys and values, so they choose the same tokens, their log-probs within a rounding step's effect."""
+    tpu, cpu = (engine_outputs(platform, "float32", kv_cache_dtype="int8") for platform in ("tpu", "cpu"))
+    assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
+    for t, c in zip(tpu, cpu, strict=True):
+        np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=0, atol=2e-3)

@@ -730,7 +730,7 @@ class Runner:
 
 @partial(jax.jit, donate_argnums=0)
 def _zero_pages(cache: kv_cache.KVCache, pages: jax.Array) -> kv_cache.KVCache:
-    return jax.tree.map(lambda pool: pool.at[:, :, pages].set(0, mode="drop"), cache)
+    return cache.zero_pages(pages)
 
 
 def _on_host(out: Step) -> Step:

@@ -91,7 +91,8 @@ def _int8_tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scal
     B, n = table.shape
 
     def page(b: Array, j: Array, lengths: Array, table: Array) -> Array:
-        return table[b, jnp.minimum(j, jnp.maximum(lengths[b] - 1, 0) // size)]
+        last = jax.lax.div(jnp.maximum(lengths[b] - 1, 0), size)  # not `//`: its sign test needs the chip's kind
+        return table[b, jnp.minimum(j, last)]
 
     rows = pl.BlockSpec((None, H, K), lambda b, j, *_: (b, 0, 0))
     pool = pl.BlockSpec((H, None, size, K), lambda b, j, *refs: (0, page(b, j, *refs), 0, 0))

@@ -58,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gptj-tiny")
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts")
-    parser.add_argument("--context", type=int, default=512, help="tokens each row already holds")
+    parser.add_argument("--context", default="512", help="tokens each row already holds (comma-separated: each)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps (one program call each) per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row count (best kept)")
     parser.add_argument("--dtype", default="bfloat16", help="weights, compute and the pool")
@@ -80,7 +80,7 @@ def main() -> None:
         kind="global",
         impl=args.attention,
         q_len=1,
-        kv_len=args.context,
+        kv_len=max(int(c) for c in args.context.split(",")),
         heads=cfg.n_head,
         head_dim=cfg.d_head,
         dtype=pool_dtype,
@@ -110,14 +110,13 @@ def main() -> None:
             cache, token, length = step(params, cache, table, token, length)
         return cache, token, length
 
-    slots = args.context + 2 * args.steps
-    per_row = -(-slots // args.page_size)
-    print(f"{'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
-    first = None
-    for rows in (int(r) for r in args.rows.split(",")):
+    print(f"{'context':>7} {'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
+    for context, rows in ((int(c), int(r)) for c in args.context.split(",") for r in args.rows.split(",")):
+        first = None if rows == int(args.rows.split(",")[0]) else first
+        per_row = -(-(context + 2 * args.steps) // args.page_size)
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
         state = [kv_cache.init_cache(cfg, rows * per_row + 1, args.page_size, pool_dtype)]
-        start = jnp.full((rows,), args.context, jnp.int32)
+        start = jnp.full((rows,), context, jnp.int32)
         token = jnp.zeros((rows,), jnp.int32)
 
         def call(
@@ -131,9 +130,9 @@ def main() -> None:
             with jax.profiler.trace(args.profile):
                 jax.block_until_ready(call())
         first = first or step_s
-        read = weight_bytes + rows * (args.context + args.steps / 2) * per_token
+        read = weight_bytes + rows * (context + args.steps / 2) * per_token
         print(
-            f"{rows:>5} {1e3 * step_s:>9.2f} {step_s / first:>6.2f} {rows / step_s:>9.0f} {read / 1e9:>8.3f} "
+            f"{context:>7} {rows:>5} {1e3 * step_s:>9.2f} {step_s / first:>6.2f} {rows / step_s:>9.0f} {read / 1e9:>8.3f} "
             f"{100 * read / (gbs * 1e9) / step_s:>8.1f}%"
         )
 

@@ -35,7 +35,7 @@ def test_a_change_is_checked_as_a_new_config_is():
 
 def test_the_context_and_the_speculation_it_resolves_for_a_model():
     assert EngineConfig().context(128) == 128 and EngineConfig(max_len=64).context(128) == 64
-    with pytest.raises(ValueError, match=r"max_len must be in \[1, 128\]"):
+    with pytest.raises(ValueError, match=r"max_len must be in \[2, 128\]"):
         EngineConfig(max_len=256).context(128)
     assert EngineConfig().speculated(drafting=False) == 0
     assert EngineConfig().speculated(drafting=True) == SPECULATE_TOKENS

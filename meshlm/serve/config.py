@@ -15,8 +15,9 @@ PAGE_SIZE = 16  # tokens per KV page, where the backend has no size of its own
 # took 46.3 ms with pages of 16, 25.0 of 64 and 17.9 of 128 (benchmarks/decode_rows.py, BENCHMARKS.md)
 BACKEND_PAGE_SIZES = {"tpu": 128}
 SPECULATE_TOKENS = 4  # tokens proposed per row and step with speculative decoding
-# each integer setting's least value (None, where allowed, means "the default the engine works out")
-LEAST = {"max_batch": 1, "max_len": 1, "kv_tokens": 1, "page_size": 1, "ngram": 0, "speculate": 1,
+# each integer setting's least value (None, where allowed, means "the default the engine works out"); a row
+# holds at least a prompt's token and a new one
+LEAST = {"max_batch": 1, "max_len": 2, "kv_tokens": 1, "page_size": 1, "ngram": 0, "speculate": 1,
          "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1}  # fmt: skip
 
 
@@ -78,7 +79,7 @@ class EngineConfig:
     def context(self, model_context: int) -> int:
         """A row's tokens at most: `max_len`, or the model's context; InputError for more than the model's."""
         if self.max_len is not None and self.max_len > model_context:
-            raise InputError(f"max_len must be in [1, {model_context}] (the model's context), got {self.max_len}")
+            raise InputError(f"max_len must be in [2, {model_context}] (the model's context), got {self.max_len}")
         return self.max_len or model_context
 
     def speculated(self, drafting: bool) -> int:

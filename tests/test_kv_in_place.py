@@ -32,10 +32,16 @@ def jitted(**options) -> Any:
     return jax.jit(lambda *args: step(*args), **options)
 
 
-def arguments() -> tuple:
+def arguments(kv: str = "float32") -> tuple:
+    """A decode step's arguments over a pool of random keys and values (`kv` "int8": quantized, with their scales)."""
     params = jax.jit(model.init, static_argnums=0)(CFG, jax.random.key(0))
-    cache = kv_cache.init_cache(CFG, ROWS * PAGES_PER_ROW + 1, PAGE)
-    cache = kv_cache.KVCache(*(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(cache[:2])))
+    shape = kv_cache.init_cache(CFG, ROWS * PAGES_PER_ROW + 1, PAGE).k.shape
+    k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(2))
+    if kv == "int8":
+        (k, k_scale), (v, v_scale) = kv_cache.quantize(k), kv_cache.quantize(v)
+        cache = kv_cache.KVCache(k, v, *(jnp.transpose(s, (1, 2, 0, 3)) for s in (k_scale, v_scale)))  # page-major
+    else:
+        cache = kv_cache.KVCache(k, v)
     table = 1 + jnp.arange(ROWS * PAGES_PER_ROW, dtype=jnp.int32).reshape(ROWS, PAGES_PER_ROW)
     token = jnp.array([3, 1, 4, 1], jnp.int32)
     length = jnp.array([0, 7, 16, 40], jnp.int32)  # a first token, mid-page, a page boundary, a later page
@@ -57,22 +63,27 @@ def test_a_decode_step_donates_the_pool_and_aliases_it_to_its_output():
     assert compiled.memory_analysis().alias_size_in_bytes >= pool_bytes
 
 
-def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch):
-    logits, cache = jitted()(*arguments())
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monkeypatch: pytest.MonkeyPatch, kv):
+    """Keys and values (an int8 pool's scales too) stored by the DMA kernels, read back by them: the logits and
+    every pool equal the scatter's and the gather's."""
+    logits, cache = jitted()(*arguments(kv))
     monkeypatch.setattr(kv_cache, "DMA_BACKENDS", (jax.default_backend(),))
     with pltpu.force_tpu_interpret_mode():
-        lowered = jitted(donate_argnums=1).lower(*arguments())
+        lowered = jitted(donate_argnums=1).lower(*arguments(kv))
         assert "scatter" not in lowered.as_text()  # the layout a TPU gives a scatter into the pool copies it
-        kernel_logits, kernel_cache = jitted()(*arguments())
+        kernel_logits, kernel_cache = jitted()(*arguments(kv))
     np.testing.assert_array_equal(kernel_logits, logits)
+    assert len(kernel_cache) == len(cache) and kernel_cache.quantized == (kv == "int8")
     for kernel_pool, pool in zip(kernel_cache, cache, strict=True):
         np.testing.assert_array_equal(kernel_pool, pool)
 
 
-def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(monkeypatch: pytest.MonkeyPatch, kv):
     """A prefill (rows of 3, 16 and 21 tokens from slot 0, and a padding row) by `kv_dma.write_pages`, then a
     decode step over what it stored: the logits of both equal those of the scatter's."""
-    params, cache, table, _, _ = arguments()
+    params, cache, table, _, _ = arguments(kv)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (ROWS, 21)), jnp.int32)
     mask = jnp.arange(21)[None] < jnp.array([3, 16, 21, 0])[:, None]
     start = jnp.zeros(ROWS, jnp.int32)

@@ -43,6 +43,17 @@ def test_an_int8_pool_takes_half_the_bytes_of_bfloat16_and_a_scale():
     assert int8 == bytes_per_token(cfg, "int8") == bf16 // 2 + 2 * 28 * 16 * 4
 
 
+def test_zeroing_pages_zeroes_their_keys_values_and_scales_in_every_layer():
+    """A failed row's pages are zeroed before they are handed out again (`Runner.zero_pages`): in an int8 pool their
+    scales too, which lie page-major; an id past the pool is dropped."""
+    cache = kv_cache.init_cache(config.preset("test-tiny"), 6, 4, "int8")
+    cache = kv_cache.KVCache(*(jnp.ones_like(x) for x in cache)).zero_pages(jnp.asarray([2, 4, 6]))
+    for pool in cache[:2]:  # [H, L, pages, page_size, K]
+        assert not np.asarray(pool[:, :, [2, 4]]).any() and np.asarray(pool[:, :, [0, 1, 3, 5]]).all()
+    for scales in cache[2:]:  # [L, pages, H, page_size]
+        assert not np.asarray(scales[:, [2, 4]]).any() and np.asarray(scales[:, [0, 1, 3, 5]]).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kernel, mesh, dtype",
@@ -50,31 +61,41 @@ def test_an_int8_pool_takes_half_the_bytes_of_bfloat16_and_a_scale():
      ("gpu", "data=2,fsdp=2,model=2", "float32"), ("tpu", "data=2,fsdp=2,model=2", "float32")],
 )  # fmt: skip
 def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dtype):
-    """Rows of one token, a whole page, a page and one, two pages: each kernel's output equals softmax(q k) v over the
-    dequantized pages gathered in table order (float32 queries: to rounding; bfloat16: to its 8 bits)."""
+    """Rows of one token, a whole page, a page and one, two pages, none: each kernel's output equals softmax(q k) v over
+    the dequantized pages gathered in table order (float32 queries: to rounding; bfloat16: to its 8 bits). A table's
+    entries past its row's length name page 0, whose scales are NaN here (a failed row's page may hold NaN): no kernel
+    may let it through. meshlm's TPU kernel gives a row of no tokens zeros."""
     from jax.experimental.pallas import tpu as pltpu
 
     from meshlm.paged_attention import paged_attention
     from meshlm.sharding import make_mesh
 
-    B, H, K, pages, size = 4, 4, 128, 12, 16
+    B, H, K, pages, size = 8, 4, 128, 20, 16
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (B, H, K)) / np.sqrt(K)
     (k, ks), (v, vs) = (kv_cache.quantize(jax.random.normal(key, (H, pages, size, K))) for key in keys[1:])
-    table = jnp.asarray(np.random.default_rng(1).permutation(np.arange(1, pages))[: B * 2].reshape(B, 2), jnp.int32)
-    lengths = jnp.asarray([1, 16, 17, 32], jnp.int32)
+    ks, vs = (s.at[:, 0].set(jnp.nan) for s in (ks, vs))
+    lengths = jnp.asarray([1, 16, 17, 32, 0, 5, 20, 31], jnp.int32)
+    table = np.random.default_rng(1).permutation(np.arange(1, pages))[: B * 2].reshape(B, 2)
+    table[np.arange(2)[None] * size >= np.asarray(lengths)[:, None]] = 0  # past the row's length: page 0
+    table = jnp.asarray(table, jnp.int32)
+    held = jnp.arange(2 * size)[None, :, None, None] < lengths[:, None, None, None]
     gathered = [jnp.moveaxis(kv_cache.dequantize(x[:, table], s[:, table], jnp.float32).reshape(H, B, 2 * size, K),
                              0, 2) for x, s in ((k, ks), (v, vs))]  # fmt: skip
-    scores = jnp.einsum("bhk,bshk->bhs", q, gathered[0])
+    scores = jnp.einsum("bhk,bshk->bhs", q, jnp.where(held, gathered[0], 0))
     scores = jnp.where(jnp.arange(2 * size) < lengths[:, None, None], scores, -jnp.inf)
-    expected = jnp.einsum("bhs,bshk->bhk", jax.nn.softmax(scores, -1), gathered[1])
+    expected = jnp.einsum("bhs,bshk->bhk", jax.nn.softmax(scores, -1), jnp.where(held, gathered[1], 0))
     ks, vs = (jnp.swapaxes(s, 0, 1) for s in (ks, vs))  # as the pool keeps them: [pages, H, page_size]
     attend = jax.jit(lambda q, k, v, table, lengths, ks, vs: paged_attention(q, k, v, table, lengths, kernel, ks, vs))
     interpreted = pltpu.force_tpu_interpret_mode() if kernel == "tpu" else contextlib.nullcontext()
     with interpreted, jax.set_mesh(make_mesh(mesh)) if mesh else contextlib.nullcontext():
         got = attend(q.astype(dtype), k, v, table, lengths, ks, vs)
     tolerance = 2e-2 if dtype == "bfloat16" else 2e-5
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=tolerance, rtol=0)
+    rows = np.asarray(lengths) > 0
+    got = np.asarray(got, np.float32)
+    np.testing.assert_allclose(got[rows], np.asarray(expected)[rows], atol=tolerance, rtol=0)
+    if kernel == "tpu":
+        assert not got[~rows].any()
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the array whose copy gives the GB/s")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
-    parser.add_argument("--profile", default="", help="a folder for a profile of the last row count's call")
+    parser.add_argument("--profile", default="", help="a folder for a profile of the last context and row count's call")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
     args = parser.parse_args()
     args.page_size = EngineConfig(page_size=args.page_size).tokens_per_page(jax.default_backend())
@@ -126,7 +126,7 @@ def main() -> None:
             return out
 
         step_s = best_of(call, args.repeats) / args.steps
-        if args.profile and rows == int(args.rows.split(",")[-1]):
+        if args.profile and (context, rows) == (int(args.context.split(",")[-1]), int(args.rows.split(",")[-1])):
             with jax.profiler.trace(args.profile):
                 jax.block_until_ready(call())
         first = firsts.setdefault(context, step_s)

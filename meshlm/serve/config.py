@@ -79,7 +79,8 @@ class EngineConfig:
     def context(self, model_context: int) -> int:
         """A row's tokens at most: `max_len`, or the model's context; InputError for more than the model's."""
         if self.max_len is not None and self.max_len > model_context:
-            raise InputError(f"max_len must be in [2, {model_context}] (the model's context), got {self.max_len}")
+            least = LEAST["max_len"]
+            raise InputError(f"max_len must be in [{least}, {model_context}] (the model's context), got {self.max_len}")
         return self.max_len or model_context
 
     def speculated(self, drafting: bool) -> int:

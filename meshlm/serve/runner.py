@@ -728,9 +728,7 @@ class Runner:
         return _on_host(self._call(_speculate, jax.tree.map(self._from_host, batch)))
 
 
-@partial(jax.jit, donate_argnums=0)
-def _zero_pages(cache: kv_cache.KVCache, pages: jax.Array) -> kv_cache.KVCache:
-    return cache.zero_pages(pages)
+_zero_pages = jax.jit(kv_cache.KVCache.zero_pages, donate_argnums=0)
 
 
 def _on_host(out: Step) -> Step:

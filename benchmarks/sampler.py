@@ -2,11 +2,11 @@
 
 1. Sampling filters: top-k and top-p read off each row's 256 largest logits (today's `filter_logits`)
    against the exact bisection filters they replace (32 masked passes over the vocabulary each).
-2. The whole choice of a token (`generate.choose`: penalties, filters, the draw, logprobs) against the
-   same function at an earlier revision (`--before`, read with `git show`): the Gumbel-max draw and the
-   one-pass penalties against the inverse-CDF draw and the penalties one cond each.
+2. The whole choice of a token (`sampler.choose`: penalties, filters, the draw, logprobs) against the
+   same function at an earlier revision (`--before`, its `meshlm/serve/sampler.py` read with `git show`):
+   the two-level inverse-CDF draw against the Gumbel-max draw it replaced.
 
-    python benchmarks/sampler.py [--rows 16 --vocab 50400 --repeats 20 --before cc9d5e3]
+    python benchmarks/sampler.py [--rows 16 --vocab 50400 --repeats 20 --before 5074e56]
 
 Settings: top-k 50 with top-p 0.9, top-p 0.95 alone, top-k 40 alone, all at temperature 0.8, on confident
 rows (normal logits, standard deviation 6: a nucleus of about 10 tokens) and on uncertain ones (deviation 3:
@@ -21,7 +21,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +33,20 @@ from meshlm.serve import sampler as gen
 from meshlm.serve.params import SamplingParams
 
 
-def generate_at(revision: str) -> ModuleType:
-    """meshlm/generate.py (the sampler before meshlm/serve/) as it was at `revision`, imported as a module."""
-    source = subprocess.run(["git", "show", f"{revision}:meshlm/generate.py"], capture_output=True, text=True,
+def sampler_at(revision: str) -> ModuleType:
+    """meshlm/serve/sampler.py as it was at `revision`, imported as a module."""
+    source = subprocess.run(["git", "show", f"{revision}:meshlm/serve/sampler.py"], capture_output=True, text=True,
                             check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout  # fmt: skip
-    spec = importlib.util.spec_from_loader("generate_before", loader=None)
+    spec = importlib.util.spec_from_loader("sampler_before", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
-    exec(compile(source, f"{revision}:meshlm/generate.py", "exec"), module.__dict__)
+    exec(compile(source, f"{revision}:meshlm/serve/sampler.py", "exec"), module.__dict__)
     return module
 
 
 def choose_steps(rows: int, vocab: int, repeats: int, before: str) -> None:
     """Per-step cost of `choose` now and at `before`, for each kind of row a server sees."""
-    old = generate_at(before)
+    old = sampler_at(before)
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(0, 4, (rows, vocab)).astype(np.float32))
     seen = jnp.asarray(rng.random((rows, vocab)) < 0.01)
@@ -66,10 +66,9 @@ def choose_steps(rows: int, vocab: int, repeats: int, before: str) -> None:
     }
     for name, kw in settings.items():
         steps = {}
-        now = SimpleNamespace(SamplingParams=SamplingParams, settings_for=batch.settings_for, choose=gen.choose)
-        for side, module in (("now", now), ("before", old)):
-            params = [module.SamplingParams(**kw, seed=i) for i in range(rows)]
-            s = jax.tree.map(jnp.asarray, module.settings_for(params, rows))
+        params = [SamplingParams(**kw, seed=i) for i in range(rows)]
+        s = jax.tree.map(jnp.asarray, batch.settings_for(params, rows))
+        for side, module in (("now", gen), ("before", old)):
             step = jax.jit(lambda x, s, m=module: m.choose(x, seen, count, s, vocab, counts=counts)[0])
             steps[side] = lambda step=step, s=s: jax.block_until_ready(step(logits, s))
         t = best_times(steps, repeats)
@@ -82,7 +81,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50400)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--before", default="cc9d5e3", help="the revision whose choose is the peer")
+    ap.add_argument("--before", default="5074e56", help="the revision whose choose is the peer")
     args = ap.parse_args()
     load = os.getloadavg()[0]
 

@@ -308,7 +308,7 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
 
 
 def inverse_cdf(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """The sampler `choose` used before its Gumbel-max draw: one uniform per row against the cumulative sum."""
+    """numpy's one-level inverse CDF: one uniform per row against the cumulative sum."""
     cdf = np.cumsum(probs, axis=-1)
     u = rng.random(len(probs)) * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[-1] - 1)
@@ -335,10 +335,10 @@ def inverse_cdf(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     ],
     ids=["plain", "cold", "top_k", "top_p", "top_k_top_p_min_p", "penalties_bias_min_tokens"],
 )
-def test_gumbel_max_draws_match_the_inverse_cdf_sampler(settings):
-    """Two-sample chi-square over 20,000 seeded rows of a 64-token vocabulary: the Gumbel-max draws of
-    `choose` against the inverse-CDF draws it replaced, both from the penalised and filtered
-    distribution `choose` computes. Tokens the filters or the ban remove are never drawn."""
+def test_draws_match_numpys_inverse_cdf_sampler(settings):
+    """Two-sample chi-square over 20,000 seeded rows of a 64-token vocabulary: the draws of `choose` against
+    numpy's inverse-CDF draws from the penalised and filtered distribution `choose` computes. Tokens the
+    filters or the ban remove are never drawn. (Several of the draw's blocks: the test below.)"""
     from scipy import stats
 
     n, V = N_ROWS, 64
@@ -351,15 +351,42 @@ def test_gumbel_max_draws_match_the_inverse_cdf_sampler(settings):
     token, *_ = gen.choose(logits, seen, count, s, V, counts=counts)
     one = jax.tree.map(lambda a: a[:1], s)
     probs = np.asarray(gen.distribution(gen.penalize(logits[:1], seen[:1], counts[:1], count[:1], one), one))[0]
-    gumbel = np.bincount(np.asarray(token), minlength=V)
+    drawn = np.bincount(np.asarray(token), minlength=V)
     before = np.bincount(inverse_cdf(np.broadcast_to(probs, (n, V)), rng), minlength=V)
-    assert gumbel[probs == 0].sum() == 0
+    assert drawn[probs == 0].sum() == 0
     common = n * probs >= 5  # tokens expected at least 5 times; the rare ones pooled into one bin
     assert common.sum() > 3  # a real choice
     rare = ~common & (probs > 0)
-    table = [np.append(c[common], c[rare].sum()) if rare.any() else c[common] for c in (gumbel, before)]
+    table = [np.append(c[common], c[rare].sum()) if rare.any() else c[common] for c in (drawn, before)]
     _, p_value, *_ = stats.chi2_contingency(table)
-    assert p_value > 1e-3, (gumbel, before)
+    assert p_value > 1e-3, (drawn, before)
+
+
+@pytest.mark.parametrize("V", [1000, 3 * gen.DRAW_BLOCK])  # a last block part full; whole blocks
+def test_a_draw_over_several_blocks_follows_the_weights_and_never_takes_a_zero(V):
+    """`draw`'s two levels (a block by the blocks' sums, then a token of it) over a vocabulary of several
+    blocks: chi-square goodness of fit of 20,000 seeded rows against uneven weights, and the tokens of
+    weight 0 (the vocabulary's first and last, a block's last and the next one's first, a whole block)
+    never drawn."""
+    from scipy import stats
+
+    n, block = N_ROWS, gen.DRAW_BLOCK
+    weights = np.random.default_rng(11).exponential(1.0, V) ** 3
+    zero = np.zeros(V, bool)
+    zero[[0, V - 1, block - 1, block]] = True
+    zero[block : 2 * block] = True
+    weights[zero] = 0.0
+    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+    tokens = np.asarray(gen.draw(jnp.broadcast_to(jnp.asarray(weights, jnp.float32), (n, V)), keys))
+    counts = np.bincount(tokens, minlength=V)
+    assert counts.size == V and counts[zero].sum() == 0
+    expected = n * weights / weights.sum()
+    common = expected >= 5  # the rare tokens pooled into one bin
+    rare = ~common & ~zero
+    assert common.sum() > 20 and {t // block for t in np.flatnonzero(common)} >= {0, 2}  # blocks both sides
+    observed, wanted = (np.append(c[common], c[rare].sum()) for c in (counts, expected))
+    _, p_value = stats.chisquare(observed, wanted)
+    assert p_value > 1e-3, (observed, wanted)
 
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0], np.float32)  # the target of the chi-square tests

@@ -56,19 +56,24 @@ def test_zeroing_pages_zeroes_their_keys_values_and_scales_in_every_layer():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kernel, mesh, dtype",
-    [("gpu", None, "float32"), ("tpu", None, "float32"), ("tpu", None, "bfloat16"),
-     ("gpu", "data=2,fsdp=2,model=2", "float32"), ("tpu", "data=2,fsdp=2,model=2", "float32")],
+    "kernel, mesh, dtype, head_group",
+    [("gpu", None, "float32", None), ("tpu", None, "float32", None), ("tpu", None, "bfloat16", None),
+     ("tpu", None, "float32", 3),  # the TPU kernel's heads in groups of 3 and 1
+     ("gpu", "data=2,fsdp=2,model=2", "float32", None), ("tpu", "data=2,fsdp=2,model=2", "float32", None)],
 )  # fmt: skip
-def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dtype):
+def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dtype, head_group, monkeypatch):
     """Rows of one token, a whole page, a page and one, two pages, none: each kernel's output equals softmax(q k) v over
     the dequantized pages gathered in table order (float32 queries: to rounding; bfloat16: to its 8 bits). A table's
     entries past its row's length name page 0, whose scales are NaN here (a failed row's page may hold NaN): no kernel
     may let it through. meshlm's TPU kernel gives a row of no tokens zeros."""
     from jax.experimental.pallas import tpu as pltpu
 
+    from meshlm import paged_attention as module
     from meshlm.paged_attention import paged_attention
     from meshlm.sharding import make_mesh
+
+    if head_group:
+        monkeypatch.setattr(module, "HEAD_GROUP", head_group)
 
     B, H, K, pages, size = 8, 4, 128, 20, 16
     keys = jax.random.split(jax.random.key(1), 3)

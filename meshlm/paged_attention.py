@@ -1,21 +1,22 @@
-"""Decode attention straight from the paged KV pool with JAX's Pallas paged-attention kernels.
+"""Decode attention straight from the paged KV pool with Pallas paged-attention kernels.
 
 A decode step's query (one token per row) attends over the row's pages without gathering them into a
 contiguous [B, S, H, K] copy first. Two kernels take the same pool layout, [H, pages, page_size, K]:
 
 - "gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton); on a CPU it runs in Pallas'
   interpreter, which is how the tests check it against the gather path;
-- "tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic) for bfloat16 pools, and this module's
-  own kernel (`_int8_tpu`) for int8 pools; the tests run both in the TPU interpreter.
+- "tpu": this module's own Mosaic kernel (`_tpu`), for float and int8 pools; the tests run it in the TPU
+  interpreter.
 
-An int8 pool keeps a float32 scale per token and head (`kv_cache.KVCache`: [pages, H, page_size] here, one
-lane a token). JAX's TPU kernel takes such scales only as a [H, pages, page_size, K] array, which it
-broadcasts in HBM over the whole pool in every layer (gptj-1b at 4 rows on a v5e: 2.84 GB of temporaries
-against 0.41 with bfloat16), so an int8 pool cost more than a bfloat16 one. `_int8_tpu` reads a page of
-every head and its scales' [H, page_size] tile, both as they lie, and applies the scales where they are
-constant: a key's to its score, a value's to its probability. The GPU kernel takes the scales heads-first,
-[H, pages, page_size]: here every layer's call transposes the whole scale pool (all layers), 2 / 64 of the int8
-pool's bytes a layer at GPT-J's heads of 256, about 0.9x the pool a step over 28 layers (not measured on a GPU).
+JAX's TPU paged kernel did the work of a page as two matrix-unit products per head, each waiting on the last
+(4.6 us a 2 MB page of GPT-J's 16 heads on a v5e, where the page's DMA takes 3.2), and took an int8 pool's
+scales only as a [H, pages, page_size, K] array broadcast in HBM over the whole pool in every layer. `_tpu`
+makes two products a page per group of heads, and reads an int8 pool's float32 scales (`kv_cache.KVCache`:
+[pages, H, page_size] here, one lane a token) as they lie, a page's [H, page_size] tile beside its keys,
+applying them where they are constant: a key's to its score, a value's to its probability. The GPU kernel
+takes the scales heads-first, [H, pages, page_size]: here every layer's call transposes the whole scale pool
+(all layers), 2 / 64 of the int8 pool's bytes a layer at GPT-J's heads of 256, about 0.9x the pool a step
+over 28 layers (not measured on a GPU).
 
 Under a mesh a kernel runs per shard: rows split over the batch axes, heads over `model`, the pool
 (heads over `model`, every page on every batch shard) as it lies.
@@ -23,7 +24,6 @@ Under a mesh a kernel runs per shard: rows split over the batch axes, heads over
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
-from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
 
 from meshlm.sharding import spec_for, traced_backend
 
@@ -41,24 +40,25 @@ Array = jax.Array
 Scale = jax.Array | None
 
 BLOCK_H = 16  # the GPU kernel's query heads per block (its minimum; one KV head's queries are padded to it)
-TPU_BLOCK_PAGES = 8  # pages the TPU kernel reads per block: fewer made a decode step 30x its bandwidth time
-HEAD_GROUP = 16  # heads whose page `_int8_tpu_kernel` takes in one product a side (its work grows as their square)
+HEAD_GROUP = 16  # heads whose page `_tpu_kernel` takes in one product a side (its work grows as their square)
 
 
-def _int8_tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref):
-    """Program (b, j): page j of row b, every head. Keys [H, page_size, K] int8 and their scales [H, page_size]
-    in; per head the page's scores, an online softmax's running max (m), sum (l) and weighted values (acc)
-    updated; row b's output from them after its last page. Pages past the row's length are neither read
-    (their block index repeats the last page's) nor computed.
+def _tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs):
+    """Program (b, j): page j of row b, every head. Keys [H, page_size, K] (int8 ones with their scales
+    [H, page_size], the refs before the output's) in; per head the page's scores, an online softmax's running
+    max (m), sum (l) and weighted values (acc) updated; row b's output from them after its last page. Pages
+    past the row's length are neither read (their block index repeats the last page's) nor computed.
 
     A group of up to HEAD_GROUP heads makes two matrix-unit products a page: its queries [G, K] against all
     its keys [G * page_size, K] (head h's scores: row h of its own block of lanes), and block-diagonal
     weights [G, G * page_size] against all its values. One product per head and side left the core waiting
-    on each result in turn: 4.6 us a page of 16 heads of 256 on a v5e, against 1.6 us now, the time its
+    on each result in turn: an int8 page of 16 heads of 256 took 4.6 us on a v5e, 1.6 us now, the time its
     DMAs take (BENCHMARKS.md)."""
+    *scale_refs, o_ref, m_ref, l_ref, acc_ref = refs
     b, j = pl.program_id(0), pl.program_id(1)
     H, size, K = k_ref.shape
     length = lengths_ref[b]
+    scaled = lambda x, i, heads: x * scale_refs[i][heads, :] if scale_refs else x
 
     @pl.when(j == 0)
     def _start() -> None:
@@ -80,13 +80,13 @@ def _int8_tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref
             scores = jnp.zeros((G, size), jnp.float32)
             for g in range(G):
                 scores = jnp.where(own == g, every[:, g * size : (g + 1) * size], scores)
-            scores = jnp.where(held, scores * ks_ref[heads, :], -jnp.inf)
+            scores = jnp.where(held, scaled(scores, 0, heads), -jnp.inf)
             m_prev = m_ref[heads, :]  # [G, 128], its lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
             p = jnp.exp(scores - m_next[:, :1])
             alpha = jnp.exp(m_prev - m_next)
             m_ref[heads, :], l_ref[heads, :] = m_next, alpha * l_ref[heads, :] + jnp.sum(p, axis=1, keepdims=True)
-            weights = jnp.where(held, p * vs_ref[heads, :], 0.0)  # a NaN scale past the length stays out
+            weights = jnp.where(held, scaled(p, 1, heads), 0.0)  # a NaN scale past the length stays out
             blocks = jnp.concatenate([jnp.where(own == g, weights, 0.0) for g in range(G)], axis=1)
             values = v_ref[heads].reshape(G * size, K).astype(dtype)
             out = product(blocks.astype(dtype), values, (((1,), (0,)), ((), ())))  # [G, K]
@@ -98,9 +98,9 @@ def _int8_tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref
         o_ref[...] = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def _int8_tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Array, v_scale: Array) -> Array:
-    """`_int8_tpu_kernel` over rows' tables [B, n] of pools [H, pages, page_size, K] int8 with scales [pages, H,
-    page_size]: [B, H, K] in q's dtype."""
+def _tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Scale, v_scale: Scale) -> Array:
+    """`_tpu_kernel` over rows' tables [B, n] of pools [H, pages, page_size, K] (int8 ones with scales [pages,
+    H, page_size]): [B, H, K] in q's dtype."""
     H, _, size, K = k.shape
     B, n = table.shape
 
@@ -110,39 +110,27 @@ def _int8_tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scal
 
     rows = pl.BlockSpec((None, H, K), lambda b, j, *_: (b, 0, 0))
     pool = pl.BlockSpec((H, None, size, K), lambda b, j, *refs: (0, page(b, j, *refs), 0, 0))
-    scales = pl.BlockSpec((None, H, size), lambda b, j, *refs: (page(b, j, *refs), 0, 0))
+    scales = [pl.BlockSpec((None, H, size), lambda b, j, *refs: (page(b, j, *refs), 0, 0))] * 2
+    scaled = k_scale is not None
     return pl.pallas_call(
-        _int8_tpu_kernel,
+        _tpu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, n),
-            in_specs=[rows, pool, pool, scales, scales],
+            in_specs=[rows, pool, pool] + (scales if scaled else []),
             out_specs=rows,
             scratch_shapes=[pltpu.VMEM((H, 128), jnp.float32)] * 2 + [pltpu.VMEM((H, K), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((B, H, K), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-    )(lengths.astype(jnp.int32), table.astype(jnp.int32), q, k, v, k_scale, v_scale)
+    )(lengths.astype(jnp.int32), table.astype(jnp.int32), q, k, v, *((k_scale, v_scale) if scaled else ()))
 
 
 def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:
     """kernel(q, k_pages, v_pages, table, lengths, k_scale, v_scale) for a table of `pages_per_row` pages
     (the scales None for a float pool)."""
     if name == "tpu":
-        call = functools.partial(tpu_kernel, pages_per_compute_block=TPU_BLOCK_PAGES)
-
-        def tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Scale, v_scale: Scale) -> Array:
-            if k_scale is not None:
-                return _int8_tpu(q, k, v, table, lengths, k_scale, v_scale)
-            # the kernel multiplies float32 queries by a bfloat16 pool's keys, which Mosaic compiles only at the
-            # default precision: a caller's "highest" (a parity test's) would stop the compile
-            mixed = k.dtype == jnp.bfloat16
-            # whole blocks: the padding names page 0, and the kernel reads no block past a row's length
-            table = jnp.pad(table, ((0, 0), (0, -pages_per_row % TPU_BLOCK_PAGES)))
-            with jax.default_matmul_precision("default") if mixed else contextlib.nullcontext():
-                return call(q, k, v, lengths, table)
-
-        return tpu
+        return _tpu
     splits = math.gcd(pages_per_row, 16)  # the sequence is split over up to 16 partitions of whole blocks
     call = functools.partial(
         gpu_kernel.paged_attention,

@@ -470,7 +470,7 @@ def test_the_paged_kernels_equal_the_gather_path(kernel, mesh):
     """Both Pallas paged-attention kernels (interpreted here: the GPU one by Pallas, the TPU one in TPU
     interpret mode) give the attention of one query per row over pages scattered in the pool, to the
     first `lengths` tokens, alone and per shard of a mesh. The GPU kernel on a float32 pool; the TPU kernel
-    reads bfloat16 keys and values only, so on a bfloat16 pool."""
+    on a bfloat16 one, the float pool the resolver gives it (its int8 pool: tests/test_kv_int8.py)."""
     from jax.experimental.pallas import tpu as pltpu
 
     from meshlm.paged_attention import paged_attention

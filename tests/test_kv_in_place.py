@@ -250,8 +250,8 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
     params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
     rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
     pages = rows * width + 1
-    # at the highest matmul precision (the tpu tier's parity tests set it): the paged kernel's float32 x bfloat16
-    # product compiles only at the default, which it sets for itself
+    # at the highest matmul precision (the tpu tier's parity tests set it), under which Mosaic refused JAX's paged
+    # kernel's float32 x bfloat16 product: meshlm's kernel names its products' precision by the query's dtype
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         lowered = runner.lower(program, cfg, policy, mesh, rows=rows, pages=pages, width=width, params=params,
                                page_size=page, length=2 * page)  # fmt: skip

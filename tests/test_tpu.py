@@ -116,7 +116,7 @@ def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
 
 
 def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
-    """bfloat16, on the chip: decode steps by JAX's paged attention kernel, reading the pool in place, give the
+    """bfloat16, on the chip: decode steps by meshlm's paged kernel, reading the pool in place, give the
     log-probs of the same tokens as the gather path (attention "xla") within bfloat16's rounding."""
     paged, gathered = engine_outputs("tpu", "bfloat16"), engine_outputs("tpu", "bfloat16", attention="xla")
     for p, g in zip(paged, gathered, strict=True):

@@ -11,11 +11,11 @@ kernel; the model runs what it names. Every kernel's limits are written here and
   mesh axes (it runs per shard).
 - `cudnn`: GPU (`jax.nn.dot_product_attention(implementation="cudnn")`). Any phase over contiguous keys,
   with the mask and a bias. float16 / bfloat16 under "auto"; what cuDNN refuses falls back to XLA.
-- `paged_tpu`: TPU (`jax.experimental.pallas.ops.tpu.paged_attention` for bfloat16 pools, meshlm's own kernel
-  for int8 ones: `meshlm.paged_attention`). Decode steps (one query per row) read in place from the paged pool.
-  Limits: bfloat16 or int8 pools; head sizes of a multiple of 128 (a Pythia or GPT-Neo head of 64 does not
-  lower in JAX's kernel, and an int8 pool of such heads takes a layout of XLA's own that the kernel's call
-  copies); no bias, no local window.
+- `paged_tpu`: TPU (meshlm's own Mosaic kernel, `meshlm.paged_attention`). Decode steps (one query per row)
+  read in place from the paged pool. Limits: bfloat16 or int8 pools (the ones measured on a chip; a float32
+  model's pool is gathered); head sizes of a multiple of 128 (heads of 64, Pythia's or GPT-Neo's, are not
+  measured on a chip, and an int8 pool of them takes a layout of XLA's own that the kernel's call copies); no
+  bias, no local window.
 - `paged_gpu`: GPU (`jax.experimental.pallas.ops.gpu.paged_attention`; interpreted on a CPU with
   `attention: pallas`). Decode steps, as above. Limits: no bias, no local window.
 - `xla`: everywhere, everything: einsum-softmax-einsum with float32 scores over a [B, T, S] mask, whose

@@ -9,7 +9,8 @@ contiguous [B, S, H, K] copy first. Two kernels take the same pool layout, [H, p
   interpreter.
 
 JAX's TPU paged kernel did the work of a page as two matrix-unit products per head, each waiting on the last
-(4.6 us a 2 MB page of GPT-J's 16 heads on a v5e, where the page's DMA takes 3.2), and took an int8 pool's
+(about 4.6 us a 2 MB page of GPT-J's 16 heads on a v5e, from its decode steps' times, where the page's DMA takes
+3.2), and took an int8 pool's
 scales only as a [H, pages, page_size, K] array broadcast in HBM over the whole pool in every layer. `_tpu`
 makes two products a page per group of heads, and reads an int8 pool's float32 scales (`kv_cache.KVCache`:
 [pages, H, page_size] here, one lane a token) as they lie, a page's [H, page_size] tile beside its keys,
@@ -58,7 +59,10 @@ def _tpu_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs):
     b, j = pl.program_id(0), pl.program_id(1)
     H, size, K = k_ref.shape
     length = lengths_ref[b]
-    scaled = lambda x, i, heads: x * scale_refs[i][heads, :] if scale_refs else x
+
+    def scaled(x: Array, side: int, heads: slice) -> Array:
+        """Scores (side 0) or probabilities (side 1) of `heads` times their keys' or values' scales, if any."""
+        return x * scale_refs[side][heads, :] if scale_refs else x
 
     @pl.when(j == 0)
     def _start() -> None:

@@ -366,14 +366,14 @@ def test_draws_match_numpys_inverse_cdf_sampler(settings):
 def test_a_draw_over_several_blocks_follows_the_weights_and_never_takes_a_zero(V):
     """`draw`'s two levels (a block by the blocks' sums, then a token of it) over a vocabulary of several
     blocks: chi-square goodness of fit of 20,000 seeded rows against uneven weights, and the tokens of
-    weight 0 (the vocabulary's first and last, a block's last and the next one's first, a whole block)
-    never drawn."""
+    weight 0 (the vocabulary's first and last, a whole block, and the tokens beside it in the blocks either
+    side) never drawn."""
     from scipy import stats
 
     n, block = N_ROWS, gen.DRAW_BLOCK
     weights = np.random.default_rng(11).exponential(1.0, V) ** 3
     zero = np.zeros(V, bool)
-    zero[[0, V - 1, block - 1, block]] = True
+    zero[[0, V - 1, block - 1, 2 * block]] = True
     zero[block : 2 * block] = True
     weights[zero] = 0.0
     keys = jax.vmap(jax.random.key)(jnp.arange(n))
@@ -387,6 +387,19 @@ def test_a_draw_over_several_blocks_follows_the_weights_and_never_takes_a_zero(V
     observed, wanted = (np.append(c[common], c[rare].sum()) for c in (counts, expected))
     _, p_value = stats.chisquare(observed, wanted)
     assert p_value > 1e-3, (observed, wanted)
+
+
+def test_a_draw_takes_no_zero_weight_at_either_end_and_a_row_without_weight_draws_past_the_vocabulary():
+    """The edges a statistical test cannot reach (u of 2^-24 and of 1): the first and the last token of
+    positive weight, never the zeros around them. A row of NaN weights or none above 0 (a diverged
+    adapter's logits) draws V, an id past the vocabulary, which the scheduler fails as it fails a greedy
+    row's (tests/test_faults_live.py)."""
+    weights = jnp.asarray([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]] * 2)
+    assert np.asarray(gen._first_reaching(weights, jnp.asarray([2.0**-24, 1.0]))).tolist() == [2, 4]
+    rows = jnp.asarray([[np.nan] * 7, [0.0] * 7, [0.0] * 5 + [3.0, 0.0]])
+    keys = jax.vmap(jax.random.key)(jnp.arange(3))
+    assert np.asarray(gen.draw(rows, keys)).tolist() == [7, 7, 5]
+    assert np.asarray(gen.sample(jnp.full((1, 600), np.nan), keys[:1])).tolist() == [600]
 
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0], np.float32)  # the target of the chi-square tests

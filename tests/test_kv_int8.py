@@ -65,7 +65,8 @@ def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dt
     """Rows of one token, a whole page, a page and one, two pages, none: each kernel's output equals softmax(q k) v over
     the dequantized pages gathered in table order (float32 queries: to rounding; bfloat16: to its 8 bits). A table's
     entries past its row's length name page 0, whose scales are NaN here (a failed row's page may hold NaN): no kernel
-    may let it through. meshlm's TPU kernel gives a row of no tokens zeros."""
+    may let it through. meshlm's TPU kernel gives a row of no tokens zeros, and keeps out NaN scales past a row's length
+    inside its last page too."""
     from jax.experimental.pallas import tpu as pltpu
 
     from meshlm import paged_attention as module
@@ -83,6 +84,10 @@ def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dt
     lengths = jnp.asarray([1, 16, 17, 32, 0, 5, 20, 31], jnp.int32)
     table = np.random.default_rng(1).permutation(np.arange(1, pages))[: B * 2].reshape(B, 2)
     table[np.arange(2)[None] * size >= np.asarray(lengths)[:, None]] = 0  # past the row's length: page 0
+    if kernel == "tpu":  # meshlm's kernel also keeps out a NaN past the length inside a row's last page
+        for row, length in enumerate(np.asarray(lengths)):
+            if length % size:
+                ks, vs = (s.at[:, table[row, length // size], length % size :].set(jnp.nan) for s in (ks, vs))
     table = jnp.asarray(table, jnp.int32)
     held = jnp.arange(2 * size)[None, :, None, None] < lengths[:, None, None, None]
     gathered = [jnp.moveaxis(kv_cache.dequantize(x[:, table], s[:, table], jnp.float32).reshape(H, B, 2 * size, K),

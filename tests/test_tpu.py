@@ -126,7 +126,7 @@ def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
 
 
 def test_an_int8_pool_on_the_chip_serves_what_it_serves_on_the_cpu():
-    """float32 compute over an int8 pool: on the chip meshlm's int8 paged kernel reads the pages and their scales in
+    """float32 compute over an int8 pool: on the chip meshlm's paged kernel reads the pages and their scales in
     place (the scales written by the DMA kernels), on the CPU the gather path dequantizes them; both quantize the
     same keys and values, so they choose the same tokens, their log-probs within a rounding step's effect."""
     tpu, cpu = (engine_outputs(platform, "float32", kv_cache_dtype="int8") for platform in ("tpu", "cpu"))

@@ -143,31 +143,42 @@ DRAW_BLOCK = 256  # tokens per block of `draw`'s first level
 
 def sample(logits: jax.Array, keys: jax.Array) -> jax.Array:
     """One draw per row from softmax(logits): `draw` over exp(logits - the row's max). A token at -inf
-    (filtered out, or refused by an output constraint) has weight 0 and is never taken."""
+    (filtered out, or refused by an output constraint) has weight 0 and is never taken; a row of NaN logits
+    (a diverged adapter's) draws an id past the vocabulary, as its greedy argmax does, so the scheduler
+    fails it."""
     x = logits.astype(jnp.float32)
     return draw(jnp.exp(x - x.max(axis=-1, keepdims=True)), keys)
 
 
 def draw(weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """One draw per row in proportion to `weights` [B, V] (>= 0, not all 0), by inverting the cumulative sum
-    in two levels: a block of DRAW_BLOCK tokens by the blocks' sums, then a token of that block, one uniform
-    each: two uniforms a row where a Gumbel-max draw takes V, and two short scans where one over the whole
+    """One draw per row in proportion to `weights` [B, V] (>= 0), by inverting the cumulative sum in two
+    levels: a block of DRAW_BLOCK tokens by the blocks' sums, then a token of that block, one uniform each:
+    two uniforms a row where a Gumbel-max draw takes V, and two short scans where one over the whole
     vocabulary costs its length in steps. `choose` at temperature 0.8 over 16 rows x 50,400: 1.25 ms on a
-    2-core CPU against the Gumbel-max draw's 3.71 (`benchmarks/sampler.py`).
-    Each level takes the first entry whose cumulative sum reaches u * total, u in (0, 1]: an entry of
-    weight 0 adds nothing to the sum, so it is never the first to reach it."""
+    2-core CPU against the Gumbel-max draw's 3.71 (`benchmarks/sampler.py`). An entry of weight 0 is never
+    taken; a row with no positive total (NaN weights, or none above 0) draws V, an id past the vocabulary."""
     B, V = weights.shape
     blocks = -(-V // DRAW_BLOCK)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, blocks * DRAW_BLOCK - V))).reshape(B, blocks, DRAW_BLOCK)
     u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)  # [B, 2] in (0, 1]
-    block = _first_reaching(jnp.cumsum(w.sum(axis=-1), axis=-1), u[:, 0])
+    sums = w.sum(axis=-1)  # [B, blocks]
+    block = jnp.maximum(_first_reaching(sums, u[:, 0]), 0)
     chosen = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [B, DRAW_BLOCK]
-    return block * DRAW_BLOCK + _first_reaching(jnp.cumsum(chosen, axis=-1), u[:, 1])
+    token = block * DRAW_BLOCK + _first_reaching(chosen, u[:, 1])
+    return jnp.where(sums.sum(axis=-1) > 0, token, V)
 
 
-def _first_reaching(cdf: jax.Array, u: jax.Array) -> jax.Array:
-    """Per row of cumulative sums [B, n], the first index whose sum reaches u [B] times the row's total."""
-    return jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
+def _first_reaching(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row of `weights` [B, n], the first entry of positive weight whose cumulative sum reaches u [B]
+    (in (0, 1]) times the row's total. Where rounding leaves none reaching it (a parallel scan's sums need
+    not be exactly monotone), the last entry of positive weight; -1 where there is none."""
+    n = weights.shape[-1]
+    cdf = jnp.cumsum(weights, axis=-1)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    drawable = weights > 0
+    first = jnp.min(jnp.where(drawable & (cdf >= u[:, None] * cdf[:, -1:]), ids, n), axis=-1)
+    last = jnp.max(jnp.where(drawable, ids, -1), axis=-1)
+    return jnp.where(first < n, first, last)
 
 
 def used_vocabulary(logits: jax.Array, n_vocab_used: int) -> jax.Array:

@@ -92,11 +92,12 @@ def resolve(
             return _contiguous(impl, backend, dtype, f"the paged kernels take no {why}; the pool is gathered")
         if backend == "tpu" and impl in ("auto", "pallas"):
             if head_dim % TPU_LANES:
-                why = f"the TPU paged kernel takes heads of a multiple of {TPU_LANES} lanes, not {head_dim}"
-                return _contiguous(impl, backend, dtype, why + "; the pool is gathered")
+                why = f"heads of a multiple of {TPU_LANES} lanes (measured on a chip), not {head_dim}"
+                return _contiguous(impl, backend, dtype, f"the TPU paged kernel serves {why}; the pool is gathered")
             if dtype in ("bfloat16", "int8"):
                 return Kernel("paged_tpu", f"decode step on a TPU over a {dtype} pool")
-            return _contiguous(impl, backend, dtype, f"the TPU paged kernel reads bfloat16 and int8 pools, not {dtype}")
+            why = f"the TPU paged kernel serves bfloat16 and int8 pools (measured on a chip), not {dtype}"
+            return _contiguous(impl, backend, dtype, why)
         if (backend == "gpu" and impl == "auto") or impl == "pallas":
             return Kernel("paged_gpu", f"decode step, attention {impl!r} on {backend}", interpret=backend == "cpu")
     if phase == "train" and (impl == "splash" or (impl == "auto" and backend == "tpu")):

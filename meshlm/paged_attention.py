@@ -10,13 +10,12 @@ contiguous [B, S, H, K] copy first. Two kernels take the same pool layout, [H, p
 
 JAX's TPU paged kernel did the work of a page as two matrix-unit products per head, each waiting on the last
 (about 4.6 us a 2 MB page of GPT-J's 16 heads on a v5e, from its decode steps' times, where the page's DMA takes
-3.2), and took an int8 pool's
-scales only as a [H, pages, page_size, K] array broadcast in HBM over the whole pool in every layer. `_tpu`
-makes two products a page per group of heads, and reads an int8 pool's float32 scales (`kv_cache.KVCache`:
-[pages, H, page_size] here, one lane a token) as they lie, a page's [H, page_size] tile beside its keys,
-applying them where they are constant: a key's to its score, a value's to its probability. The GPU kernel
-takes the scales heads-first, [H, pages, page_size]: here every layer's call transposes the whole scale pool
-(all layers), 2 / 64 of the int8 pool's bytes a layer at GPT-J's heads of 256, about 0.9x the pool a step
+3.2), and took an int8 pool's scales only as a [H, pages, page_size, K] array broadcast in HBM over the whole pool
+in every layer. `_tpu` makes two products a page per group of heads, and reads an int8 pool's float32 scales
+(`kv_cache.KVCache`: [pages, H, page_size] here, one lane a token) as they lie, a page's [H, page_size] tile
+beside its keys, applying them where they are constant: a key's to its score, a value's to its probability. The
+GPU kernel takes the scales heads-first, [H, pages, page_size]: here every layer's call transposes the whole scale
+pool (all layers), 2 / 64 of the int8 pool's bytes a layer at GPT-J's heads of 256, about 0.9x the pool a step
 over 28 layers (not measured on a GPU).
 
 Under a mesh a kernel runs per shard: rows split over the batch axes, heads over `model`, the pool
@@ -115,19 +114,19 @@ def _tpu(q: Array, k: Array, v: Array, table: Array, lengths: Array, k_scale: Sc
     rows = pl.BlockSpec((None, H, K), lambda b, j, *_: (b, 0, 0))
     pool = pl.BlockSpec((H, None, size, K), lambda b, j, *refs: (0, page(b, j, *refs), 0, 0))
     scales = [pl.BlockSpec((None, H, size), lambda b, j, *refs: (page(b, j, *refs), 0, 0))] * 2
-    scaled = k_scale is not None
+    quantized = k_scale is not None
     return pl.pallas_call(
         _tpu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, n),
-            in_specs=[rows, pool, pool] + (scales if scaled else []),
+            in_specs=[rows, pool, pool] + (scales if quantized else []),
             out_specs=rows,
             scratch_shapes=[pltpu.VMEM((H, 128), jnp.float32)] * 2 + [pltpu.VMEM((H, K), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((B, H, K), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-    )(lengths.astype(jnp.int32), table.astype(jnp.int32), q, k, v, *((k_scale, v_scale) if scaled else ()))
+    )(lengths.astype(jnp.int32), table.astype(jnp.int32), q, k, v, *((k_scale, v_scale) if quantized else ()))
 
 
 def _kernel(name: str, pages_per_row: int) -> Callable[..., jax.Array]:

@@ -162,7 +162,7 @@ def draw(weights: jax.Array, keys: jax.Array) -> jax.Array:
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, blocks * DRAW_BLOCK - V))).reshape(B, blocks, DRAW_BLOCK)
     u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)  # [B, 2] in (0, 1]
     sums = w.sum(axis=-1)  # [B, blocks]
-    block = jnp.maximum(_first_reaching(sums, u[:, 0]), 0)
+    block = jnp.maximum(_first_reaching(sums, u[:, 0]), 0)  # -1 (no weight) gathers block 0; V is returned
     chosen = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [B, DRAW_BLOCK]
     token = block * DRAW_BLOCK + _first_reaching(chosen, u[:, 1])
     return jnp.where(sums.sum(axis=-1) > 0, token, V)

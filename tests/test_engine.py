@@ -16,6 +16,14 @@ from meshlm.serve.scheduler import lookup
 from tests.helpers.generation import greedy, hf_greedy
 
 PAGE = 4  # small pages, so short prompts span several and share some
+# Engines of one configuration share their compiled programs (the runner's steps are jitted functions, so an
+# engine of shapes compiled before compiles nothing), and compiling is most of this file's time: the tests whose
+# pool size proves nothing take one pool for their max_batch, TWO_ROWS_KV tokens for 2 rows and FOUR_ROWS_KV for 4,
+# and the one-row tests the warm-up test's shapes (ONE_ROW, NARROW), whose programs it compiles.
+TWO_ROWS_KV = 160
+FOUR_ROWS_KV = 256
+ONE_ROW = dict(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
+NARROW = 4 * PAGE  # MIN_DECODE_TOKENS of the one-row tests: narrow and whole tables at this small context
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def shared_prompts():
 def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared_prompts, prefix_caching):
     """Two slots for six prompts of different lengths and budgets: rows wait, join as others leave, and
     (with prefix caching) reuse the opening pages another row wrote; each row equals transformers."""
-    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=160, prefix_caching=prefix_caching)
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=TWO_ROWS_KV, prefix_caching=prefix_caching)
     budgets = [12, 5, 20, 9, 16, 7]
     got = engine.generate(shared_prompts, [greedy(n) for n in budgets], chunk=3)
     for prompt, n, completion in zip(shared_prompts, budgets, got, strict=True):
@@ -55,7 +63,7 @@ def test_rows_joining_mid_flight_decode_as_transformers_does(lm, hf_tiny, shared
 def test_rows_queued_together_compute_their_shared_opening_once(lm, hf_tiny, shared_prompts):
     """Four rows open with the same three pages (a multiple-choice task's continuations): the first writes
     them, the other three wait one prefill and find them cached; each row still equals transformers."""
-    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV)
     got = engine.generate(shared_prompts[:4], [greedy(3)] * 4)
     assert engine.snapshot().prefill_calls == 2 and engine.scheduler.pool.hits == 3 * 3 * PAGE
     for prompt, completion in zip(shared_prompts[:4], got, strict=True):
@@ -107,7 +115,7 @@ def test_the_default_pool_holds_max_batch_rows_of_max_len_in_whole_pages(lm):
 
 @pytest.mark.slow
 def test_a_row_holds_pages_only_for_its_tokens(lm):
-    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV)
     prompts = [[7 + i] * n for i, n in enumerate((3, 10, 17))]  # nothing shared: all three in one prefill
     budgets = sum(pages_for(len(p) + 30, PAGE) for p in prompts)
     for step, _ in enumerate(engine.run(prompts, [greedy(30)] * 3, chunk=2)):
@@ -120,8 +128,8 @@ def test_a_row_holds_pages_only_for_its_tokens(lm):
 
 
 @pytest.mark.slow
-def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypatch):
-    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=128)
+def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, hf_tiny, monkeypatch):
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=TWO_ROWS_KV)
     stream = engine.run([[1, 2, 3, 4, 5]], [greedy(40)], chunk=2)
     next(stream), next(stream)
     assert engine.scheduler.pool.used > 0
@@ -138,10 +146,12 @@ def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, monkeypa
         engine.generate([[1, 2, 3]] * 3, [greedy(10)] * 3)
     assert engine.scheduler.pool.used == 0 and not engine.has_work()
     monkeypatch.undo()
-    (after,) = engine.generate([[1, 2, 3]], [greedy(10)])  # the engine still works, from a fresh pool
-    assert after.tokens == lm.generate_tokens([[1, 2, 3]], greedy(10))[0].tokens
+    # the references are transformers' (not `lm.generate_tokens`, whose engine of 32 rows would compile for this
+    # alone): the engine still works, from a fresh pool
+    (after,) = engine.generate([[1, 2, 3]], [greedy(10)])
+    assert after.tokens == hf_greedy(hf_tiny, [1, 2, 3], 10)[0]
     (again,) = engine.generate([cached], [greedy(10)])  # the fresh pool holds no cached prefix
-    assert again.tokens == lm.generate_tokens([cached], greedy(10))[0].tokens
+    assert again.tokens == hf_greedy(hf_tiny, cached, 10)[0]
 
 
 def test_requests_that_can_never_run_are_refused_in_one_line(lm):
@@ -183,8 +193,8 @@ def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():
 
 @pytest.mark.slow
 def test_every_shape_is_compiled_by_warm_up(lm, monkeypatch):
-    monkeypatch.setattr(batch, "MIN_DECODE_TOKENS", 4 * PAGE)  # narrow and whole tables at this small context
-    engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=96, max_len=48)
+    monkeypatch.setattr(batch, "MIN_DECODE_TOKENS", NARROW)
+    engine = lm.engine(**ONE_ROW)
     shapes, _ = engine.warm_up()
     programs = engine.runner.shapes
     # one prefill program per shape serves rows that score their prompts and rows that do not
@@ -242,7 +252,7 @@ def test_scored_prompts_give_each_tokens_logprob_through_the_prefix_cache(lm, sh
     forward pass's, for rows scored alone, batched, with 0 or more new tokens, and again once the shared
     opening pages are cached with their scores (a page cached by an unscored row is not used); then with
     scored and plain rows in one prefill."""
-    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=256)
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV)
     engine.generate(shared_prompts[:1], [greedy(2)])  # caches the opening's pages without scores
     budgets = (0, 2, 0, 1, 0, 3)
     tokens = []
@@ -279,7 +289,7 @@ def test_a_one_token_prompt_scores_nothing_and_fails_no_one(lm, monkeypatch):
     """A one-token prompt with prompt logprobs has none to give but its first token's None (a prefill scoring no
     token returned no prompt logprobs, and reading them failed the step: every row of a server's engine); and a
     row whose scoring fails ends alone."""
-    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=64)
+    engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=TWO_ROWS_KV)
     [plain] = engine.generate([[5]], [greedy(3)])
     [scored] = engine.generate([[5]], [greedy(3).replace(prompt_logprobs=1)])
     assert scored.prompt_logprobs == [None] and scored.prompt_top_logprobs == [None]
@@ -308,7 +318,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 def test_speculative_decoding_is_token_identical_to_plain_greedy(lm, hf_tiny, shared_prompts):
     """Prompt lookup proposes 4 tokens per step; greedy rows keep the ones the model agrees with, so
     the output equals transformers' greedy generate while steps emit several tokens."""
-    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=512, ngram=3, speculate=4)
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV, ngram=3, speculate=4)
     repetitive = [p * 3 for p in shared_prompts[:3]]  # lookup finds continuations in the prompt itself
     budgets = [30, 12, 25]
     got = engine.generate(repetitive, [greedy(n) for n in budgets])
@@ -370,7 +380,8 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
     broadcast hands this process another process's seeds, and the row samples with them)."""
     from jax.experimental import multihost_utils
 
-    engine = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=64)
+    monkeypatch.setattr(batch, "MIN_DECODE_TOKENS", NARROW)  # the warm-up test's shapes: compiled already
+    engine = lm.engine(**ONE_ROW)
     params = [greedy(6).replace(temperature=1.0)]  # no seed
     broadcast = []
 
@@ -378,14 +389,12 @@ def test_every_process_samples_with_process_0s_seeds(lm, monkeypatch):
         broadcast.append(seeds.copy())
         return np.full_like(seeds, 1234)
 
-    monkeypatch.setattr(runner.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", from_process_0)
-    (got,) = engine.generate([[1, 2, 3]], params)
-    monkeypatch.undo()
+    with monkeypatch.context() as two_processes:
+        two_processes.setattr(runner.jax, "process_count", lambda: 2)
+        two_processes.setattr(multihost_utils, "broadcast_one_to_all", from_process_0)
+        (got,) = engine.generate([[1, 2, 3]], params)
     assert len(broadcast) == 1
-    (seeded,) = lm.engine(max_batch=1, page_size=PAGE, kv_tokens=64).generate(
-        [[1, 2, 3]], [params[0].replace(seed=1234)]
-    )
+    (seeded,) = lm.engine(**ONE_ROW).generate([[1, 2, 3]], [params[0].replace(seed=1234)])
     assert got.tokens == seeded.tokens
 
 

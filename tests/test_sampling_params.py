@@ -391,9 +391,12 @@ def test_greedy_rows_with_the_new_settings_match_transformers_in_one_batch(lm, h
 
 def test_logit_bias_forces_or_bans_a_token(lm, rows):
     prompts, first = rows
-    forced, banned = lm.generate_tokens(
-        prompts[:2], [sampling_of(dict(bias={77: 100.0})), sampling_of(dict(bias={first[1]: -100.0}))]
+    # a third row without a bias: three rows decode in the batch of four that the top-alternatives test below
+    # decodes too (two rows would compile a batch of two for this test alone); the others' biases leave it alone
+    forced, banned, plain = lm.generate_tokens(
+        prompts[:3], [sampling_of(dict(bias={77: 100.0})), sampling_of(dict(bias={first[1]: -100.0})), sampling_of({})]
     )
+    assert plain.tokens[0] == first[2]
     assert forced.tokens == [77] * NEW
     assert forced.logprobs[0] < np.log(0.5)  # logprobs stay the model's own, before any bias
     assert first[1] not in banned.tokens

@@ -126,12 +126,23 @@ def disk_bytes(folder: Path) -> int:
     return sum(-(-p.stat().st_size // 4096) * 4096 for p in folder.rglob("*") if p.is_file())
 
 
+FULL_DISK_RUN = dict(total_steps=16, ckpt_every=4, keep_last=2)
+
+
+@pytest.fixture(scope="module")
+def full_disk_reference(dataset, tmp_path_factory) -> train.TrainResult:
+    """The full-disk cases' run with room to spare: their oracle (its losses) and the size of one checkpoint,
+    both only read."""
+    return train.train(tiny_config(dataset, tmp_path_factory.mktemp("ref"), **FULL_DISK_RUN), progress=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("noticed", ["before-the-save", "in-the-background-save"])
-def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(noticed, tmp_path, monkeypatch, dataset):
-    settings = dict(total_steps=16, ckpt_every=4, keep_last=2)
-    reference = train.train(tiny_config(dataset, tmp_path / "ref", **settings), progress=False)
-    one_checkpoint = disk_bytes(tmp_path / "ref" / "checkpoints" / "16")
+def test_a_full_disk_stops_the_run_at_that_save_and_the_resume_is_exact(
+    noticed, tmp_path, monkeypatch, dataset, full_disk_reference
+):
+    settings, reference = FULL_DISK_RUN, full_disk_reference
+    one_checkpoint = disk_bytes(reference.out_dir / "checkpoints" / "16")
     if noticed == "in-the-background-save":  # free space unknown (as for a bucket): the write itself fails
         monkeypatch.setattr(native, "_free_bytes", lambda folder: None)
     # room for the first checkpoint and the run's logs, not for a second checkpoint
@@ -338,12 +349,18 @@ def test_the_weights_fingerprint_is_the_same_on_any_mesh_and_tells_values_apart(
     assert run_start.weights_fingerprint(nudged, make_mesh(None)) != one
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_dpo(preferences, tmp_path_factory) -> train.TrainResult:
+    """Two DPO steps straight through: the oracle of both cases below, which only read its losses."""
+    return train.train(pref_config(preferences, tmp_path_factory.mktemp("full"), total_steps=2), progress=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 def test_a_corrupt_reference_file_is_computed_again_saying_so_and_the_run_goes_on_exactly(
-    resumed, preferences, tmp_path, capsys
+    resumed, preferences, uninterrupted_dpo, tmp_path, capsys
 ):
-    full = train.train(pref_config(preferences, tmp_path / "full", total_steps=2), progress=False)
+    full = uninterrupted_dpo
     run = tmp_path / "run"
     cfg = pref_config(preferences, run, total_steps=1, ckpt_every=1)
     train.train(cfg, progress=False)

@@ -297,9 +297,11 @@ def test_a_reward_function_that_raises_stops_meshlm_train_in_one_line_naming_it_
     prompts, tmp_path, capsys
 ):
     """`meshlm train` on a config whose reward raises on one record: one line names the function and the record (the
-    row of the prompts dataset), the exception after them; no checkpoint is written."""
-    cfg = run_config(prompts, tmp_path / "run", {"rewards": [{"function": "tests.test_grpo_train:refusing_reward"}]},
-                     batch_size=32, micro_batches=1)  # fmt: skip
+    row of the prompts dataset), the exception after them; no checkpoint is written. The run's batch is the other
+    runs' here (their compiled programs): its first step's 2 prompts are records 2 and 4 (the loader's order at seed
+    0), so the refused record is scored in the first batch of rollouts, beside one that is not refused."""
+    cfg = run_config(prompts, tmp_path / "run", {"rewards": [{"function": "tests.test_grpo_train:refusing_reward"}]})
+    assert next(TrainLoader(TokenDataset(cfg.data, "train"), 2, 1, seed=cfg.seed)).rows.ravel().tolist() == [2, 4]
     config = tmp_path / "run.json"
     config.write_text(json.dumps(cfg.to_dict()))
     err = run_cli_error(capsys, str(config), "--no-progress")

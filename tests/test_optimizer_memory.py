@@ -67,8 +67,10 @@ def test_a_run_with_the_state_on_the_host_trains_and_resumes_as_the_device_run(l
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
 def test_the_compiled_step_takes_and_returns_the_state_in_host_memory(lora, dataset, tmp_path):
     """The compiled program's own shardings: the optimizer state in and out in pinned host memory; the trained
-    parameters, the batch and a LoRA run's frozen base on the device."""
-    cfg = tiny_config(dataset, tmp_path, mesh=MESH, lora=lora, optimizer_memory="host")
+    parameters, the batch and a LoRA run's frozen base on the device. The config is `run`'s (smooth Adam, which
+    changes no sharding): these are the very programs the runs above compiled, loaded from the session's
+    persistent compilation cache rather than compiled again (tests/conftest.py)."""
+    cfg = smooth(tiny_config(dataset, tmp_path, mesh=MESH, lora=lora, optimizer_memory="host", total_steps=4))
     program = train_step.step_program(cfg, cfg.model, make_mesh(MESH), SEQ)
     compiled = program.compile()
     (state_in, *others), _ = compiled.input_shardings
@@ -111,10 +113,12 @@ def test_the_gpu_estimate_counts_the_state_as_host_memory():
     assert host.total == device.total  # activations under one gradient: the update's peak holds what was saved
 
 
-def test_a_cpu_plan_names_the_host_state_and_counts_it_with_the_device():
-    """A CPU device's memory is the host's: its compiler counts the pinned host state in the total."""
-    cfg = TrainConfig(model=preset("test-tiny"), batch_size=1, seq_len=SEQ, optimizer_memory="host")
-    plan = planner.plan_train(cfg, "cpu", mesh="data=1", search=False)
+def test_a_cpu_plan_names_the_host_state_and_counts_it_with_the_device(dataset, tmp_path):
+    """A CPU device's memory is the host's: its compiler counts the pinned host state in the total. The plan is of
+    the full run's step above (its config and mesh): in the whole suite its program comes from the persistent
+    compilation cache."""
+    cfg = smooth(tiny_config(dataset, tmp_path, mesh=MESH, optimizer_memory="host", total_steps=4))
+    plan = planner.plan_train(cfg, "cpu", search=False)
     assert not plan.config.optimizer_on_host and plan.config.host == 0
     text = planner.describe_train(plan, cfg)
     assert "adam float32 in host memory" in text

@@ -20,7 +20,10 @@ from meshlm import InputError
 from meshlm.serve.grammar import Constraint
 from tests.helpers.schemas import SCHEMAS
 
-SAMPLES = 200
+# 100 sampled rows reach every branch of each schema (every optional key present and left out, every array
+# length allowed: `branches_of` below, asserted), as 200 did; the second hundred re-walked the same branches
+# (about 20 CPU s of the suite).
+SAMPLES = 100
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +43,44 @@ def sampled(engine, lm, constraint: Constraint, n: int = SAMPLES, max_new: int =
     return engine.generate([prompt] * n, params)
 
 
+def branches_of(schema: dict, value=None, path: str = "$") -> set[tuple]:
+    """The branches a JSON value takes through an object/array schema: (path, property, present) for each
+    declared property, (path, "items", length) for each array; without a value, every branch the schema allows
+    (a required property only present, an array every length from minItems to its maxItems)."""
+    found: set[tuple] = set()
+    if schema.get("type") == "object":
+        for key, sub in schema["properties"].items():
+            if value is None:
+                optional = key not in schema.get("required", ())
+                found |= {(path, key, True)} | ({(path, key, False)} if optional else set())
+                found |= branches_of(sub, None, f"{path}.{key}")
+            else:
+                found.add((path, key, key in value))
+                if key in value:
+                    found |= branches_of(sub, value[key], f"{path}.{key}")
+    elif schema.get("type") == "array":
+        if value is None:
+            found |= {(path, "items", n) for n in range(schema.get("minItems", 0), schema["maxItems"] + 1)}
+            found |= branches_of(schema["items"], None, f"{path}[]")
+        else:
+            found.add((path, "items", len(value)))
+            for item in value:
+                found |= branches_of(schema["items"], item, f"{path}[]")
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_sampled_completions_validate_against_the_schema(engine, lm, name):
     schema = SCHEMAS[name]
     outputs = sampled(engine, lm, Constraint.json_schema(schema))
+    taken = set()
     for out in outputs:
         assert out.finish_reason == "stop", out.text
-        jsonschema.validate(json.loads(out.text), schema)
+        jsonschema.validate(value := json.loads(out.text), schema)
+        taken |= branches_of(schema, value)
     assert len({out.text for out in outputs}) > SAMPLES // 4  # sampled, not one answer
+    assert taken == branches_of(schema)  # every optional key both ways, every array length: each branch validated
 
 
 @pytest.mark.slow
@@ -172,10 +204,13 @@ class FailingMatcher:
         self.matcher.accept(token)
 
 
-@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
-def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm):
+# The two tests below run the module's engine, whose programs the sampled tests compiled (an engine of
+# their own, max_batch=4 and max_len=64, compiled a third set for nothing they prove: two rows of 12 tokens).
+
+
+@pytest.mark.slow  # compiles an engine's programs when run alone (over 8 s on a 2-core machine)
+def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm, engine):
     """Before, the error failed every row in flight and reset the cache."""
-    engine = lm.engine(max_batch=4, max_len=64)
     prompt = lm.encode_prompt("Once upon a time")
     free = lm.sampling(max_new_tokens=12, temperature=0)
     (alone,) = engine.generate([prompt], [free])
@@ -188,11 +223,10 @@ def test_a_row_whose_constraint_fails_mid_way_ends_alone(lm):
     assert rows[1].error is None and rows[1].output.tokens == alone.tokens
 
 
-@pytest.mark.slow  # compiles an engine's programs (over 8 s on a 2-core machine)
-def test_a_row_with_an_id_past_the_tokenizers_fails_alone_and_the_id_is_never_decoded(lm, monkeypatch):
+@pytest.mark.slow  # compiles an engine's programs when run alone (over 8 s on a 2-core machine)
+def test_a_row_with_an_id_past_the_tokenizers_fails_alone_and_the_id_is_never_decoded(lm, engine, monkeypatch):
     """A NaN adapter's logits pick the padded id 50257 (here put in its row's step); decoding it crashed every
     row in flight."""
-    engine = lm.engine(max_batch=4, max_len=64)
     prompt = lm.encode_prompt("Once upon a time")
     free = lm.sampling(max_new_tokens=8, temperature=0)
     (alone,) = engine.generate([prompt], [free])

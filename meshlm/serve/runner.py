@@ -394,8 +394,9 @@ def _batch_spec(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtyp
 def abstract_state(
     cfg: ModelConfig, policy: model.Policy, mesh: Mesh, pages: int, page_size: int, max_batch: int
 ) -> tuple[kv_cache.KVCache, Rows]:
-    """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner)."""
-    with jax.set_mesh(mesh):
+    """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner; its
+    targets without devices, a GPU's, give an AbstractMesh)."""
+    with jax.set_mesh(mesh) if isinstance(mesh, Mesh) else jax.sharding.use_abstract_mesh(mesh):
         cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.kv_dtype))
     axes = (kv_cache.CACHE_AXES,) * 2 + (kv_cache.SCALE_AXES,) * 2  # keys, values, and an int8 pool's scales
     cache = kv_cache.KVCache(*(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,

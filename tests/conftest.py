@@ -17,21 +17,40 @@ from typing import TYPE_CHECKING
 # Must happen before JAX initialises its backends: every mesh shape is tested on 8 CPU devices.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's cheapest backend optimisation (LLVM at -O0), as tests/test_gpu_bench.py already runs its script: the
-# suite's programs are tiny, and compiling them is most of its time (test_grpo_train's metrics test 68 -> 39 s,
-# test_engine.py 189 -> 154 s). Matmuls are Eigen's calls at any level; what changes is how XLA's own loops are
-# optimised. Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that
-# share these flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device
-# count). The tpu tier compiles at the default.
-CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
-if "tpu" not in os.environ["JAX_PLATFORMS"]:
-    os.environ["XLA_FLAGS"] += f" {CPU_COMPILE_FLAGS}"
+IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # xdist's workers inherit the main process's environment
+
+
+def cpu_compile_flags() -> str:
+    """XLA:CPU's cheapest compile: the suite's programs are tiny, and compiling them is most of its time.
+
+    - `--xla_backend_optimization_level=0`: LLVM at -O0 (test_engine.py 189 -> 154 s). Matmuls are Eigen's calls
+      at any level; what changes is how XLA's own loops are optimised.
+    - `--xla_cpu_use_fusion_emitters=false`: XLA's older fusion emitters, which build LLVM IR directly, instead of
+      the MLIR pipeline that emits each fusion (test_engine.py 195 -> 99 CPU seconds; an engine's warm-up 3.2x
+      faster to compile). Passed only where this jaxlib knows the flag: XLA aborts on an unknown one.
+
+    Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that share these
+    flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device count). The
+    tpu tier compiles at the default."""
+    import mmap
+    from importlib.util import find_spec
+
+    flags = "--xla_backend_optimization_level=0"
+    library = Path(find_spec("jaxlib").origin).parent / "libjax_common.so"
+    if library.exists():
+        with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(b"xla_cpu_use_fusion_emitters") >= 0:
+                flags += " --xla_cpu_use_fusion_emitters=false"
+    return flags
+
+
+if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:
+    os.environ["XLA_FLAGS"] += f" {cpu_compile_flags()}"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The session's own folders, made once by the main pytest process; xdist's workers inherit them:
 # - the GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
 #   ~/.cache/meshlm is never written;
 # - many tests (and their subprocesses) compile the same tiny programs: XLA's persistent cache compiles each once.
-IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 SESSION_FOLDERS = {"MESHLM_CACHE": "meshlm-cache-", "JAX_COMPILATION_CACHE_DIR": "meshlm-xla-cache-"}
 if not IS_WORKER:
     for var, prefix in SESSION_FOLDERS.items():

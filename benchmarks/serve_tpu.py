@@ -235,7 +235,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         served = served_part(args, engine["vocab"]) if args.requests else {"skipped": "--requests 0"}
     except (SystemExit, Exception) as err:  # the engine's figures are kept whatever the server does
-        served = {"error": str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__}
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        served = {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1])[:300],
+                  "output": lines[-40:]}  # the server's last lines: JAX's own note often ends them  # fmt: skip
+        print("served part failed:", *served["output"], sep="\n", flush=True)
     report = {
         "command": "python benchmarks/serve_tpu.py " + " ".join(argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -46,8 +46,8 @@ def test_the_resolver_picks_xla_on_a_cpu_and_splash_on_a_tpu():
 
 def test_a_tpu_decode_step_reads_the_pool_in_place_only_for_heads_of_whole_lanes():
     """The TPU paged kernel serves head sizes of a multiple of 128 (GPT-J's 256, Pythia-1b's 256), the ones
-    measured on a chip: a head of 64 (Pythia-70m, GPT-Neo-125m) compiles alone, but an int8 pool of them takes a
-    layout of XLA's own that the kernel's call copies, so its pool is gathered instead."""
+    measured on a chip: a head of 64 (Pythia-70m, GPT-Neo-125m) compiles alone, but a pool of them (bf16 or int8)
+    takes a layout of XLA's own that the kernel's call copies whole, so its pool is gathered instead."""
     decode = dict(phase="decode", kind="global", q_len=1, kv_len=512, heads=16, dtype="bfloat16", backend="tpu")
     assert resolve(**decode, head_dim=256).name == "paged_tpu"
     small = resolve(**decode, head_dim=64)

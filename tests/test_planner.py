@@ -114,6 +114,15 @@ def test_gpu_target_is_labelled_an_estimate(tiny_train):
         planner.target("gpu:h100")
 
 
+def test_a_gpu_serve_plan_is_an_estimate_that_counts_each_rows_cache():
+    """`meshlm plan --serve --target gpu:...`: a target without devices plans over an abstract mesh (the pool's
+    shapes were traced under `jax.set_mesh`, which refused one: 'Expected mesh of type Mesh')."""
+    plan = planner.plan_serve(TINY, "gpu:h100-80gb", EngineConfig(max_batch=2, max_len=128), search=False)
+    per_row = 2 * TINY.n_layer * TINY.n_head * 128 * TINY.d_head * 2  # keys and values in bfloat16
+    assert plan.config.estimated and plan.config.fits and plan.config.cache >= 2 * per_row
+    assert "estimated" in planner.describe_serve(plan, TINY)
+
+
 def test_over_budget_estimate_suggests_a_change():
     cfg = TrainConfig(model=preset("gptj-6b"), batch_size=1, seq_len=2048)
     plan = planner.plan_train(cfg, "gpu:rtx4090-24gb", search=True, max_micro_batch=4)

@@ -39,9 +39,13 @@ def cpu_compile_flags() -> str:
     library = Path(find_spec("jaxlib").origin).parent / "libjax_common.so"
     if library.exists():
         with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m.find(b"xla_cpu_use_fusion_emitters") >= 0:
-                flags += " --xla_cpu_use_fusion_emitters=false"
+            if m.find(b"xla_cpu_use_fusion_emitters") >= 0 and FUSION_EMITTERS not in os.environ:
+                flags += f" {OLDER_EMITTERS}"
     return flags
+
+
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FUSION_EMITTERS = "MESHLM_TEST_FUSION_EMITTERS"  # set for a `bitwise_across_programs` test's own process
 
 
 if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:
@@ -128,6 +132,22 @@ def pytest_runtest_teardown(item, nextitem):
     if jax is not None:
         jax.clear_caches()
         gc.collect()
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `bitwise_across_programs` runs in a process of its own with XLA's default fusion emitters.
+
+    It asserts two different programs give equal bits (a weight streamed layer by layer, and the whole model's; a
+    pool written by a kernel, and by a scatter): true of XLA's fusion emitters, whereas the older ones (the suite's
+    `OLDER_EMITTERS`) round the same float32 math an ulp or two apart in programs that fuse it otherwise."""
+    if not pyfuncitem.get_closest_marker("bitwise_across_programs") or OLDER_EMITTERS not in os.environ["XLA_FLAGS"]:
+        return None
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(OLDER_EMITTERS, ""), FUSION_EMITTERS: "1"}
+    opts = ["-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
+    done = subprocess.run([sys.executable, "-m", "pytest", *opts, pyfuncitem.nodeid], env=env,
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, f"with XLA's fusion emitters:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+    return True
 
 
 def pytest_unconfigure(config):

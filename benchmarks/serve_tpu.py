@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         served = served_part(args, engine["vocab"]) if args.requests else {"skipped": "--requests 0"}
     except (SystemExit, Exception) as err:  # the engine's figures are kept whatever the server does
         lines = str(err).strip().splitlines() or [type(err).__name__]
-        served = {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1])[:300],
-                  "output": lines[-40:]}  # the server's last lines: JAX's own note often ends them  # fmt: skip
+        served = {"error": next((line for line in reversed(lines) if "error" in line.lower()), lines[-1])[:300],
+                  "output": lines[-40:]}  # a failed start's last lines: JAX's note often ends them  # fmt: skip
         print("served part failed:", *served["output"], sep="\n", flush=True)
     report = {
         "command": "python benchmarks/serve_tpu.py " + " ".join(argv),

@@ -14,9 +14,9 @@ kernel; the model runs what it names. Every kernel's limits are written here and
 - `paged_tpu`: TPU (meshlm's own Mosaic kernel, `meshlm.paged_attention`). Decode steps (one query per row)
   read in place from the paged pool. Limits: bfloat16 or int8 pools (the ones measured on a chip; a float32
   model's pool is gathered); head sizes of a multiple of 128: a pool of heads of 64 (Pythia's, GPT-Neo's), bf16
-  or int8, takes a layout of XLA's own (pages minor), so the kernel's call would copy the whole pool every layer
-  and step (the kernel alone reads such pages 2.3-4.4x faster than the gather, measured on a v5e); no bias, no
-  local window.
+  or int8, takes a layout of XLA's own (pages minor), so the decode program would copy the whole pool to the
+  kernel's every step (the kernel alone reads such pages 2.3-4.4x faster than the gather, measured on a v5e); no
+  bias, no local window.
 - `paged_gpu`: GPU (`jax.experimental.pallas.ops.gpu.paged_attention`; interpreted on a CPU with
   `attention: pallas`). Decode steps, as above. Limits: no bias, no local window.
 - `xla`: everywhere, everything: einsum-softmax-einsum with float32 scores over a [B, T, S] mask, whose

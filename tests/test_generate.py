@@ -408,14 +408,14 @@ N_ROWS = 20_000
 
 
 def choose_for_rows(
-    proposal: np.ndarray, draft_probs: np.ndarray | None = None, temperature: float = 1.0
+    proposal: np.ndarray, draft_probs: np.ndarray | None = None, temperature: float = 1.0, logits: np.ndarray = LOGITS
 ) -> np.ndarray:
-    """`choose` for N_ROWS rows of LOGITS at `temperature`, each with its own seed and proposal."""
-    n, V = N_ROWS, LOGITS.size
+    """`choose` for N_ROWS rows of `logits` at `temperature`, each with its own seed and proposal."""
+    n, V = N_ROWS, logits.size
     settings = settings_for([SamplingParams(temperature=temperature, seed=s) for s in range(n)], n)
     q = None if draft_probs is None else jnp.broadcast_to(jnp.asarray(draft_probs, jnp.float32), (n, V))
     token, *_ = gen.choose(
-        jnp.broadcast_to(jnp.asarray(LOGITS), (n, V)),
+        jnp.broadcast_to(jnp.asarray(logits), (n, V)),
         jnp.zeros((n, V), bool),
         jnp.zeros(n, jnp.int32),
         jax.tree.map(jnp.asarray, settings),
@@ -445,10 +445,15 @@ def test_a_speculated_token_leaves_the_distribution_unchanged(offered):
 
 
 def test_greedy_rows_keep_a_proposal_only_when_it_is_their_argmax():
-    """Rows offered LOGITS' argmax (token 0), another token and none: each greedy row gives the argmax. (The rows
-    and shapes of the chi-square tests above, whose operations are compiled already.)"""
-    token = choose_for_rows(np.resize([0, 2, -1], N_ROWS), temperature=0.0)
-    assert int(np.argmax(LOGITS)) == 0 and np.bincount(token, minlength=LOGITS.size).tolist() == [N_ROWS] + [0] * 7
+    """Rows offered the argmax (token 3), another token and none: each greedy row gives the argmax. (The rows and
+    shapes of the chi-square tests above, whose operations are compiled already; LOGITS rolled so that the argmax is
+    not token 0, which a dropped or clipped proposal would give.)"""
+    logits = np.roll(LOGITS, 3)
+    token = choose_for_rows(np.resize([3, 0, -1], N_ROWS), temperature=0.0, logits=logits)
+    assert (
+        int(np.argmax(logits)) == 3
+        and np.bincount(token, minlength=logits.size).tolist() == [0] * 3 + [N_ROWS] + [0] * 4
+    )
 
 
 def test_a_draft_models_proposals_leave_the_distribution_unchanged():

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # xdist's workers inherit the main process's environment
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FUSION_EMITTERS = "MESHLM_TEST_FUSION_EMITTERS"  # set for a `bitwise_across_programs` test's own process
 
 
 def cpu_compile_flags() -> str:
@@ -47,10 +49,6 @@ def cpu_compile_flags() -> str:
             ):
                 flags += f" {OLDER_EMITTERS}"
     return flags
-
-
-OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-FUSION_EMITTERS = "MESHLM_TEST_FUSION_EMITTERS"  # set for a `bitwise_across_programs` test's own process
 
 
 if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:

@@ -16,6 +16,7 @@ from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved
 from benchmarks import gpu
 from meshlm import model, optim
 from meshlm.config import preset
+from tests.helpers import without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("test-tiny",)
@@ -24,8 +25,12 @@ SECTIONS = ("matmul", "copy", *(f"{kind}/{m}" for m in MODELS for kind in ("trai
 
 def run_script(out: Path, *args: str) -> dict:
     # One CPU device, and the suite's cheapest compile (conftest.py): this checks code paths, not speed.
-    flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
-    env = {**os.environ, "OUT": str(out), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": without_device_count(os.environ["XLA_FLAGS"]),
+    }
     result = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", *args],
         env=env,

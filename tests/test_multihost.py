@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from meshlm import data
+from tests.helpers import without_device_count
 
 # Every test here shares a live server (or processes) started by a module fixture: the whole file is slow.
 pytestmark = pytest.mark.slow
@@ -23,11 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def without_device_count(flags: str) -> str:
-    """The suite's XLA flags (conftest.py's compile flags) without its 8 simulated devices."""
-    return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def run(processes: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:

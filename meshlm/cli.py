@@ -21,7 +21,7 @@ from meshlm.config import (
     Interrupted,
     MeshlmError,
 )
-from meshlm.serve.config import LEAST, EngineConfig
+from meshlm.serve.config import LEAST, PREFILL_TOKENS, EngineConfig
 
 Handler = Callable[[argparse.Namespace], int | None]
 CHECKPOINT_HELP = "a meshlm checkpoint or run, or a Hugging Face GPT-J, GPT-NeoX/Pythia, GPT-Neo or CodeGen folder"
@@ -99,7 +99,7 @@ def _load(args: argparse.Namespace):
 
 # `meshlm serve`'s flags that are `EngineConfig` fields of the same name
 SERVE_ENGINE_FLAGS = ("max_batch", "max_len", "kv_tokens", "ngram", "speculate", "max_lora_rank", "chunk", "max_queue",
-                      "attention")  # fmt: skip
+                      "prefill_tokens", "attention")  # fmt: skip
 
 
 def _named_adapters(values: list[str]) -> tuple[dict[str, str], str | None]:
@@ -652,6 +652,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most before 503 (default 64)")
     p.add_argument("--chunk", type=int, default=4, help="decode steps per device call (default 4)")
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=PREFILL_TOKENS,
+        help=f"prompt tokens one step prefills at most; a longer prompt runs a chunk a step, the running rows "
+        f"decoding between (default {PREFILL_TOKENS})",
+    )
     p.add_argument(
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"
     )

@@ -93,6 +93,31 @@ def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
 
 
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_decodes(lm, hf_tiny):
+    """prefill_tokens 16 over pages of 4: a 41-token prompt arriving while a row decodes runs in chunks of 16, 16 and 9
+    tokens over three steps, and the running row decodes its 2 tokens in each of them; the long row's first token
+    comes with its last chunk. Its chunks' pages are offered to the prefix cache as they are written: a prompt
+    sharing its first 32 tokens, queued with it, waits for the budget and is admitted beside the last chunk, finding
+    those 32 tokens cached before the long row's prompt is whole. Every row equals transformers."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV, prefill_tokens=16)
+    rng = np.random.default_rng(7)
+    short, long = rng.integers(1, 512, 5).tolist(), rng.integers(1, 512, 41).tolist()
+    sharing = [*long[:32], 3, 5, 7]
+    a = engine.add_request(short, greedy(24))
+    engine.step(2)  # its prefill's token and 2 more
+    b, c = engine.add_requests([long, sharing], [greedy(6), greedy(4)])
+    seen = []
+    for _ in range(3):
+        engine.step(2)
+        seen.append((len(a.output.tokens), b.length, len(b.output.tokens), len(c.output.tokens)))
+    assert seen == [(5, 16, 0, 0), (7, 32, 0, 0), (9, 41 + 2, 3, 3)]
+    assert engine.scheduler.pool.hits == 32
+    while engine.has_work():
+        engine.step(2)
+    for prompt, n, r in ((short, 24, a), (long, 6, b), (sharing, 4, c)):
+        assert r.output.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+
+
 def test_max_batch_rows_run_at_once_not_the_compiled_batch_it_rounds_to(lm):
     """max_batch 3 compiles batches of 4 (a power of two) but runs 3 rows at once, with a pool for 3: a fourth
     waits, as the plan (`meshlm plan --serve`) counts it, and runs once a row finishes."""

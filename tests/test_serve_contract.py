@@ -96,3 +96,31 @@ def test_the_incremental_text_decodes_each_token_about_once(gpt2_bpe_file):
     texts = streamed_texts(counting, ids, 1)
     assert texts[-1] == tok.decode(ids)
     assert sum(decoded) < 2 * len(ids)  # decoded whole at every step, it would be len(ids) ** 2 / 2
+
+
+def test_a_step_prefills_at_most_prefill_tokens_and_a_scored_prompt_runs_whole():
+    """Host-only: with prefill_tokens 20 over pages of 4 a prompt's chunk is 16 tokens (the largest prompt bucket of
+    whole pages within 20); a 41-token prompt runs its first chunk alone, a short prompt waiting for the next step
+    (16 + 5 > 20); a scored 41-token prompt runs whole, its scores coming from one call. A budget below a page is
+    refused."""
+    from meshlm.config import InputError
+    from meshlm.serve.batch import Shapes
+    from meshlm.serve.scheduler import Request, Scheduler
+
+    def rows(scheduler: Scheduler) -> list[int]:
+        return [int(batch.mask.sum()) for _, batch in scheduler.schedule_prefill()]
+
+    def request(n: int, **changes) -> Request:
+        return Request(list(range(1, n + 1)), RowOutput(SamplingParams(max_new_tokens=3, **changes), None))
+
+    shapes = Shapes.of(max_batch=4, max_len=64, page_size=4, batch_ways=1)
+    scheduler = Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=20)
+    assert scheduler.prompt_chunk == 16
+    long, short = request(41), request(5)
+    scheduler.submit([long, short])
+    assert rows(scheduler) == [16] and long.prefilling and scheduler.decoding == []
+    scored = Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=20)
+    scored.submit([request(41, prompt_logprobs=1)])
+    assert rows(scored) == [41]
+    with pytest.raises(InputError, match="prefill_tokens"):
+        Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=3)

@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from meshlm.serve.config import PREFILL_TOKENS
 from meshlm.serve.pages import pages_for
 from meshlm.serve.params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 
 MAX_CHUNK = 64  # decode steps per device call at most; one compiled loop serves every chunk size up to it
 MIN_PROMPT_BUCKET = 16
 MIN_DECODE_TOKENS = 128  # a decode reads at least this many cache slots per row (fewer shapes to compile)
-PREFILL_TOKENS = 2048  # rows x prompt bucket of one prefill call at most (a longer prompt goes alone)
 # A prefill call's cost in padded tokens' worth, to group rows into calls (`Shapes.prefill_cost`): a token
 # costs 1, each key it attends over 1 / ATTENDED_KEYS_PER_TOKEN more, and a call CALL_TOKENS. Measured on a
 # CPU (GPT-J d_model 256): a call of 1 x 64 tokens over 128 keys 25 ms, of 16 x 64 over 128 keys 166 ms,
@@ -170,6 +170,13 @@ class Shapes:
 
     def prompt_bucket(self, n: int) -> int:
         return next(b for b in self.prompt_buckets() if b >= n)
+
+    def prompt_chunk(self, budget: int) -> int:
+        """The tokens of a long prompt that one step prefills within `budget`: the largest prompt bucket of whole
+        pages within it (a chunk then fills its bucket), else the whole pages within it; a row's chunks start at
+        page boundaries, as a prefill's writes do (`model.decode`'s `whole_pages`)."""
+        whole = [b for b in self.prompt_buckets() if b <= budget and b % self.page_size == 0]
+        return max(whole, default=budget // self.page_size * self.page_size)
 
     def prefill_rows(self, n: int) -> int:
         """Rows of a prefill for n new rows: powers of 4 (1, 4, 16, ...), so few prefill shapes compile."""

@@ -11,6 +11,9 @@ from typing import Any
 from meshlm.config import ATTENTION_IMPLS, InputError, dtype_of
 
 PAGE_SIZE = 16  # tokens per KV page, where the backend has no size of its own
+# prompt tokens one engine step prefills at most, by default (vLLM's max_num_batched_tokens for prompts); also
+# the most rows x prompt bucket one prefill call of several rows takes (`batch.Shapes.prefill_shapes`)
+PREFILL_TOKENS = 2048
 # The TPU paged kernel DMAs a page per head at a time: gptj-1b's decode step at 64 rows of 512 tokens on a v5e
 # took 46.3 ms with pages of 16, 25.0 of 64 and 17.9 of 128 (benchmarks/decode_rows.py, BENCHMARKS.md)
 BACKEND_PAGE_SIZES = {"tpu": 128}
@@ -18,7 +21,7 @@ SPECULATE_TOKENS = 4  # tokens proposed per row and step with speculative decodi
 # each integer setting's least value (None, where allowed, means "the default the engine works out"); a row
 # holds at least a prompt's token and a new one
 LEAST = {"max_batch": 1, "max_len": 2, "kv_tokens": 1, "page_size": 1, "ngram": 0, "speculate": 1,
-         "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1}  # fmt: skip
+         "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1, "prefill_tokens": 1}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,11 @@ class EngineConfig:
     common prompt prefixes. `ngram` > 0 speculates `speculate` tokens a step by prompt lookup (a draft model,
     given to the engine, does too). LoRA adapters run in `max_adapters` device slots (None: one per adapter
     given) of rank `max_lora_rank` (None: the largest given). A loop thread (a server's) decodes `chunk` tokens
-    per device call with at most `max_queue` rows waiting. `kv_cache_dtype` ("int8": half a bfloat16 pool's
-    bytes; None: the compute dtype) and `attention` (None: the model's own choice) are vLLM's options of those
-    names."""
+    per device call with at most `max_queue` rows waiting. An engine step prefills at most `prefill_tokens` prompt
+    tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
+    decoding between its chunks, so that it never stalls them for longer than one chunk takes. `kv_cache_dtype`
+    ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention` (None: the model's own choice)
+    are vLLM's options of those names."""
 
     max_batch: int = 8
     max_len: int | None = None
@@ -46,6 +51,7 @@ class EngineConfig:
     max_lora_rank: int | None = None
     chunk: int = 4
     max_queue: int = 64
+    prefill_tokens: int = PREFILL_TOKENS
     kv_cache_dtype: str | None = None
     attention: str | None = None
 

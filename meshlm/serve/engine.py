@@ -159,7 +159,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner.shapes, self.runner.n_pages, cfg.vocab_size, n_tokens=cfg.n_vocab_used,
             prefix_caching=config.prefix_caching, speculate=speculate, ngram=config.ngram, draft=draft is not None,
-            max_rows=config.max_batch,
+            max_rows=config.max_batch, prefill_tokens=config.prefill_tokens,
         )  # fmt: skip
         self.max_batch, self.max_len = config.max_batch, self.runner.shapes.max_len
         self.page_size, self.speculate = self.runner.page_size, speculate

@@ -4,6 +4,8 @@ Continuous batching over a paged KV cache:
 - requests wait in a queue and join the running batch between decode chunks, when a slot and the
   KV pages for their whole budget (prompt + max_new_tokens) are free; they leave as soon as they
   finish, are cancelled or fail, and give their pages back at once;
+- a step prefills at most `prefill_tokens` prompt tokens: a longer prompt runs a chunk a step (`prefilling`
+  until its last), and the rows already running decode between its chunks;
 - a row holds pages only for the tokens it has (`meshlm.serve.pages`), so memory follows live tokens;
   rows whose prompts share full pages of a prefix share those pages (prefix caching);
 - a decode chunk runs only the running rows (bucketed to a power of two) over as many pages as the
@@ -28,7 +30,6 @@ import numpy as np
 from meshlm.config import InputError
 from meshlm.serve.batch import (
     MAX_CHUNK,
-    PREFILL_TOKENS,
     Decode,
     Prefill,
     Shapes,
@@ -37,6 +38,7 @@ from meshlm.serve.batch import (
     bitmask_words,
     settings_for,
 )
+from meshlm.serve.config import PREFILL_TOKENS
 from meshlm.serve.grammar import Matcher
 from meshlm.serve.outputs import RowOutput
 from meshlm.serve.pages import PAD_PAGE, PagePool, pages_for
@@ -85,6 +87,12 @@ class Request:
         self.fail(f"{what}: {e}", 400 if isinstance(e, InputError) else 500)
 
     @property
+    def prefilling(self) -> bool:
+        """Whether part of its prompt is still to be prefilled (a long prompt runs a chunk a step): it holds a
+        slot and pages but does not decode yet."""
+        return self.length < len(self.prompt)
+
+    @property
     def budget(self) -> int:
         """Tokens this row may ever hold in the cache."""
         return len(self.prompt) + self.output.sampling.max_new_tokens
@@ -98,11 +106,6 @@ class Request:
     def refed(self) -> int:
         """1 when a scored row runs its cached prefix's last token again, for the logits after it."""
         return int(self.scored and self.length > 0)
-
-    @property
-    def to_prefill(self) -> int:
-        """Tokens its prefill runs: the prompt past its cached prefix (with that prefix's last again when refed)."""
-        return self.prefill_from(self.length)
 
     def prefill_from(self, cached: int) -> int:
         """Tokens its prefill would run past a cached prefix of `cached` tokens (admission asks before it
@@ -168,7 +171,8 @@ def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
 class Scheduler:
     """The queue and `max_rows` slots (default `shapes.max_batch`, the compiled rows, which round `max_rows` up to a
     bucket) over a pool of `n_pages` KV pages. `speculate` tokens per row and step are proposed by prompt lookup
-    over `ngram` tokens, or by a draft model on the device (`draft`)."""
+    over `ngram` tokens, or by a draft model on the device (`draft`). A step prefills at most `prefill_tokens` prompt
+    tokens (a longer prompt a chunk a step: `Shapes.prompt_chunk`)."""
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class Scheduler:
         ngram: int = 0,
         draft: bool = False,
         max_rows: int | None = None,
+        prefill_tokens: int = PREFILL_TOKENS,
     ):
         """`n_tokens`: the ids a row may produce (the tokenizer's; default `vocab_size`): a row whose step
         yields another (NaN logits from a diverged adapter pick a padded id) fails alone."""
@@ -195,6 +200,10 @@ class Scheduler:
         if max_rows is not None and not 1 <= max_rows <= shapes.max_batch:
             raise ValueError(f"max_rows {max_rows} must be 1 to the compiled batch's {shapes.max_batch}")
         self.slots: list[Request | None] = [None] * (max_rows or shapes.max_batch)  # no more rows run at once
+        if prefill_tokens < shapes.page_size:
+            raise InputError(f"prefill_tokens ({prefill_tokens}) must hold a KV page ({shapes.page_size} tokens)",
+                             param="prefill_tokens")  # fmt: skip
+        self.prefill_tokens, self.prompt_chunk = prefill_tokens, shapes.prompt_chunk(prefill_tokens)
         self.stats = Stats()
 
     # requests -------------------------------------------------------------------------------------
@@ -223,7 +232,12 @@ class Scheduler:
 
     @property
     def running(self) -> list[Request]:
+        """The rows holding a slot: decoding, or still prefilling a long prompt."""
         return [r for r in self.slots if r is not None]
+
+    @property
+    def decoding(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and not r.prefilling]
 
     def has_work(self) -> bool:
         return bool(self.queue) or bool(self.running)
@@ -254,16 +268,31 @@ class Scheduler:
     # batches --------------------------------------------------------------------------------------
 
     def schedule_prefill(self) -> list[Scheduled]:
-        """The queued rows (in order) that free slots, the pool's pages and one step's PREFILL_TOKENS take, with
-        their cached prefix, as prefill calls grouped by length (`_groups`); none when no row can start."""
-        return [self._prefill(rows) for rows in self._groups(self._admit())]
+        """This step's prefill calls, grouped by length (`_groups`): the next chunk of each prompt being prefilled,
+        and the queued rows (in order) that free slots, the pool's pages and what is left of the step's
+        `prefill_tokens` take, with their cached prefix; none when nothing runs."""
+        going = [r for r in self.running if r.prefilling]
+        return [self._prefill(rows) for rows in self._groups(going + self._admit(sum(map(self._fed, going))))]
+
+    def _fed(self, r: Request, cached: int | None = None) -> int:
+        """Tokens row r's next prefill runs past its `cached` tokens (default: those it holds): the rest of its
+        prompt (`Request.prefill_from`), at most one chunk (`prompt_chunk`) but for a scored row, whose prompt runs
+        whole (its scores come from one call)."""
+        fed = r.prefill_from(r.length if cached is None else cached)
+        return fed if r.scored else min(fed, self.prompt_chunk)
+
+    def _end(self, r: Request) -> int:
+        """The tokens row r holds after its next prefill."""
+        return r.length - r.refed + self._fed(r)
 
     def _prefill(self, rows: list[Request]) -> Scheduled:
-        """One prefill call of admitted rows."""
+        """One prefill call of admitted rows, each its next chunk (`_fed`)."""
         n = self.shapes.prefill_rows(len(rows))
-        new = [r.prompt[r.length - r.refed :] for r in rows]
-        t = self.shapes.prompt_bucket(max(r.to_prefill for r in rows))
-        width = self.shapes.prefill_width(t, max(pages_for(len(r.prompt), self.page_size) for r in rows))
+        new = [r.prompt[r.length - r.refed : self._end(r)] for r in rows]
+        t = self.shapes.prompt_bucket(max(map(len, new)))
+        for r in rows:
+            self._grow(r, self._end(r))
+        width = self.shapes.prefill_width(t, max(len(r.pages) for r in rows))
         tokens = np.zeros((n, t), np.int32)
         mask = np.zeros((n, t), bool)
         table = np.full((n, width), PAD_PAGE, np.int32)
@@ -271,7 +300,6 @@ class Scheduler:
         seen = np.zeros((n, self.vocab_size), bool)
         slots = np.full(n, self.shapes.max_batch, np.int32)  # padding rows: out of range, dropped
         for i, (r, prompt) in enumerate(zip(rows, new, strict=True)):
-            self._grow(r, len(r.prompt))
             tokens[i, : len(prompt)], mask[i, : len(prompt)] = prompt, True
             table[i, : len(r.pages)] = r.pages
             start[i], slots[i] = r.length, r.slot
@@ -288,14 +316,14 @@ class Scheduler:
         """Admitted rows split into the prefill calls of least total cost (`Shapes.prefill_cost`): sorted by
         their new tokens and cut into runs, so a short prompt is neither padded to a long one's bucket nor
         attends over its pages. Shortest first."""
-        rows = sorted(rows, key=lambda r: r.to_prefill)
+        rows = sorted(rows, key=self._fed)
         shapes = self.shapes
         best, cut = [0.0] + [float("inf")] * len(rows), [0] * (len(rows) + 1)
         for j in range(1, len(rows) + 1):
-            t = shapes.prompt_bucket(rows[j - 1].to_prefill)
+            t = shapes.prompt_bucket(self._fed(rows[j - 1]))
             pages = 0
             for i in range(j - 1, -1, -1):  # the call of rows[i:j]
-                pages = max(pages, pages_for(len(rows[i].prompt), self.page_size))
+                pages = max(pages, pages_for(self._end(rows[i]), self.page_size))
                 if i < j - 1 and shapes.prefill_rows(j - i) * t > PREFILL_TOKENS:
                     break
                 cost = best[i] + shapes.prefill_cost(j - i, t, shapes.prefill_width(t, pages))
@@ -310,10 +338,10 @@ class Scheduler:
     def schedule_decode(self, chunk: int) -> Scheduled | None:
         """The running rows' next step: a speculative one when there are proposals, else a decode of up to
         `chunk` tokens (as many as a speculative step could keep, when speculating); None when none runs."""
-        running = self.running
+        running = self.decoding
         if not running:
             return None
-        proposals = self._proposals() if self.speculate else None
+        proposals = self._proposals(running) if self.speculate else None
         if proposals is not None:
             k = proposals.shape[1]
             for i, r in enumerate(running):
@@ -345,10 +373,17 @@ class Scheduler:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
         cache); then free the rows that finished."""
         rows, batch = scheduled
+        chunked = set()  # rows whose prefill ran one chunk of their prompt, not its last: no token yet
         if isinstance(batch, Prefill):
             self.stats.prefill_calls += 1
             now = time.perf_counter()
             for i, r in enumerate(rows):
+                held = r.length + int(batch.mask[i].sum()) - int(batch.refed[i])
+                if held < len(r.prompt):  # its chunk's pages are written: later rows may share them
+                    r.length = held
+                    self.pool.publish(r.prompt[:held], r.pages, None, r.adapter_key)
+                    chunked.add(r)
+                    continue
                 try:
                     scores = self._score(r, step, i) if r.scored else None
                 except Exception as e:  # as in `_take` below: one row's failure never fails the others
@@ -371,8 +406,8 @@ class Scheduler:
                 r.proposed, r.accepted = r.proposed + offered, r.accepted + kept
                 self.stats.proposed, self.stats.accepted = self.stats.proposed + offered, self.stats.accepted + kept
         for i, r in enumerate(rows):
-            if r.error is not None:
-                continue  # failed while this batch was made: what it produced is dropped
+            if r.error is not None or r in chunked:
+                continue  # failed while this batch was made: what it produced is dropped (or it has none yet)
             try:
                 self._take(r, step, i)
             except Exception as e:  # one row's failure (a bad id, its constraint) never fails the others
@@ -427,8 +462,10 @@ class Scheduler:
         """Pages the running rows may still need for their budgets."""
         return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
 
-    def _admit(self) -> list[Request]:
-        """Queued rows (in order) that a free slot and the pool's pages can take, with their cached prefix.
+    def _admit(self, spent: int = 0) -> list[Request]:
+        """Queued rows (in order) that a free slot, the pool's pages and the step's `prefill_tokens` (of which the
+        prompts being prefilled have `spent` some) can take, with their cached prefix. The step's first prefill
+        always runs: a prompt longer than a chunk runs its first (`_fed`).
 
         A row whose next page of prompt an admitted row is about to write waits for the next prefill, which
         finds that page cached: a multiple-choice task's continuations, or a prompt sent `n` times, compute
@@ -437,7 +474,7 @@ class Scheduler:
         admitted: list[Request] = []
         deferred: list[Request] = []
         writing: dict[tuple, bool] = {}  # the pages this prefill writes (their prefix keys): with scores?
-        prefilled = 0  # new tokens admitted
+        prefilled = spent  # tokens this step prefills
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
@@ -449,9 +486,9 @@ class Scheduler:
                 deferred.append(self.queue.popleft())
                 continue
             need = pages_for(r.budget, self.page_size) - len(shared)
-            new_tokens = r.prefill_from(len(shared) * self.page_size)
+            new_tokens = self._fed(r, len(shared) * self.page_size)
             fits_pool = self.pool.available - reserved >= need
-            fits_step = not admitted or prefilled + new_tokens <= PREFILL_TOKENS
+            fits_step = not prefilled or prefilled + new_tokens <= self.prefill_tokens
             if not (fits_pool and fits_step):
                 self.pool.release(shared)
                 break
@@ -473,11 +510,10 @@ class Scheduler:
         if missing > 0:
             r.pages += self.pool.allocate(missing)
 
-    def _proposals(self) -> np.ndarray | None:
-        """Prompt lookup's proposals [rows, k] for the running rows (-1 past a row's own), or None when no
+    def _proposals(self, running: list[Request]) -> np.ndarray | None:
+        """Prompt lookup's proposals [rows, k] for the `running` rows (-1 past a row's own), or None when no
         row has any: then plain decoding is cheaper than verifying nothing. With a draft model, all -1:
         the draft proposes on the device."""
-        running = self.running
         proposals = np.full((self.shapes.batch_bucket(len(running)), self.speculate), -1, np.int32)
         if not self.draft:
             for i, r in enumerate(running):

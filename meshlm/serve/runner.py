@@ -616,7 +616,7 @@ class Runner:
 
     def zero_pages(self, pages: Sequence[int]) -> None:
         """Zero `pages` of the pool (and of the draft's) in place: a failed row's, which may hold NaN. One
-        program serves any pages: their ids are padded with an out-of-range one, which is dropped."""
+        program serves any pages: their ids are padded with an out-of-range one, which ends them."""
         ids = np.full(self.n_pages, self.n_pages, np.int32)
         ids[: len(pages)] = pages
         with jax.set_mesh(self.mesh):

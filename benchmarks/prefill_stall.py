@@ -17,6 +17,7 @@ baseline, in the same run); best of `--repeats` after a first pass that compiles
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         best |= {key: min(r[key] for r in runs) for key in ("ttft_s", "plain_ms")}
         out.append({"budget": budget, "chunk": engine.scheduler.prompt_chunk, **best})
         del engine
+        gc.collect()  # its pool, before the next engine's
     weights = args.dtype + (f", {args.quantize}" if args.quantize else "")
     weights += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype else ""
     print(f"\n{args.rows} rows decoding ({args.context}-token prompts, {args.chunk} tokens a step), a "

@@ -74,6 +74,8 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
     if args.folder:
         out["folder_written_s"] = write_random_folder(args.folder, preset(args.model), make_mesh(None))
         gc.collect()
+    if args.served_only:  # the server alone opens the chip, after this process
+        return out | {"vocab": preset(args.model).n_vocab_used, "rows": {}}
     start = time.perf_counter()
     kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     if args.folder:
@@ -163,7 +165,8 @@ def summary(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; loaded from {source} in {e['load_s']:.0f} s.",
+        f"Weights {weights}, KV cache {a['kv_cache_dtype']}; from {source}"
+        + (f", loaded in {e['load_s']:.0f} s." if "load_s" in e else "."),
         "",
         f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
         "",
@@ -171,7 +174,9 @@ def summary(report: dict[str, Any]) -> str:
         "tokens/s over the whole run | step timed over |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    least = e["rows"][str(min(a["rows"]))]["step_ms"]
+    if not e["rows"]:
+        lines[-4:] = ["Engine in-process: not run (--served-only)."]
+    least = e["rows"].get(str(min(a["rows"])), {}).get("step_ms")
     for rows, r in e["rows"].items():
         lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {r['step_ms'] / least:.2f}x | "
                      f"{r['tokens_per_s']:,.0f} | {r['whole_tokens_per_s']:,.0f} | {r['step_timed']} |")  # fmt: skip
@@ -208,6 +213,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1280, help="served part: prompt + output tokens per request")
     p.add_argument("--time-limit", type=float, default=120.0, help="served part: seconds of arrivals at most")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--served-only", action="store_true", help="no engine part: the folder, then the server")
     p.add_argument("--profile", type=Path, help="engine part: a folder for a profile of the most rows' generation")
     p.add_argument("--part", choices=["engine"], help=argparse.SUPPRESS)  # the child process's work
     args = p.parse_args(argv)

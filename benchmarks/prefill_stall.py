@@ -9,9 +9,9 @@
 one prompt of `--prompt` tokens arrives, and the steps are timed until it has its first token. A running row waits
 a whole engine step for its next tokens, so the longest such step is the stall the prompt causes. For each
 `--prefill-tokens` budget (`--budgets`): that longest step against the plain step of the same run, how many steps
-the prompt took, and its time to first token. A budget of at least the prompt's length prefills it whole (the
-baseline, in the same run); best of `--repeats` after a first pass that compiles. Random weights made in place
-(`meshlm.from_config`); the JAX version, the device and the load average are printed.
+the prompt took, and its time to first token. A budget of at least the prompt's length prefills it whole, in one
+call (the baseline, in the same run); best of `--repeats` after a first pass that compiles. Random weights made in
+place (`meshlm.from_config`); the JAX version, the device and the load average are printed.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def test_the_incremental_text_decodes_each_token_about_once(gpt2_bpe_file):
 def test_a_step_prefills_at_most_prefill_tokens_and_a_scored_prompt_runs_whole():
     """Host-only: with prefill_tokens 20 over pages of 4 a prompt's chunk is 16 tokens (the largest prompt bucket of
     whole pages within 20); a 41-token prompt runs its first chunk alone, a short prompt waiting for the next step
-    (16 + 5 > 20); a scored 41-token prompt runs whole, its scores coming from one call. A budget below a page is
-    refused."""
+    (16 + 5 > 20); a 20-token prompt, within the budget, runs whole; so does a scored 41-token prompt, its scores
+    coming from one call. A budget below a page is refused."""
     from meshlm.config import InputError
     from meshlm.serve.batch import Shapes
     from meshlm.serve.scheduler import Request, Scheduler
@@ -119,8 +119,9 @@ def test_a_step_prefills_at_most_prefill_tokens_and_a_scored_prompt_runs_whole()
     long, short = request(41), request(5)
     scheduler.submit([long, short])
     assert rows(scheduler) == [16] and long.prefilling and scheduler.decoding == []
-    scored = Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=20)
-    scored.submit([request(41, prompt_logprobs=1)])
-    assert rows(scored) == [41]
+    for whole in (request(20), request(41, prompt_logprobs=1)):
+        scheduler = Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=20)
+        scheduler.submit([whole])
+        assert rows(scheduler) == [len(whole.prompt)]
     with pytest.raises(InputError, match="prefill_tokens"):
         Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=3)

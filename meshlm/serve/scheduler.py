@@ -276,10 +276,10 @@ class Scheduler:
 
     def _fed(self, r: Request, cached: int | None = None) -> int:
         """Tokens row r's next prefill runs past its `cached` tokens (default: those it holds): the rest of its
-        prompt (`Request.prefill_from`), at most one chunk (`prompt_chunk`) but for a scored row, whose prompt runs
-        whole (its scores come from one call)."""
+        prompt (`Request.prefill_from`) where that is within `prefill_tokens`, else one chunk (`prompt_chunk`); a
+        scored row's prompt runs whole (its scores come from one call)."""
         fed = r.prefill_from(r.length if cached is None else cached)
-        return fed if r.scored else min(fed, self.prompt_chunk)
+        return fed if r.scored or fed <= self.prefill_tokens else self.prompt_chunk
 
     def _end(self, r: Request) -> int:
         """The tokens row r holds after its next prefill."""

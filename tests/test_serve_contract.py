@@ -125,3 +125,48 @@ def test_a_step_prefills_at_most_prefill_tokens_and_a_scored_prompt_runs_whole()
         assert rows(scheduler) == [len(whole.prompt)]
     with pytest.raises(InputError, match="prefill_tokens"):
         Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=3)
+
+
+def produced(batch) -> Step:
+    """What a device call of `batch` returns, every row emitting token 7: the scheduler run without a device."""
+    from meshlm.serve.batch import Decode
+
+    n, c = batch.slots.shape[0], batch.chunk if isinstance(batch, Decode) else 1
+    tops = (n, c, TOP_LOGPROBS)
+    return Step(np.full((n, c), 7, np.int32), np.zeros((n, c), np.float32), np.zeros(tops, np.int32),
+                np.zeros(tops, np.float32), np.ones((n, c), bool), np.zeros(n, bool))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("second", "budget", "pieces"),
+    [("the same", 20, [[(0, 16)], [(0, 16)], [(0, 9)], [(1, 1)]]),
+     ("another", 20, [[(0, 16)], [(0, 16)], [(0, 9)], [(1, 16)], [(1, 16)], [(1, 9)]]),
+     ("another", 40, [[(0, 16), (1, 16)], [(0, 25)], [(1, 25)]])],
+)  # fmt: skip
+def test_prompts_being_prefilled_keep_to_the_steps_budget_and_compute_a_shared_prefix_once(second, budget, pieces):
+    """Host-only, two 41-token prompts queued together over pages of 4, chunks of 16 (prefill_tokens 20 or 40). At 20
+    the first runs 16, 16 and 9 tokens over three steps. The same prompt again waits for the pages the first is still
+    to write, then finds 40 tokens cached and runs 1 (it had run all but the first chunk again); another prompt waits
+    until a chunk fits what the step has left (the first's last 9 and its 16 would be 25). At 40 both start with a
+    chunk; then the first's rest (25) fits and runs whole, and the second's waits a step (each rest whole was 50)."""
+    from meshlm.serve.batch import Shapes
+    from meshlm.serve.scheduler import Request, Scheduler
+
+    shapes = Shapes.of(max_batch=4, max_len=64, page_size=4, batch_ways=1)
+    scheduler = Scheduler(shapes, n_pages=64, vocab_size=512, prefill_tokens=budget)
+    prompt = list(range(1, 42))
+    rows = [Request(p, RowOutput(SamplingParams(max_new_tokens=2), None))
+            for p in (prompt, prompt if second == "the same" else [t + 100 for t in prompt])]  # fmt: skip
+    scheduler.submit(rows)
+    steps = []
+    while scheduler.has_work():
+        step = []
+        for work in scheduler.schedule_prefill():
+            step += [(rows.index(r), int(work.batch.mask[i].sum())) for i, r in enumerate(work.rows)]
+            scheduler.update(work, produced(work.batch))
+        if (work := scheduler.schedule_decode(1)) is not None:
+            scheduler.update(work, produced(work.batch))
+        steps.append(sorted(step))
+    assert steps[: len(pieces)] == pieces
+    assert scheduler.pool.hits == (40 if second == "the same" else 0)
+    assert all(len(r.output.tokens) == 2 for r in rows)

@@ -36,7 +36,8 @@ class EngineConfig:
     given) of rank `max_lora_rank` (None: the largest given). A loop thread (a server's) decodes `chunk` tokens
     per device call with at most `max_queue` rows waiting. An engine step prefills at most `prefill_tokens` prompt
     tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
-    decoding between its chunks, so that it never stalls them for longer than one chunk takes. `kv_cache_dtype`
+    decoding between its chunks, so that prompts stall them for no longer than that many tokens' prefill a step (a
+    scored prompt, which runs whole, excepted). `kv_cache_dtype`
     ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention` (None: the model's own choice)
     are vLLM's options of those names."""
 

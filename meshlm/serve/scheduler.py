@@ -67,6 +67,7 @@ class Request:
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the cache
+    piece: int = 0  # tokens its next prefill call runs (`Scheduler._piece`), set when the call is scheduled
     proposed: int = 0  # speculated tokens offered
     accepted: int = 0  # of which kept
     adapter: int = 0  # the adapter slot the row runs (0: the base alone)
@@ -237,6 +238,7 @@ class Scheduler:
 
     @property
     def decoding(self) -> list[Request]:
+        """The rows that decode: holding a slot, their prompts prefilled."""
         return [r for r in self.slots if r is not None and not r.prefilling]
 
     def has_work(self) -> bool:
@@ -268,25 +270,33 @@ class Scheduler:
     # batches --------------------------------------------------------------------------------------
 
     def schedule_prefill(self) -> list[Scheduled]:
-        """This step's prefill calls, grouped by length (`_groups`): the next chunk of each prompt being prefilled,
-        and the queued rows (in order) that free slots, the pool's pages and what is left of the step's
-        `prefill_tokens` take, with their cached prefix; none when nothing runs."""
-        going = [r for r in self.running if r.prefilling]
-        return [self._prefill(rows) for rows in self._groups(going + self._admit(sum(map(self._fed, going))))]
+        """This step's prefill calls, grouped by length (`_groups`), within its `prefill_tokens`: the next piece of
+        each prompt being prefilled (in slot order, while the budget lasts), then the queued rows (in order) that
+        free slots, the pool's pages and what is left of the budget take, with their cached prefix; none when
+        nothing runs."""
+        going, left = [], self.prefill_tokens
+        for r in self.running:
+            if r.prefilling and (piece := self._piece(r, r.length, left)):
+                r.piece, left = piece, left - piece
+                going.append(r)
+        return [self._prefill(rows) for rows in self._groups(going + self._admit(left))]
 
-    def _fed(self, r: Request, cached: int | None = None) -> int:
-        """Tokens row r's next prefill runs past its `cached` tokens (default: those it holds): the rest of its
-        prompt (`Request.prefill_from`) where that is within `prefill_tokens`, else one chunk (`prompt_chunk`); a
-        scored row's prompt runs whole (its scores come from one call)."""
-        fed = r.prefill_from(r.length if cached is None else cached)
-        return fed if r.scored or fed <= self.prefill_tokens else self.prompt_chunk
+    def _piece(self, r: Request, cached: int, left: int) -> int:
+        """Tokens row r's next prefill runs past `cached` tokens within `left` of the step's budget (0: it waits):
+        the rest of its prompt (`Request.prefill_from`) where it fits, else one chunk (`prompt_chunk`) where that
+        fits. The step's first prefill always runs (the rest, or a chunk where longer), and a scored row's prompt
+        runs whole, its scores coming from one call: such a prompt longer than the budget runs alone."""
+        rest = r.prefill_from(cached)
+        if rest <= left or (r.scored and left == self.prefill_tokens):
+            return rest
+        return self.prompt_chunk if not r.scored and self.prompt_chunk <= left else 0
 
     def _end(self, r: Request) -> int:
         """The tokens row r holds after its next prefill."""
-        return r.length - r.refed + self._fed(r)
+        return r.length - r.refed + r.piece
 
     def _prefill(self, rows: list[Request]) -> Scheduled:
-        """One prefill call of admitted rows, each its next chunk (`_fed`)."""
+        """One prefill call of admitted rows, each its next piece (`_piece`)."""
         n = self.shapes.prefill_rows(len(rows))
         new = [r.prompt[r.length - r.refed : self._end(r)] for r in rows]
         t = self.shapes.prompt_bucket(max(map(len, new)))
@@ -316,11 +326,11 @@ class Scheduler:
         """Admitted rows split into the prefill calls of least total cost (`Shapes.prefill_cost`): sorted by
         their new tokens and cut into runs, so a short prompt is neither padded to a long one's bucket nor
         attends over its pages. Shortest first."""
-        rows = sorted(rows, key=self._fed)
+        rows = sorted(rows, key=lambda r: r.piece)
         shapes = self.shapes
         best, cut = [0.0] + [float("inf")] * len(rows), [0] * (len(rows) + 1)
         for j in range(1, len(rows) + 1):
-            t = shapes.prompt_bucket(self._fed(rows[j - 1]))
+            t = shapes.prompt_bucket(rows[j - 1].piece)
             pages = 0
             for i in range(j - 1, -1, -1):  # the call of rows[i:j]
                 pages = max(pages, pages_for(self._end(rows[i]), self.page_size))
@@ -462,19 +472,21 @@ class Scheduler:
         """Pages the running rows may still need for their budgets."""
         return sum(pages_for(r.budget, self.page_size) - len(r.pages) for r in self.running)
 
-    def _admit(self, spent: int = 0) -> list[Request]:
-        """Queued rows (in order) that a free slot, the pool's pages and the step's `prefill_tokens` (of which the
-        prompts being prefilled have `spent` some) can take, with their cached prefix. The step's first prefill
-        always runs: a prompt longer than a chunk runs its first (`_fed`).
+    def _admit(self, left: int) -> list[Request]:
+        """Queued rows (in order) that a free slot, the pool's pages and `left` of the step's `prefill_tokens` can
+        take (each its first piece, `_piece`), with their cached prefix.
 
-        A row whose next page of prompt an admitted row is about to write waits for the next prefill, which
-        finds that page cached: a multiple-choice task's continuations, or a prompt sent `n` times, compute
-        their shared context once."""
+        A row whose next page of prompt an admitted row is about to write, or a row still prefilling will write,
+        waits for a later prefill, which finds that page cached: a multiple-choice task's continuations, a prompt
+        sent `n` times, or prompts opening with one long context compute their shared context once."""
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         admitted: list[Request] = []
         deferred: list[Request] = []
-        writing: dict[tuple, bool] = {}  # the pages this prefill writes (their prefix keys): with scores?
-        prefilled = spent  # tokens this step prefills
+        writing: dict[tuple, bool] = {}  # the pages being written (their prefix keys): with scores?
+        for r in self.running:  # a prompt being prefilled (never scored) writes its pages from its length on
+            if r.prefilling:
+                keys = self.pool.keys(r.prompt, self.pool.matchable(r.prompt), r.adapter_key)
+                writing |= dict.fromkeys(keys[r.length // self.page_size :], False)
         reserved = self._reserved()
         while self.queue and len(admitted) < len(free_slots):
             r = self.queue[0]
@@ -486,10 +498,8 @@ class Scheduler:
                 deferred.append(self.queue.popleft())
                 continue
             need = pages_for(r.budget, self.page_size) - len(shared)
-            new_tokens = self._fed(r, len(shared) * self.page_size)
-            fits_pool = self.pool.available - reserved >= need
-            fits_step = not prefilled or prefilled + new_tokens <= self.prefill_tokens
-            if not (fits_pool and fits_step):
+            piece = self._piece(r, len(shared) * self.page_size, left)
+            if not (piece and self.pool.available - reserved >= need):
                 self.pool.release(shared)
                 break
             self.queue.popleft()
@@ -497,7 +507,7 @@ class Scheduler:
             r.slot, r.pages, r.length = free_slots[len(admitted)], shared, len(shared) * self.page_size
             self.slots[r.slot] = r
             reserved += need
-            prefilled += new_tokens
+            r.piece, left = piece, left - piece
             admitted.append(r)
             for key in keys[len(shared) :]:
                 writing[key] = writing.get(key, False) or r.scored

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import resource
 import shutil
 import socket
@@ -19,40 +18,16 @@ from typing import TYPE_CHECKING
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # xdist's workers inherit the main process's environment
-OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-FUSION_EMITTERS = "MESHLM_TEST_FUSION_EMITTERS"  # set for a `bitwise_across_programs` test's own process
-
-
-def cpu_compile_flags() -> str:
-    """XLA:CPU's cheapest compile: the suite's programs are tiny, and compiling them is most of its time.
-
-    - `--xla_backend_optimization_level=0`: LLVM at -O0 (test_engine.py 189 -> 154 s). Matmuls are Eigen's calls
-      at any level; what changes is how XLA's own loops are optimised.
-    - `--xla_cpu_use_fusion_emitters=false`: XLA's older fusion emitters, which build LLVM IR directly, instead of
-      the MLIR pipeline that emits each fusion (test_engine.py 195 -> 99 CPU seconds; an engine's warm-up 3.2x
-      faster to compile). Passed only where this jaxlib knows the flag: XLA aborts on an unknown one.
-
-    Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that share these
-    flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device count). The
-    tpu tier compiles at the default."""
-    import mmap
-    from importlib.util import find_spec
-
-    flags = "--xla_backend_optimization_level=0"
-    library = Path(find_spec("jaxlib").origin).parent / "libjax_common.so"
-    if library.exists():
-        with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            # the flag's help text, registered with the flag itself (its name alone is also a protobuf field's)
-            if (
-                m.find(b"Use fusion emitters for code generation in the CPU backend") >= 0
-                and FUSION_EMITTERS not in os.environ
-            ):
-                flags += f" {OLDER_EMITTERS}"
-    return flags
+# XLA:CPU at -O0 (LLVM's cheapest level): the suite's programs are tiny, and compiling them is most of its time
+# (test_engine.py 189 -> 154 s); matmuls are Eigen's calls at any level. Subprocesses inherit it
+# (tests/test_multihost.py passes it on without the device count); the tpu tier compiles at the default. XLA's older
+# fusion emitters (--xla_cpu_use_fusion_emitters=false) compiled twice as fast, but 8-device programs under them
+# deadlocked in XLA's collectives in about a third of runs (docs/testing.md).
+CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 
 if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:
-    os.environ["XLA_FLAGS"] += f" {cpu_compile_flags()}"
+    os.environ["XLA_FLAGS"] += f" {CPU_COMPILE_FLAGS}"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The session's own folders, made once by the main pytest process; xdist's workers inherit them:
 # - the GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
@@ -135,24 +110,6 @@ def pytest_runtest_teardown(item, nextitem):
     if jax is not None:
         jax.clear_caches()
         gc.collect()
-
-
-def pytest_pyfunc_call(pyfuncitem):
-    """A test marked `bitwise_across_programs` runs in a process of its own with XLA's default fusion emitters.
-
-    It asserts two different programs give equal bits (a weight streamed layer by layer, and the whole model's; a
-    pool written by a kernel, and by a scatter): true of XLA's fusion emitters, whereas the older ones (the suite's
-    `OLDER_EMITTERS`) round the same float32 math an ulp or two apart in programs that fuse it otherwise."""
-    if not pyfuncitem.get_closest_marker("bitwise_across_programs") or OLDER_EMITTERS not in os.environ["XLA_FLAGS"]:
-        return None
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the child's options are these alone
-    env |= {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace(OLDER_EMITTERS, ""), FUSION_EMITTERS: "1"}
-    opts = ["-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
-    done = subprocess.run([sys.executable, "-m", "pytest", *opts, pyfuncitem.nodeid], env=env, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)  # fmt: skip
-    passed = done.returncode == 0 and re.search(r"\b1 passed\b", done.stdout) and "skipped" not in done.stdout
-    assert passed, f"with XLA's fusion emitters:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
-    return True
 
 
 def pytest_unconfigure(config):

@@ -168,15 +168,18 @@ def summary(report: dict[str, Any]) -> str:
         f"Weights {weights}, KV cache {a['kv_cache_dtype']}; from {source}"
         + (f", loaded in {e['load_s']:.0f} s." if "load_s" in e else "."),
         "",
-        f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
-        "",
-        f"| rows | prefill + first token | decode step | step / {min(a['rows'])} rows' | tokens/s | "
-        "tokens/s over the whole run | step timed over |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    if not e["rows"]:
-        lines[-4:] = ["Engine in-process: not run (--served-only)."]
-    least = e["rows"].get(str(min(a["rows"])), {}).get("step_ms")
+    if e["rows"]:
+        lines += [
+            f"Engine in-process, {a['context']} prompt tokens a row, {a['new']} new tokens, chunk {a['chunk']}:",
+            "",
+            f"| rows | prefill + first token | decode step | step / {min(a['rows'])} rows' | tokens/s | "
+            "tokens/s over the whole run | step timed over |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        least = e["rows"][str(min(a["rows"]))]["step_ms"]
+    else:
+        lines.append("Engine in-process: not run (--served-only).")
     for rows, r in e["rows"].items():
         lines.append(f"| {rows} | {r['first_s']:.3f} s | {r['step_ms']:.2f} ms | {r['step_ms'] / least:.2f}x | "
                      f"{r['tokens_per_s']:,.0f} | {r['whole_tokens_per_s']:,.0f} | {r['step_timed']} |")  # fmt: skip

@@ -37,9 +37,8 @@ class EngineConfig:
     per device call with at most `max_queue` rows waiting. An engine step prefills at most `prefill_tokens` prompt
     tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
     decoding between its chunks, so that prompts stall them for no longer than that many tokens' prefill a step (a
-    scored prompt, which runs whole, excepted). `kv_cache_dtype`
-    ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention` (None: the model's own choice)
-    are vLLM's options of those names."""
+    scored prompt, which runs whole, excepted). `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the
+    compute dtype) and `attention` (None: the model's own choice) are vLLM's options of those names."""
 
     max_batch: int = 8
     max_len: int | None = None

@@ -388,7 +388,7 @@ class Scheduler:
             self.stats.prefill_calls += 1
             now = time.perf_counter()
             for i, r in enumerate(rows):
-                held = r.length + int(batch.mask[i].sum()) - int(batch.refed[i])
+                held = self._end(r)
                 if held < len(r.prompt):  # its chunk's pages are written: later rows may share them
                     r.length = held
                     self.pool.publish(r.prompt[:held], r.pages, None, r.adapter_key)

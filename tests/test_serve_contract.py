@@ -59,11 +59,17 @@ TRICKY = [
 ]
 
 
+def step_of(token: np.ndarray) -> Step:
+    """A device call's output that gives each row its row of `token` [rows, steps], every step emitted."""
+    rows, n = token.shape
+    tops = (rows, n, TOP_LOGPROBS)
+    return Step(token, np.zeros((rows, n), np.float32), np.zeros(tops, np.int32), np.zeros(tops, np.float32),
+                np.ones((rows, n), bool), np.zeros(rows, bool))  # fmt: skip
+
+
 def one_step(tokens: list[int]) -> Step:
     """A chunk of steps that gives row 0 `tokens`."""
-    n = len(tokens)
-    return Step(np.array([tokens], np.int32), np.zeros((1, n), np.float32), np.zeros((1, n, TOP_LOGPROBS), np.int32),
-                np.zeros((1, n, TOP_LOGPROBS), np.float32), np.ones((1, n), bool), np.zeros(1, bool))  # fmt: skip
+    return step_of(np.array([tokens], np.int32))
 
 
 def streamed_texts(tok, ids: list[int], chunk: int) -> list[str]:
@@ -131,10 +137,7 @@ def produced(batch) -> Step:
     """What a device call of `batch` returns, every row emitting token 7: the scheduler run without a device."""
     from meshlm.serve.batch import Decode
 
-    n, c = batch.slots.shape[0], batch.chunk if isinstance(batch, Decode) else 1
-    tops = (n, c, TOP_LOGPROBS)
-    return Step(np.full((n, c), 7, np.int32), np.zeros((n, c), np.float32), np.zeros(tops, np.int32),
-                np.zeros(tops, np.float32), np.ones((n, c), bool), np.zeros(n, bool))  # fmt: skip
+    return step_of(np.full((batch.slots.shape[0], batch.chunk if isinstance(batch, Decode) else 1), 7, np.int32))
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         runs = [scenario(lm, engine, args, rng) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["longest_ms"])
         best |= {key: min(r[key] for r in runs) for key in ("ttft_s", "plain_ms")}
-        out.append({"budget": budget, "chunk": engine.scheduler.prompt_chunk, **best})
+        chunk = "whole" if args.prompt <= budget else engine.scheduler.prompt_chunk  # the scheduler's rule
+        out.append({"budget": budget, "chunk": chunk, **best})
         del engine
         gc.collect()  # its pool, before the next engine's
     weights = args.dtype + (f", {args.quantize}" if args.quantize else "")

@@ -29,11 +29,11 @@ def cpu_compile_flags() -> str:
     - `--xla_backend_optimization_level=0`: LLVM at -O0 (test_engine.py 189 -> 154 s). Matmuls are Eigen's calls
       at any level; what changes is how XLA's own loops are optimised.
     - `OLDER_EMITTERS`: XLA's older fusion emitters, which build LLVM IR directly instead of through MLIR (an
-      engine's warm-up compiles 3.2x faster; the whole suite 998 -> 709 s). Under them alone, 8-device programs
-      deadlocked in XLA:CPU's collectives (test_evaluate.py's meshlm fixtures aborted in 4 of 12 runs, the device
-      threads waiting in three different collectives); with XLA's memory-minimising scheduler instead of its
-      concurrency-optimised one they ran in order in 12 of 12 (docs/testing.md). Both flags are passed only
-      where this jaxlib accepts them (XLA aborts on an unknown flag): a jaxlib without them runs slower, not broken.
+      engine's warm-up compiles 3.2x faster). Under them alone, 8-device programs deadlocked in XLA:CPU's
+      collectives (test_evaluate.py aborted in 4 of 12 runs, the device threads waiting in three different
+      collectives); with XLA's memory-minimising scheduler instead of its concurrency-optimised one, in none of 20
+      (docs/testing.md). The two: the whole suite 998 -> 719 s. They are passed only where this jaxlib accepts
+      them (XLA aborts on an unknown flag): a jaxlib without them runs slower, not broken, and says so.
 
     Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that share these
     flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device count). The
@@ -43,8 +43,16 @@ def cpu_compile_flags() -> str:
         return flags
     faster = f"{OLDER_EMITTERS} --xla_cpu_enable_concurrency_optimized_scheduler=false"
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    accepted = subprocess.run(probe, env={**os.environ, "XLA_FLAGS": faster}, capture_output=True).returncode == 0
-    return f"{flags} {faster}" if accepted else flags
+    env = {**os.environ, "XLA_FLAGS": faster, "JAX_PLATFORMS": "cpu"}
+    try:
+        done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        done = None
+    if done is None or done.returncode != 0:
+        why = "timed out" if done is None else done.stderr.strip()[-300:]
+        print(f"conftest: this jaxlib refused {faster}; the suite compiles slower ({why})", file=sys.stderr)
+        return flags
+    return f"{flags} {faster}"
 
 
 if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:
@@ -82,8 +90,14 @@ def _has_tpu() -> bool:
     return any(d.platform == "tpu" for d in jax.devices())
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `tpu` run only where JAX sees a TPU chip."""
+    """Tests marked `tpu` run only where JAX sees a TPU chip. A `bitwise_across_programs` test is `slow` where it
+    needs a process of its own (under `OLDER_EMITTERS`), quick where it runs in the suite's."""
+    if OLDER_EMITTERS in os.environ["XLA_FLAGS"]:
+        for item in items:
+            if item.get_closest_marker("bitwise_across_programs"):
+                item.add_marker(pytest.mark.slow)
     tpu_items = [item for item in items if item.get_closest_marker("tpu")]
     if tpu_items and not _has_tpu():
         skip = pytest.mark.skip(reason="needs a TPU chip (JAX_PLATFORMS=tpu,cpu on a TPU host; see docs/testing.md)")

@@ -79,8 +79,7 @@ def test_a_decode_step_written_by_the_kernel_stores_what_the_scatter_stores(monk
         np.testing.assert_array_equal(kernel_pool, pool)
 
 
-@pytest.mark.slow  # a process of its own
-@pytest.mark.bitwise_across_programs
+@pytest.mark.bitwise_across_programs  # `slow` in a process of its own (conftest.py)
 @pytest.mark.parametrize("kv", ["float32", "int8"])
 def test_a_prompt_written_by_the_page_kernel_reads_back_as_the_scattered_one(monkeypatch: pytest.MonkeyPatch, kv):
     """A prefill (rows of 3, 16 and 21 tokens from slot 0, and a padding row) by `kv_dma.write_pages`, then a

@@ -43,8 +43,7 @@ def test_quantizing_a_stack_layer_by_layer_equals_quantizing_it_whole(kind):
     _equal_trees(stack, whole)
 
 
-@pytest.mark.slow  # a process of its own
-@pytest.mark.bitwise_across_programs
+@pytest.mark.bitwise_across_programs  # `slow` in a process of its own (conftest.py)
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_a_streamed_quantized_init_equals_the_float_init_quantized(kind):
     mesh = "data=-1,model=2"

@@ -179,7 +179,7 @@ def test_pages_come_back_after_a_cancelled_stream_and_a_failed_step(lm, hf_tiny,
     assert again.tokens == hf_greedy(hf_tiny, cached, 10)[0]
 
 
-def test_requests_that_can_never_run_are_refused_in_one_line(lm):
+def test_requests_that_can_never_run_are_refused_in_one_line(lm, monkeypatch):
     engine = lm.engine(max_batch=2, page_size=PAGE, kv_tokens=32, max_len=64)
     for prompt, new, words in [
         ([1] * 70, 1, "more than the context of 64"),
@@ -191,6 +191,10 @@ def test_requests_that_can_never_run_are_refused_in_one_line(lm):
             engine.generate([prompt], [greedy(new)])
     with pytest.raises(ValueError, match="max_len"):
         lm.engine(max_len=10_000)
+    # a step's prompt budget below a page is refused before the pool is allocated for it
+    monkeypatch.setattr(runner.Runner, "reset", lambda self: pytest.fail("the pool was allocated"))
+    with pytest.raises(ValueError, match=rf"prefill_tokens \(3\) must hold a KV page \({PAGE} tokens\)"):
+        lm.engine(page_size=PAGE, prefill_tokens=3)
 
 
 def test_the_page_pool_shares_prefixes_and_evicts_the_least_recently_used():

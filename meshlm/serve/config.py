@@ -24,6 +24,13 @@ LEAST = {"max_batch": 1, "max_len": 2, "kv_tokens": 1, "page_size": 1, "ngram": 
          "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1, "prefill_tokens": 1}  # fmt: skip
 
 
+def check_prefill_tokens(prefill_tokens: int, page_size: int) -> None:
+    """A step's prompt tokens hold at least a page: a prompt is prefilled in whole pages."""
+    if prefill_tokens < page_size:
+        raise InputError(f"prefill_tokens ({prefill_tokens}) must hold a KV page ({page_size} tokens)",
+                         param="prefill_tokens")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine batches, caches and speculates, for any model on any mesh.
@@ -79,8 +86,11 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def tokens_per_page(self, backend: str) -> int:
-        """`page_size`, or the size the backend's paged kernel reads best (`BACKEND_PAGE_SIZES`)."""
-        return self.page_size or BACKEND_PAGE_SIZES.get(backend, PAGE_SIZE)
+        """`page_size`, or the size the backend's paged kernel reads best (`BACKEND_PAGE_SIZES`); InputError where
+        `prefill_tokens` cannot hold such a page, before the engine allocates its pool for it."""
+        page_size = self.page_size or BACKEND_PAGE_SIZES.get(backend, PAGE_SIZE)
+        check_prefill_tokens(self.prefill_tokens, page_size)
+        return page_size
 
     def context(self, model_context: int) -> int:
         """A row's tokens at most: `max_len`, or the model's context; InputError for more than the model's."""

@@ -38,7 +38,7 @@ from meshlm.serve.batch import (
     bitmask_words,
     settings_for,
 )
-from meshlm.serve.config import PREFILL_TOKENS
+from meshlm.serve.config import PREFILL_TOKENS, check_prefill_tokens
 from meshlm.serve.grammar import Matcher
 from meshlm.serve.outputs import RowOutput
 from meshlm.serve.pages import PAD_PAGE, PagePool, pages_for
@@ -201,9 +201,7 @@ class Scheduler:
         if max_rows is not None and not 1 <= max_rows <= shapes.max_batch:
             raise ValueError(f"max_rows {max_rows} must be 1 to the compiled batch's {shapes.max_batch}")
         self.slots: list[Request | None] = [None] * (max_rows or shapes.max_batch)  # no more rows run at once
-        if prefill_tokens < shapes.page_size:
-            raise InputError(f"prefill_tokens ({prefill_tokens}) must hold a KV page ({shapes.page_size} tokens)",
-                             param="prefill_tokens")  # fmt: skip
+        check_prefill_tokens(prefill_tokens, shapes.page_size)
         self.prefill_tokens, self.prompt_chunk = prefill_tokens, shapes.prompt_chunk(prefill_tokens)
         self.stats = Stats()
 

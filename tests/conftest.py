@@ -57,6 +57,8 @@ def cpu_compile_flags() -> str:
 
 if "tpu" not in os.environ["JAX_PLATFORMS"] and not IS_WORKER:
     os.environ["XLA_FLAGS"] += f" {cpu_compile_flags()}"
+# the suite's programs (and workers', which inherit the flags) are compiled by the older emitters
+WITH_OLDER_EMITTERS = OLDER_EMITTERS in os.environ["XLA_FLAGS"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The session's own folders, made once by the main pytest process; xdist's workers inherit them:
 # - the GPT-2 BPE is fetched into a cache of the session's own, so the download path runs and the user's
@@ -94,7 +96,7 @@ def _has_tpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     """Tests marked `tpu` run only where JAX sees a TPU chip. A `bitwise_across_programs` test is `slow` where it
     needs a process of its own (under `OLDER_EMITTERS`), quick where it runs in the suite's."""
-    if OLDER_EMITTERS in os.environ["XLA_FLAGS"]:
+    if WITH_OLDER_EMITTERS:
         for item in items:
             if item.get_closest_marker("bitwise_across_programs"):
                 item.add_marker(pytest.mark.slow)
@@ -153,7 +155,7 @@ def pytest_pyfunc_call(pyfuncitem):
     It asserts two different programs give equal bits (a weight streamed layer by layer, and the whole model's; a
     pool written by a kernel, and by a scatter): true of XLA's fusion emitters, whereas the older ones (the suite's
     `OLDER_EMITTERS`) round the same float32 math an ulp or two apart in programs that fuse it otherwise."""
-    if not pyfuncitem.get_closest_marker("bitwise_across_programs") or OLDER_EMITTERS not in os.environ["XLA_FLAGS"]:
+    if not pyfuncitem.get_closest_marker("bitwise_across_programs") or not WITH_OLDER_EMITTERS:
         return None
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the child's options are these alone
     env |= {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace(OLDER_EMITTERS, ""), FUSION_EMITTERS: "1"}

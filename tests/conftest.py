@@ -81,12 +81,21 @@ import pytest  # noqa: E402
 # The shared helpers assert too: their failures read like the tests' own.
 pytest.register_assert_rewrite("tests.helpers")
 
-from tests.helpers import tiers  # noqa: E402
+from tests.helpers import suite_cost, tiers  # noqa: E402
 
 if TYPE_CHECKING:
     from tests import oracle  # torch, imported by the fixtures that need it: a TPU host's tier runs without it
 
 STARTED = pytest.StashKey[tuple[float, float]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--suite-cost", action="store_true", help="print each test file's CPU seconds (docs/testing.md)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--suite-cost"):
+        config.pluginmanager.register(suite_cost, "suite_cost")
 
 
 def _has_tpu() -> bool:

@@ -32,12 +32,8 @@ def cpu_compile_flags() -> str:
       engine's warm-up compiles 3.2x faster). Under them alone, 8-device programs deadlocked in XLA:CPU's
       collectives (test_evaluate.py aborted in 4 of 12 runs, the device threads waiting in three different
       collectives); with XLA's memory-minimising scheduler instead of its concurrency-optimised one, in none of 20
-      (docs/testing.md). The two: the whole suite 998 -> 719 s.
-    - `--xla_cpu_parallel_codegen_split_count=1`: LLVM compiles each program as one module, not split 32 ways for
-      threads that two busy cores do not have (a set of engine and train programs: 3.8-4.1 -> 3.3 s of compiling).
-
-    The last three are passed only where this jaxlib accepts them (XLA aborts on an unknown flag): a jaxlib without
-    them runs slower, not broken, and says so.
+      (docs/testing.md). The two: the whole suite 998 -> 719 s. They are passed only where this jaxlib accepts
+      them (XLA aborts on an unknown flag): a jaxlib without them runs slower, not broken, and says so.
 
     Every comparison stays as it was (oracles at their tolerances; exact equalities between runs that share these
     flags). Subprocesses inherit the flags (tests/test_multihost.py passes them on without the device count). The
@@ -45,8 +41,7 @@ def cpu_compile_flags() -> str:
     flags = "--xla_backend_optimization_level=0"
     if FUSION_EMITTERS in os.environ:
         return flags
-    faster = (f"{OLDER_EMITTERS} --xla_cpu_enable_concurrency_optimized_scheduler=false"
-              " --xla_cpu_parallel_codegen_split_count=1")  # fmt: skip
+    faster = f"{OLDER_EMITTERS} --xla_cpu_enable_concurrency_optimized_scheduler=false"
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
     env = {**os.environ, "XLA_FLAGS": faster, "JAX_PLATFORMS": "cpu"}
     try:

@@ -11,14 +11,24 @@ The roofline is (weight bytes + the KV bytes the rows hold) / the GB/s of a larg
 on a TPU with a bfloat16 pool the attention reads the pages in place (the paged kernel), elsewhere it
 gathers the rows' pages (see `meshlm.attention.resolve`). Best of `--repeats` calls per row count.
 
+`--new N` runs N tokens a row a step instead of one: a prefill chunk's step (the same chunk again each
+step, written as whole pages after `--context` tokens, as the engine writes its chunks). Its `compute` column
+is the projections' FLOPs (2 x the layers' weights a token, and the LM head for each row's last token;
+attention left out) over a bfloat16 matmul's FLOP/s timed here. A decode step bound by reading its weights
+leaves the matrix unit idle: how many tokens a step takes before it costs more than one says how many prompt
+tokens a decode step could carry for nothing (issue 38).
+
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/decode_rows.py --preset gptj-tiny --rows 1,4,16
     PYTHONPATH=. python benchmarks/decode_rows.py --preset gptj-1b --rows 1,16,64      # on a TPU
+    PYTHONPATH=. python benchmarks/decode_rows.py --preset gptj-6b --quantize int8 --kv-cache-dtype int8 \
+        --rows 1 --new 1,16,64,128,256 --context 128                                 # on a TPU
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import time
 from typing import Any
@@ -54,22 +64,35 @@ def copy_gbs(megabytes: int, repeats: int) -> float:
     return 2 * x.nbytes / best_of(lambda: copy(x), repeats) / 1e9
 
 
+def matmul_tflops(n: int, repeats: int) -> float:
+    """Achievable bfloat16 matrix-unit throughput: an [n, n] x [n, n] product's FLOPs per second, in TFLOP/s."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    product = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / best_of(lambda: product(a), repeats) / 1e12
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gptj-tiny")
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts")
     parser.add_argument("--context", default="512", help="tokens each row already holds (comma-separated: each)")
+    parser.add_argument("--new", default="1", help="tokens a row runs a step (comma-separated: each; above 1: a chunk)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps (one program call each) per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row count (best kept)")
     parser.add_argument("--dtype", default="bfloat16", help="weights, compute and the pool")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the array whose copy gives the GB/s")
+    parser.add_argument("--matmul", type=int, default=4096, help="side of the bfloat16 product that gives the FLOP/s")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
     parser.add_argument("--profile", default="", help="a folder for a profile of the last context and row count's call")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
     args = parser.parse_args()
     args.page_size = EngineConfig(page_size=args.page_size).tokens_per_page(jax.default_backend())
+    news = [int(n) for n in args.new.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    if max(news) > 1 and any(c % args.page_size for c in contexts):
+        parser.error(f"--new above 1 writes whole pages: each --context must be a multiple of {args.page_size}")
 
     cfg = config.preset(args.preset)
     policy = config.Policy(param_dtype=args.dtype, compute_dtype=args.dtype, attention=args.attention)
@@ -93,31 +116,42 @@ def main() -> None:
         f"{args.repeats}; decode attention {kernel.name}; load average before: {load}"
     )
     gbs = copy_gbs(args.copy_mb, args.repeats)
-    print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB)")
+    tflops = matmul_tflops(args.matmul, args.repeats)
+    print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB); matmul: {tflops:.1f} TFLOP/s (bf16)")
 
     params = meshlm.from_config(cfg, None, args.dtype, seed=0, quantize=args.quantize).params
     weight_bytes = tree_bytes(params)
     per_token = tree_bytes(jax.eval_shape(lambda: kv_cache.init_cache(cfg, 1, 1, pool_dtype)))  # K, V (and scales)
+    shapes = model.param_shapes(cfg)
+    layer_weights = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith("layers."))
+    head_weights = cfg.d_model * cfg.vocab_size
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
-        """One greedy step, one program call, the pool donated: as the engine's runner calls it."""
-        logits, cache = model.decode(params, token[:, None], cache, table, length, cfg, policy)
-        return cache, jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32), length + 1
+    def step(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, tokens: jax.Array, length: jax.Array):
+        """One greedy step of tokens [rows, new], one program call, the pool donated: as the engine's runner calls
+        it. A decode step (new 1) moves on a token; a chunk's runs again over the same whole pages."""
+        new = tokens.shape[1]
+        at = jnp.full(length.shape, new - 1)
+        logits, cache = model.decode(params, tokens, cache, table, length, cfg, policy, at=at, whole_pages=new > 1)
+        token = jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32)
+        return cache, jnp.broadcast_to(token[:, None], tokens.shape), length + (new == 1)
 
-    def steps(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, token: jax.Array, length: jax.Array):
+    def steps(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, tokens: jax.Array, length: jax.Array):
         for _ in range(args.steps):
-            cache, token, length = step(params, cache, table, token, length)
-        return cache, token, length
+            cache, tokens, length = step(params, cache, table, tokens, length)
+        return cache, tokens, length
 
-    print(f"{'context':>7} {'rows':>5} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} {'roofline':>9}")
-    firsts: dict[int, float] = {}  # each context's first row count's step
-    for context, rows in ((int(c), int(r)) for c in args.context.split(",") for r in args.rows.split(",")):
-        per_row = -(-(context + 2 * args.steps) // args.page_size)
+    print(
+        f"{'context':>7} {'rows':>5} {'new':>4} {'step ms':>9} {'x 1st':>6} {'tokens/s':>9} {'GB read':>8} "
+        f"{'roofline':>9} {'compute':>8}"
+    )
+    firsts: dict[int, float] = {}  # each context's first step
+    for context, rows, new in ((c, int(r), n) for c in contexts for r in args.rows.split(",") for n in news):
+        per_row = -(-(context + max(2 * args.steps, new)) // args.page_size)
         table = 1 + jnp.arange(rows * per_row, dtype=jnp.int32).reshape(rows, per_row)  # page 0: padding
         state = [kv_cache.init_cache(cfg, rows * per_row + 1, args.page_size, pool_dtype)]
         start = jnp.full((rows,), context, jnp.int32)
-        token = jnp.zeros((rows,), jnp.int32)
+        token = jnp.zeros((rows, new), jnp.int32)
 
         def call(
             state: list = state, table: jax.Array = table, start: jax.Array = start, token: jax.Array = token
@@ -126,14 +160,16 @@ def main() -> None:
             return out
 
         step_s = best_of(call, args.repeats) / args.steps
-        if args.profile and (context, rows) == (int(args.context.split(",")[-1]), int(args.rows.split(",")[-1])):
+        if args.profile and (context, rows, new) == (contexts[-1], int(args.rows.split(",")[-1]), news[-1]):
             with jax.profiler.trace(args.profile):
                 jax.block_until_ready(call())
         first = firsts.setdefault(context, step_s)
-        read = weight_bytes + rows * (context + args.steps / 2) * per_token
+        read = weight_bytes + rows * (context + (args.steps / 2 if new == 1 else new)) * per_token
+        flops = 2 * (rows * new * layer_weights + rows * head_weights)
+        bound = read / (gbs * 1e9), flops / (tflops * 1e12)  # seconds at the copy's GB/s, at the matmul's FLOP/s
         print(
-            f"{context:>7} {rows:>5} {1e3 * step_s:>9.2f} {step_s / first:>6.2f} {rows / step_s:>9.0f} "
-            f"{read / 1e9:>8.3f} {100 * read / (gbs * 1e9) / step_s:>8.1f}%"
+            f"{context:>7} {rows:>5} {new:>4} {1e3 * step_s:>9.2f} {step_s / first:>6.2f} {rows * new / step_s:>9.0f} "
+            f"{read / 1e9:>8.3f} {100 * bound[0] / step_s:>8.1f}% {100 * bound[1] / step_s:>7.1f}%"
         )
 
 

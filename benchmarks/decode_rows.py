@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--matmul", type=int, default=4096, help="side of the bfloat16 product that gives the FLOP/s")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="the projections' weights stored in int8")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="auto: --dtype")
-    parser.add_argument("--profile", default="", help="a folder for a profile of the last context and row count's call")
+    parser.add_argument("--profile", default="", help="a folder for a profile of the last case's call")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
     args = parser.parse_args()
     args.page_size = EngineConfig(page_size=args.page_size).tokens_per_page(jax.default_backend())
@@ -103,7 +103,7 @@ def main() -> None:
         kind="global",
         impl=args.attention,
         q_len=1,
-        kv_len=max(int(c) for c in args.context.split(",")),
+        kv_len=max(contexts),
         heads=cfg.n_head,
         head_dim=cfg.d_head,
         dtype=pool_dtype,
@@ -113,11 +113,13 @@ def main() -> None:
     print(
         f"preset {args.preset}, {args.dtype}, weights {args.quantize or args.dtype}, pool {pool_dtype}, "
         f"context {args.context}, pages of {args.page_size}, {args.steps} steps timed, best of "
-        f"{args.repeats}; decode attention {kernel.name}; load average before: {load}"
+        f"{args.repeats}; decode attention (one token a row) {kernel.name}; load average before: {load}"
     )
     gbs = copy_gbs(args.copy_mb, args.repeats)
-    tflops = matmul_tflops(args.matmul, args.repeats)
-    print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB); matmul: {tflops:.1f} TFLOP/s (bf16)")
+    print(f"copy: {gbs:.1f} GB/s (read + write of {args.copy_mb} MiB)")
+    tflops = matmul_tflops(args.matmul, args.repeats) if max(news) > 1 else math.nan  # the compute column's
+    if max(news) > 1:
+        print(f"matmul: {tflops:.1f} TFLOP/s ({args.matmul} x {args.matmul} bfloat16)")
 
     params = meshlm.from_config(cfg, None, args.dtype, seed=0, quantize=args.quantize).params
     weight_bytes = tree_bytes(params)
@@ -134,7 +136,7 @@ def main() -> None:
         at = jnp.full(length.shape, new - 1)
         logits, cache = model.decode(params, tokens, cache, table, length, cfg, policy, at=at, whole_pages=new > 1)
         token = jnp.argmax(logits[:, -1, : cfg.n_vocab_used], -1).astype(jnp.int32)
-        return cache, jnp.broadcast_to(token[:, None], tokens.shape), length + (new == 1)
+        return cache, jnp.broadcast_to(token[:, None], tokens.shape), length + 1 if new == 1 else length
 
     def steps(params: model.Params, cache: kv_cache.KVCache, table: jax.Array, tokens: jax.Array, length: jax.Array):
         for _ in range(args.steps):
@@ -164,7 +166,8 @@ def main() -> None:
             with jax.profiler.trace(args.profile):
                 jax.block_until_ready(call())
         first = firsts.setdefault(context, step_s)
-        read = weight_bytes + rows * (context + (args.steps / 2 if new == 1 else new)) * per_token
+        held = context + args.steps / 2 if new == 1 else per_row * args.page_size  # a chunk reads its whole table
+        read = weight_bytes + rows * held * per_token
         flops = 2 * (rows * new * layer_weights + rows * head_weights)
         bound = read / (gbs * 1e9), flops / (tflops * 1e12)  # seconds at the copy's GB/s, at the matmul's FLOP/s
         print(

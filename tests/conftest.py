@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import resource
 import shutil
 import socket
 import subprocess
@@ -118,8 +117,7 @@ def pytest_collection_modifyitems(config, items):
 
 def cpu_seconds() -> float:
     """CPU seconds of this process (all its threads) and of the children it has waited for."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return sum(suite_cost.cpu_seconds())
 
 
 @pytest.hookimpl(hookwrapper=True)

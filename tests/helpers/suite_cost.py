@@ -1,11 +1,11 @@
-"""Where the suite's CPU goes: `python -m pytest -q --suite-cost` (docs/testing.md).
+"""Where the suite's time goes: `python -m pytest -q --suite-cost` (docs/testing.md).
 
 A pytest plugin that conftest.py registers for `--suite-cost`. Per test file it sums the CPU seconds of the test
-processes and of the subprocesses they waited for (a server's are counted when its fixture stops it), and splits
-JAX's own share: tracing, lowering to MLIR, and XLA compiling (the programs compiled, and how many came from the
-persistent cache). On two busy cores the CPU seconds, not the wall clock, say what a cut saves: two workers share
-the cores, and XLA's compiler threads run beside the test. Under xdist each worker sends its table to the main
-process.
+processes and of the subprocesses they waited for (a server's are counted when its fixture stops it), and the
+seconds JAX timed on the test's thread for tracing, lowering to MLIR and compiling (wall seconds: a wait for a
+busy core counts, XLA's compiler threads do not), with the programs compiled or loaded and how many of them came
+from the persistent cache. On two busy cores the CPU seconds, not the wall clock, say what a cut saves: two
+workers share the cores. Under xdist each worker sends its table to the main process.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ JAX_EVENTS = {
     "/jax/core/compile/backend_compile_duration": "compile",
 }
 CACHE_HITS = "/jax/compilation_cache/cache_hits"
-# cpu: the test process (trace, lower and compile are part of it); children: its subprocesses
+# cpu: the test process's CPU seconds; children: its subprocesses'; trace, lower, compile: JAX's wall seconds
 COLUMNS = ("cpu", "children", "trace", "lower", "compile", "programs", "cached")
 
 _costs: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _current = ["(outside any test)"]
 
 
-def _cpu() -> tuple[float, float]:
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds of this process (all its threads), and of the children it has waited for."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
@@ -55,9 +56,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     _current[0] = item.nodeid.split("::")[0]
-    own, children = _cpu()
+    own, children = cpu_seconds()
     yield
-    own_after, children_after = _cpu()
+    own_after, children_after = cpu_seconds()
     _costs[_current[0]]["cpu"] += own_after - own
     _costs[_current[0]]["children"] += children_after - children
 
@@ -67,7 +68,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.config.workeroutput[KEY] = {f: dict(c) for f, c in _costs.items()}
 
 
-def pytest_testnodedown(node, error) -> None:  # the xdist hook: a worker's table arrives
+@pytest.hookimpl(optionalhook=True)  # xdist's hook (a worker's table arrives): absent under -p no:xdist
+def pytest_testnodedown(node, error) -> None:
     for f, c in getattr(node, "workeroutput", {}).get(KEY, {}).items():
         _costs[f].update(c)
 
@@ -80,7 +82,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if hasattr(terminalreporter.config, "workeroutput") or not _costs:
         return
     write = terminalreporter.write_line
-    terminalreporter.section("CPU seconds by test file (tests/helpers/suite_cost.py)")
+    terminalreporter.section("seconds by test file (tests/helpers/suite_cost.py)")
     write(" ".join(f"{c:>9}" for c in COLUMNS) + "  file")
     total: collections.Counter = collections.Counter()
     for f, c in sorted(_costs.items(), key=lambda fc: -(fc[1]["cpu"] + fc[1]["children"])):

@@ -275,7 +275,7 @@ class Context(NamedTuple):
 
     sin: jax.Array
     cos: jax.Array
-    allowed: jax.Array  # [B, T, S]
+    allowed: jax.Array | None  # [B, T, S]; None for a mixed call's tokens (`spans`), whose rows' are their spans'
     allowed_local: jax.Array | None  # [B, T, S] within `local_window` too; None without local layers
     bias: jax.Array | None  # [B, H, T, S] float32
     kernels: dict[str, Kernel]  # layer kind ("global", "local") -> its kernel
@@ -284,6 +284,15 @@ class Context(NamedTuple):
     dropout_key: jax.Array | None = None  # None: no dropout (inference)
     adapter_rows: jax.Array | None = None  # [B] each row's slot in `params["adapters"]` (an engine's adapters)
     whole_pages: bool = False  # each row's written tokens start a page (`decode`'s prompt): see `CacheView.write`
+    spans: tuple[SpanAttention, ...] = ()  # a mixed call's spans (`decode_spans`): tokens [N, 1], attention per span
+
+
+class SpanAttention(NamedTuple):
+    """What one span of a mixed call (`decode_spans`) attends with: its rows' context and its view of the pool,
+    without the pool itself, which the layer scan carries (a copy held here would be a constant of the scan)."""
+
+    ctx: Context
+    view: CacheView
 
 
 class Layer(NamedTuple):
@@ -300,15 +309,39 @@ def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.A
     """Projection `role` of x [B, T, in...] by w [in..., out...] (a float array, or quantized and
     rebuilt here one layer at a time), plus the adapter's update of dropout(x) where it targets `role`."""
     y = jnp.tensordot(x, quant.dense(w, x.dtype), PROJECTION_PATHS[role][1])
-    if role in layer.slots:  # each row gathers its own adapter from the slots
-        rows, slots = ctx.adapter_rows, layer.slots[role]
-        y = y + lora.row_delta(slots["a"][rows], slots["b"][rows], slots["scale"][rows], x)
+    if role in layer.slots:
+        y = y + _slot_delta(x, layer.slots[role], ctx)
     if role not in layer.adapter:
         return y
     adapter = layer.adapter[role]
     x = lora.dropout(x, ctx.dropout, ctx.dropout_key, layer.index, role)
     scale = jax.lax.stop_gradient(adapter["scale"])  # a constant of the adapter, never trained
     return y + lora.delta(adapter["a"], adapter["b"], scale, x)
+
+
+def _slot_delta(x: jax.Array, slots: Params, ctx: Context) -> jax.Array:
+    """Each row's own adapter's update of x [B, T, in...], gathered from the adapter slots: once a row, so a
+    mixed call's tokens [N, 1, in...] take their span's rows' adapters span by span, not one copy a token."""
+    if not ctx.spans:
+        rows = ctx.adapter_rows
+        return lora.row_delta(slots["a"][rows], slots["b"][rows], slots["scale"][rows], x)
+    parts = [_slot_delta(part, slots, span.ctx) for span, part in zip(ctx.spans, _split(x, ctx.spans), strict=True)]
+    return _join(parts)
+
+
+def _split(x: jax.Array, spans: tuple[SpanAttention, ...]) -> list[jax.Array]:
+    """A mixed call's tokens x [N, 1, ...] as each span's rows [B, T, ...] (its tokens lie row after row)."""
+    parts, start = [], 0
+    for span in spans:
+        B, T = span.view.slots.shape
+        parts.append(x[start : start + B * T].reshape(B, T, *x.shape[2:]))
+        start += B * T
+    return parts
+
+
+def _join(parts: list[jax.Array]) -> jax.Array:
+    """The spans' rows [B, T, ...] back as one mixed call's tokens [N, 1, ...] (`_split`'s inverse)."""
+    return jnp.concatenate([x.reshape(-1, 1, *x.shape[2:]) for x in parts])
 
 
 def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
@@ -344,14 +377,45 @@ def attention(
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
     a cache, this layer's new keys/values are stored first and the queries attend over every cached slot
     (in place by a paged kernel for a decode step, else gathered). Each kind of layer runs the kernel
-    `ctx.kernels` names for it."""
+    `ctx.kernels` names for it. A mixed call's tokens [N, 1, D] are projected together, each span's rows
+    attending on their own (`decode_spans`)."""
     p = layer.params["attn"]
     q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg)
     k = apply_rotary(_qkv(h, layer, ctx, "k"), ctx.sin, ctx.cos, cfg)
     v = _qkv(h, layer, ctx, "v")
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), ("q", "k", "v"), strict=True))
-    if cache is not None:  # attend over every token the rows hold, this call's included
+    if not ctx.spans:
+        out, cache = _attend_rows(q, k, v, h.dtype, layer, cfg, policy, ctx, cache)
+    else:  # the pool the scan carries passes from span to span, each writing and reading it by its own tables
+        assert cache is not None
+        parts = []
+        for span, qs, ks, vs in zip(ctx.spans, *(_split(t, ctx.spans) for t in (q, k, v)), strict=True):
+            view = span.view._replace(cache=cache.cache)
+            out, view = _attend_rows(qs, ks, vs, h.dtype, layer, cfg, policy, span.ctx, view)
+            cache = cache._replace(cache=view.cache)
+            parts.append(out)
+        out = _join(parts)
+    out = linear(checkpoint_name(out, "attn"), p["out"], "out", layer, ctx)
+    if "out_bias" in p:
+        out = out + p["out_bias"].astype(h.dtype)
+    return out, cache
+
+
+def _attend_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dtype: Any,
+    layer: Layer,
+    cfg: ModelConfig,
+    policy: Policy,
+    ctx: Context,
+    cache: CacheView | None,
+) -> tuple[jax.Array, CacheView | None]:
+    """Attention of rows' queries q [B, T, H, K] given their keys and values: with a cache, those are stored first
+    and the queries attend over every token the rows hold, this call's included."""
+    if cache is not None:
         cache = cache.write(layer.index, k, v, ctx.whole_pages)
 
     def run(kind: str, ctx: Context) -> jax.Array:
@@ -359,7 +423,7 @@ def attention(
         if kernel.paged:  # a decode step reads the pool in place
             assert cache is not None
             return cache.attend(layer.index, q, score_scale(cfg), kernel.name.removeprefix("paged_"))
-        keys, values = (k, v) if cache is None else cache.read(layer.index, h.dtype, ctx.whole_pages)
+        keys, values = (k, v) if cache is None else cache.read(layer.index, dtype, ctx.whole_pages)
         return attend(kind, q, keys, values, cfg, policy, ctx)
 
     kernels = ctx.kernels
@@ -369,9 +433,6 @@ def attention(
         out = run("global", ctx._replace(allowed=jnp.where(layer.local, ctx.allowed_local, ctx.allowed)))
     else:  # each kind of layer its own kernel
         out = jax.lax.cond(layer.local, lambda: run("local", ctx), lambda: run("global", ctx))
-    out = linear(checkpoint_name(out, "attn"), p["out"], "out", layer, ctx)
-    if "out_bias" in p:
-        out = out + p["out_bias"].astype(h.dtype)
     return out, cache
 
 
@@ -457,9 +518,8 @@ def attention_kernels(
     }
 
 
-def _run(
+def _context(
     params: Params,
-    tokens: jax.Array,
     pos: Positions,
     cfg: ModelConfig,
     policy: Policy,
@@ -467,25 +527,39 @@ def _run(
     dropout_key: jax.Array | None = None,
     adapter_rows: jax.Array | None = None,
     whole_pages: bool = False,
-) -> tuple[jax.Array, CacheView | None]:
-    """Embedding and the blocks (scanned over the stacked layers) up to the final norm: hidden states
-    [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is scanned with its layers, and
-    so are an engine's adapter slots in `params["adapters"]`, of which row b runs slot `adapter_rows[b]`."""
-    dt = dtype_of(policy.compute_dtype)
+) -> Context:
+    """The `Context` of a call over rows [B, T] at `pos` (its tokens' shape is `pos.query`'s), over `cache` or
+    without one."""
     sin, cos = rotary_tables(pos.query, cfg)
     bias = _t5_bias(params, cfg, pos) if cfg.position == "t5" else None
     allowed_local = None
     if "local" in cfg.attention_layers:
         allowed_local = pos.allowed & (pos.query[:, :, None] - pos.key[:, None, :] < cfg.local_window)
     pool = None if cache is None else str(cache.cache.k.dtype)
-    kernels = attention_kernels(cfg, policy, tokens.shape, pos.key.shape[1], bias is not None, cache is not None, pool)
+    shape = pos.query.shape
+    kernels = attention_kernels(cfg, policy, shape, pos.key.shape[1], bias is not None, cache is not None, pool)
     dropout = policy.lora_dropout
-    ctx = Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key, adapter_rows,
-                  whole_pages)  # fmt: skip
+    return Context(sin, cos, pos.allowed, allowed_local, bias, kernels, pos.segments, dropout, dropout_key,
+                   adapter_rows, whole_pages)  # fmt: skip
 
+
+def _run(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    ctx: Context,
+    cfg: ModelConfig,
+    policy: Policy,
+    cache: CacheView | None,
+) -> tuple[jax.Array, CacheView | None]:
+    """Embedding of tokens [B, T] at `positions` [B, T] and the blocks (scanned over the stacked layers) up to
+    the final norm: hidden states [B, T, d_model] and the updated cache. An adapter in `params["lora"]` is
+    scanned with its layers, and so are an engine's adapter slots in `params["adapters"]`, of which row b runs
+    slot `ctx.adapter_rows[b]`."""
+    dt = dtype_of(policy.compute_dtype)
     x = embedding_lookup(params["embed"]["w"], tokens).astype(dt)
     if cfg.position == "learned":  # padding's position -1 is clipped: it is never attended to
-        x = x + jnp.take(params["pos_embed"]["w"], jnp.clip(pos.query, 0, cfg.max_seq_len - 1), axis=0).astype(dt)
+        x = x + jnp.take(params["pos_embed"]["w"], jnp.clip(positions, 0, cfg.max_seq_len - 1), axis=0).astype(dt)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     def step(carry: tuple[jax.Array, CacheView | None], layer: Layer):
@@ -496,7 +570,7 @@ def _run(
         step = jax.checkpoint(step, policy=remat_policy(policy.remat), prevent_cse=False)
     local = jnp.array([kind == "local" for kind in cfg.layer_kinds])
     slots = params.get("adapters", {})
-    if slots and adapter_rows is None:
+    if slots and any(c.adapter_rows is None for c in [span.ctx for span in ctx.spans] or [ctx]):
         raise ValueError("a model with adapter slots needs each row's slot (adapter_rows)")
     layers = Layer(params["layers"], params.get("lora", {}), slots, jnp.arange(cfg.n_layer), local)
     (x, cache), _ = jax.lax.scan(step, (x, cache), layers)
@@ -542,7 +616,7 @@ def hidden_states(
     if mask is not None:  # padding is a segment of its own, which no real token sees
         ids = jnp.where(mask.astype(bool), 0 if segments is None else segments, -1)
     pos = Positions(positions, positions, causal_mask(mask, B, T, segments), ids)
-    x, _ = _run(params, tokens, pos, cfg, policy, None, dropout_key)
+    x, _ = _run(params, tokens, positions, _context(params, pos, cfg, policy, None, dropout_key), cfg, policy, None)
     return x
 
 
@@ -557,6 +631,61 @@ def forward(
 ) -> jax.Array:
     """Logits [B, T, vocab_size] in float32 for tokens [B, T]; `positions` and `mask` as in `hidden_states`."""
     return unembed(params, hidden_states(params, tokens, cfg, policy, positions=positions, mask=mask), cfg)
+
+
+class Span(NamedTuple):
+    """Rows of tokens [B, T] that run after the `length[b]` tokens each holds in the pages of its `table` [B, n]:
+    one call of `decode`, or one of the spans of `decode_spans`. The other fields are `decode`'s arguments."""
+
+    tokens: jax.Array
+    table: jax.Array
+    length: jax.Array
+    mask: jax.Array | None = None
+    write_from: jax.Array | None = None
+    adapter_rows: jax.Array | None = None
+    whole_pages: bool = False
+
+    def inputs(self, cache: KVCache) -> tuple[Positions, CacheView]:
+        """Where its tokens and the keys they see lie, and the pool as its rows see it (where each token is
+        written: not padding, nor a token past the row's pages, its table's page 0, nor one before `write_from`)."""
+        B, T = self.tokens.shape
+        size = cache.page_size
+        S = self.table.shape[1] * size
+        mask = jnp.ones((B, T), bool) if self.mask is None else self.mask.astype(bool)
+        positions = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        page = jnp.take_along_axis(self.table, jnp.minimum(positions // size, self.table.shape[1] - 1), axis=1)
+        write = mask & (positions < S) & (page != 0)
+        if self.write_from is not None:
+            write &= jnp.arange(T) >= self.write_from[:, None]
+        slots = jnp.where(write, page * size + positions % size, NOT_WRITTEN)
+        key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        allowed = key_positions[:, None, :] <= positions[:, :, None]
+        view = CacheView(cache, self.table, slots, self.length + mask.sum(axis=1, dtype=jnp.int32))  # padding: not held
+        return Positions(positions, key_positions, allowed), view
+
+
+def decode_spans(
+    params: Params, spans: tuple[Span, ...], cache: KVCache, cfg: ModelConfig, policy: Policy = DEFAULT_POLICY
+) -> tuple[list[jax.Array], KVCache]:
+    """Each span's final hidden states [B, T, d_model] and the pool with every span's keys and values written,
+    from one pass over the layers: spans of different shapes (a prompt's chunk and a decode step's rows) read
+    the weights once between them. Their tokens are projected together, laid out one after another as [N, 1];
+    each span's rows attend by the kernel its own shape takes (`attention_kernels`: the decode step's rows by a
+    paged kernel on a TPU). The spans' rows must hold different pages, or their writes would meet."""
+    inputs = [span.inputs(cache) for span in spans]
+    ctxs = [_context(params, pos, cfg, policy, view, None, s.adapter_rows, s.whole_pages)
+            for s, (pos, view) in zip(spans, inputs, strict=True)]  # fmt: skip
+    if len(spans) == 1:
+        (pos, view), ctx = inputs[0], ctxs[0]
+        x, view = _run(params, spans[0].tokens, pos.query, ctx, cfg, policy, view)
+        return [x], view.cache
+    parts = tuple(SpanAttention(c, view._replace(cache=None)) for c, (_, view) in zip(ctxs, inputs, strict=True))
+    tokens = jnp.concatenate([s.tokens.reshape(-1, 1) for s in spans])
+    positions = jnp.concatenate([pos.query.reshape(-1, 1) for pos, _ in inputs])
+    sin, cos = rotary_tables(positions, cfg)
+    ctx = Context(sin, cos, None, None, None, {}, spans=parts)  # the rest is each span's
+    x, view = _run(params, tokens, positions, ctx, cfg, policy, inputs[0][1])
+    return _split(x, parts), view.cache
 
 
 def decode(
@@ -590,24 +719,11 @@ def decode(
     row's written tokens start a page (a prompt after a cached prefix of whole pages), so a TPU writes them a
     page at a time (`CacheView.write`).
     """
-    B, T = tokens.shape
-    size = cache.page_size
-    S = table.shape[1] * size
-    mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
-    positions = length[:, None] + jnp.arange(T, dtype=jnp.int32)
-    page = jnp.take_along_axis(table, jnp.minimum(positions // size, table.shape[1] - 1), axis=1)
-    write = mask & (positions < S) & (page != 0)  # past the row's pages (page 0): not stored
-    if write_from is not None:
-        write &= jnp.arange(T) >= write_from[:, None]
-    slots = jnp.where(write, page * size + positions % size, NOT_WRITTEN)
-    key_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    allowed = key_positions[:, None, :] <= positions[:, :, None]
-    view = CacheView(cache, table, slots, length + mask.sum(axis=1, dtype=jnp.int32))  # padding is not held
-    pos = Positions(positions, key_positions, allowed)
-    x, view = _run(params, tokens, pos, cfg, policy, view, None, adapter_rows, whole_pages)
+    span = Span(tokens, table, length, mask, write_from, adapter_rows, whole_pages)
+    [x], cache = decode_spans(params, (span,), cache, cfg, policy)
     if at is not None:  # spares a long prompt's prefill a [B, T, vocab] array
         x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-    return (x if hidden else unembed(params, x, cfg)), view.cache
+    return (x if hidden else unembed(params, x, cfg)), cache
 
 
 def target_nll(

@@ -89,6 +89,41 @@ def test_paged_decoding_logits_equal_the_full_forward_at_every_step(lm, attentio
         np.testing.assert_allclose(logits[:, 0], expected[:, pos], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_a_mixed_call_of_a_prompts_chunk_and_decoding_rows_equals_the_full_forward(lm, attention):
+    """One pass over the layers (`model.decode_spans`) that prefills a chunk of one row's prompt and decodes a
+    token of two others, whose pages interleave in the pool: each span's logits equal the full forward's (fp32),
+    and the pool holds what the two calls apart write (the decode rows by the paged kernel with "pallas")."""
+    cfg, params, policy = lm.config, lm.params, model.Policy(attention=attention)
+    rng = np.random.default_rng(1)
+    size, total = 4, 16
+    seqs = rng.integers(0, cfg.vocab_size, (3, total))
+    expected = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg))(params, seqs))
+    table = np.array([[3, 8, 1, 12], [6, 2, 10, 4], [9, 5, 11, 7]], np.int32)
+    held = np.array([4, 9, 7], np.int32)  # row 0 has a page of its prompt; rows 1 and 2 decode after theirs
+    cache = kv_cache.init_cache(cfg, 16, size)
+    prefill = jax.jit(lambda p, t, c, tb, n, m: model.decode(p, t, c, tb, n, cfg, policy, mask=m))
+    first = np.zeros((3, 12), np.int32)
+    mask = np.arange(12) < held[:, None]
+    for i in range(3):
+        first[i, : held[i]] = seqs[i, : held[i]]
+    _, cache = prefill(params, first, cache, table, np.zeros(3, np.int32), mask)
+
+    chunk = model.Span(jnp.asarray(seqs[:1, 4:12]), table[:1], held[:1], whole_pages=True)
+    step = model.Span(jnp.asarray(np.stack([seqs[1, 9:10], seqs[2, 7:8]])), table[1:], held[1:])
+    spans = jax.jit(lambda p, c: model.decode_spans(p, (chunk, step), c, cfg, policy))
+    (x_chunk, x_step), mixed = spans(params, cache)
+    head = lambda x: np.asarray(model.unembed(params, x, cfg))
+    np.testing.assert_allclose(head(x_chunk)[0], expected[0, 4:12], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(head(x_step)[:, 0], expected[[1, 2], [9, 7]], atol=1e-5, rtol=0)
+
+    apart = cache
+    for span in (chunk, step):
+        _, apart = jax.jit(lambda p, c, s=span: model.decode_spans(p, (s,), c, cfg, policy))(params, apart)
+    for got, want in zip(mixed[:2], apart[:2], strict=True):  # keys and values (a float pool has no scales)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_sampling_is_reproducible_by_seed_whatever_the_batch(lm, prompts):
     sampled = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95, seed=7)

@@ -1,4 +1,5 @@
-"""A long prompt arriving while rows decode: how long it stalls them, prefilled whole or a chunk a step.
+"""A long prompt arriving while rows decode: how long it stalls them, prefilled whole or a chunk a step, with and
+without mixed steps (a one-row prefill call and the rows' decode step in one pass over the weights).
 
     python benchmarks/prefill_stall.py --model gptj-tiny --rows 4 --prompt 448 --budgets 512,128,32        # a CPU
     python benchmarks/prefill_stall.py --model gptj-6b --quantize int8 --kv-cache-dtype int8 --rows 15 \\
@@ -9,8 +10,9 @@
 one prompt of `--prompt` tokens arrives, and the steps are timed until it has its first token. A running row waits
 a whole engine step for its next tokens, so the longest such step is the stall the prompt causes. For each
 `--prefill-tokens` budget (`--budgets`): that longest step against the plain step of the same run, how many steps
-the prompt took, and its time to first token. A budget of at least the prompt's length prefills it whole, in one
-call (the baseline, in the same run); best of `--repeats` after a first pass that compiles. Random weights made in
+the prompt took, and its time to first token, for each `--mixed` setting ("off,on": both, in the same run). A
+budget of at least the prompt's length prefills it whole, in one call (the baseline, in the same run); best of
+`--repeats` after a first pass that compiles. Random weights made in
 place (`meshlm.from_config`); the JAX version, the device and the load average are printed.
 """
 
@@ -70,8 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--chunk", type=int, default=4, help="decode steps a step")
     p.add_argument("--before", type=int, default=4, help="plain steps timed before the prompt arrives")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mixed", default="off,on", help="mixed_steps settings to run, comma-separated (off, on)")
     args = p.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
+    settings = [{"off": False, "on": True}[m] for m in args.mixed.split(",")]
 
     import jax
     import numpy as np
@@ -89,30 +93,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     max_len = max(args.context + args.new, args.prompt + 1)
     out = []
     for budget in budgets:
-        engine = lm.engine(max_batch=args.rows + 1, max_len=max_len, prefill_tokens=budget, prefix_caching=False,
-                           kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-        rng = np.random.default_rng(0)
-        scenario(lm, engine, args, rng)  # compiles what the passes run
-        runs = [scenario(lm, engine, args, rng) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r["longest_ms"])
-        best |= {key: min(r[key] for r in runs) for key in ("ttft_s", "plain_ms")}
-        chunk = "whole" if args.prompt <= budget else engine.scheduler.prompt_chunk  # the scheduler's rule
-        out.append({"budget": budget, "chunk": chunk, **best})
-        del engine
-        gc.collect()  # its pool, before the next engine's
+        for mixed in settings:
+            engine = lm.engine(max_batch=args.rows + 1, max_len=max_len, prefill_tokens=budget, prefix_caching=False,
+                               kv_cache_dtype=args.kv_cache_dtype, mixed_steps=mixed)  # fmt: skip
+            rng = np.random.default_rng(0)
+            scenario(lm, engine, args, rng)  # compiles what the passes run
+            runs = [scenario(lm, engine, args, rng) for _ in range(args.repeats)]
+            best = min(runs, key=lambda r: r["longest_ms"])
+            best |= {key: min(r[key] for r in runs) for key in ("ttft_s", "plain_ms")}
+            chunk = "whole" if args.prompt <= budget else engine.scheduler.prompt_chunk  # the scheduler's rule
+            out.append({"budget": budget, "mixed": "on" if mixed else "off", "chunk": chunk, **best})
+            del engine
+            gc.collect()  # its pool, before the next engine's
     weights = args.dtype + (f", {args.quantize}" if args.quantize else "")
     weights += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype else ""
     print(f"\n{args.rows} rows decoding ({args.context}-token prompts, {args.chunk} tokens a step), a "
           f"{args.prompt}-token prompt arriving; {args.model} {weights}; best of {args.repeats}\n")  # fmt: skip
     print(
-        "| prefill_tokens | prompt chunk | steps to its first token | plain step | longest step while it prefilled "
-        "| longest / plain | its time to first token |"
+        "| prefill_tokens | mixed steps | prompt chunk | steps to its first token | plain step "
+        "| longest step while it prefilled | longest / plain | its time to first token |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out:
         print(
-            f"| {r['budget']} | {r['chunk']} | {r['steps']} | {r['plain_ms']:.1f} ms | {r['longest_ms']:.1f} ms | "
-            f"{r['longest_ms'] / r['plain_ms']:.2f}x | {r['ttft_s']:.3f} s |"
+            f"| {r['budget']} | {r['mixed']} | {r['chunk']} | {r['steps']} | {r['plain_ms']:.1f} ms | "
+            f"{r['longest_ms']:.1f} ms | {r['longest_ms'] / r['plain_ms']:.2f}x | {r['ttft_s']:.3f} s |"
         )
     print(f"\nload average after: {load_average()}")
     return out

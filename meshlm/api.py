@@ -140,7 +140,7 @@ class LanguageModel:
     ) -> Engine:
         """A generation engine of its own for this model, as `config` (an `EngineConfig`) says, with `settings`
         (`max_batch=`, `max_len=`, `kv_tokens=`, `page_size=`, `prefix_caching=`, `ngram=`, `speculate=`,
-        `max_adapters=`, `max_lora_rank=`, `chunk=`, `max_queue=`, `prefill_tokens=`, `kv_cache_dtype=`,
+        `max_adapters=`, `max_lora_rank=`, `chunk=`, `max_queue=`, `prefill_tokens=`, `mixed_steps=`, `kv_cache_dtype=`,
         `attention=`: its fields) changed in it; the server runs one.
 
         `draft`: a smaller model with this one's tokenizer, loaded on the same mesh, that proposes

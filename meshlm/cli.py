@@ -99,7 +99,7 @@ def _load(args: argparse.Namespace):
 
 # `meshlm serve`'s flags that are `EngineConfig` fields of the same name
 SERVE_ENGINE_FLAGS = ("max_batch", "max_len", "kv_tokens", "ngram", "speculate", "max_lora_rank", "chunk", "max_queue",
-                      "prefill_tokens", "attention")  # fmt: skip
+                      "prefill_tokens", "mixed_steps", "attention")  # fmt: skip
 
 
 def _named_adapters(values: list[str]) -> tuple[dict[str, str], str | None]:
@@ -658,6 +658,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=PREFILL_TOKENS,
         help=f"prompt tokens one step prefills at most; a longer prompt runs a chunk a step, the running rows "
         f"decoding between (default {PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a step's one-row prefill call and the running rows' next token in one pass over the weights "
+        "(default: on a TPU, without speculation)",
     )
     p.add_argument(
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"

@@ -87,6 +87,24 @@ def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft
 
 
 @pytest.mark.slow
+def test_a_prompt_prefilled_in_one_pass_with_decoding_rows_keeps_each_rows_adapter(folders, lm, engine):
+    """Mixed steps (`mixed_steps`): with 16 prompt tokens a step, three rows are admitted first and the fourth ("all")
+    is prefilled in one pass with their decode step; each span's rows take their own adapters' updates, and every
+    row gives what it gives without mixing (which the test above holds to peft)."""
+    names = [None, "qv", "mlp", "all"]
+    mixing = lm.engine(adapters=folders, mixed_steps=True, prefill_tokens=16)
+    calls = []
+    run_mixed = mixing.runner.run_mixed
+    mixing.runner.run_mixed = lambda prefill, decode: calls.append(decode) or run_mixed(prefill, decode)
+    got = mixing.generate(PROMPTS, [greedy(NEW)] * 4, adapters=names, chunk=2)  # rows still decode in step 2
+    want = engine.generate(PROMPTS, [greedy(NEW)] * 4, adapters=names)
+    assert len(calls) == 1 and (calls[0].slots < mixing.runner.max_batch).sum() == 3
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_prefix_caching_keys_on_the_adapter(engine):
     """Rows of different adapters with one prompt never share pages; rows of one adapter do."""
     prompt = list(range(10, 50))  # two full pages of 16

@@ -93,13 +93,23 @@ def test_prefills_are_grouped_by_length_and_read_only_the_pages_they_need(lm, hf
         assert completion.tokens == hf_greedy(hf_tiny, prompt, 6)[0]
 
 
-def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_decodes(lm, hf_tiny):
+@pytest.mark.parametrize("mixed_steps", [False, True])
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_decodes(lm, hf_tiny, mixed_steps):
     """prefill_tokens 16 over pages of 4: a 41-token prompt arriving while a row decodes runs in chunks of 16, 16 and 9
     tokens over three steps, and the running row decodes its 2 tokens in each of them; the long row's first token
     comes with its last chunk. Its chunks' pages are offered to the prefix cache as they are written: a prompt
     sharing its first 32 tokens, queued with it, waits for the budget and is admitted beside the last chunk, finding
-    those 32 tokens cached before the long row's prompt is whole. Every row equals transformers."""
-    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV, prefill_tokens=16)
+    those 32 tokens cached before the long row's prompt is whole. Every row equals transformers.
+
+    With mixed steps the first two steps run their chunk in one pass with the running row's first token (its second
+    comes from the decode call after); the last step's prefill of two rows runs alone, as one-row calls alone mix.
+    Nothing changes in what the rows produce, and a warmed-up engine compiles nothing for the mixed steps."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV, prefill_tokens=16, mixed_steps=mixed_steps)
+    if mixed_steps:
+        engine.warm_up()
+    mixed = []
+    run_mixed = engine.runner.run_mixed
+    engine.runner.run_mixed = lambda prefill, decode: mixed.append(len(mixed)) or run_mixed(prefill, decode)
     rng = np.random.default_rng(7)
     short, long = rng.integers(1, 512, 5).tolist(), rng.integers(1, 512, 41).tolist()
     sharing = [*long[:32], 3, 5, 7]
@@ -111,11 +121,13 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_decodes
         engine.step(2)
         seen.append((len(a.output.tokens), b.length, len(b.output.tokens), len(c.output.tokens)))
     assert seen == [(5, 16, 0, 0), (7, 32, 0, 0), (9, 41 + 2, 3, 3)]
+    assert len(mixed) == (2 if mixed_steps else 0)
     assert engine.scheduler.pool.hits == 32
     while engine.has_work():
         engine.step(2)
     for prompt, n, r in ((short, 24, a), (long, 6, b), (sharing, 4, c)):
         assert r.output.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+    assert engine.runner.compiles_since_warm_up == 0 or not mixed_steps
 
 
 def test_max_batch_rows_run_at_once_not_the_compiled_batch_it_rounds_to(lm):

@@ -220,7 +220,7 @@ def test_the_page_kernel_stores_each_rows_prompt_and_touches_no_other_page(
 @pytest.mark.parametrize(
     "program, kernels, heads, kv",
     [("decode", 3, "2x128", None), ("prefill", 4, "2x128", None), ("prefill", 4, "16x256", None),
-     ("decode", 5, "16x256", "int8"), ("prefill", 8, "2x128", "int8")],
+     ("decode", 5, "16x256", "int8"), ("prefill", 8, "2x128", "int8"), ("mixed", 13, "16x256", "int8")],
 )  # fmt: skip
 def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
     monkeypatch: pytest.MonkeyPatch, program, kernels, heads, kv
@@ -231,7 +231,9 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
     and step: a step's cost grew with its rows; a prefill's rewrote the pool in every layer: 7 s to the first
     token of 16 rows of 512 for GPT-J-6B on a v5e). The mesh's TPU devices decide the write path and the
     decode kernel (`sharding.traced_backend`), as `meshlm plan --serve --target tpu:...` compiles it. An int8
-    pool's scales move by the same kernels (two more each way), and Mosaic compiles its paged kernel for the chip."""
+    pool's scales move by the same kernels (two more each way), and Mosaic compiles its paged kernel for the chip.
+    A mixed step (a prompt's chunk and a decode step in one pass) holds both kinds: the prefill's page kernels and
+    the decode's token writes and paged kernel."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     import re
 

@@ -115,6 +115,36 @@ def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
     np.testing.assert_allclose(tpu[-1].prompt_logprobs[1:], cpu[-1].prompt_logprobs[1:], rtol=1e-4, atol=1e-4)
 
 
+def arrival_outputs(platform: str, mixed_steps: bool) -> tuple[list, int]:
+    """Greedy completions (float32) of two rows decoding when a 200-token prompt arrives, prefilled a 128-token page
+    a step, with or without `mixed_steps`; and how many steps ran a prefill and a decode step in one pass."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, ENGINE_CFG.vocab_size, n).tolist() for n in (5, 130, 200)]
+    with jax.default_matmul_precision("highest"):
+        lm = api.from_config(ENGINE_CFG, make_mesh("data=1", jax.devices(platform)[:1]), "float32", seed=0)
+        engine = lm.engine(max_batch=4, max_len=300, prefill_tokens=128, mixed_steps=mixed_steps)
+        mixed = []
+        run_mixed = engine.runner.run_mixed
+        engine.runner.run_mixed = lambda prefill, decode: mixed.append(1) or run_mixed(prefill, decode)
+        greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)
+        rows = engine.add_requests(prompts[:2], [greedy] * 2)
+        engine.step(4)
+        rows.append(engine.add_request(prompts[2], greedy))
+        while engine.has_work():
+            engine.step(4)
+        return [r.output for r in rows], len(mixed)
+
+
+def test_mixed_steps_on_the_chip_choose_the_cpus_tokens():
+    """float32: a prompt's chunks prefilled in one pass with the decoding rows' steps on the chip (a paged kernel for
+    the decode rows, the page kernels for the chunk) choose the tokens the CPU's engine chooses without mixing."""
+    (tpu, mixed), (cpu, _) = arrival_outputs("tpu", True), arrival_outputs("cpu", False)
+    assert mixed == 2  # the prompt's two chunks, the second finishing it
+    assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
+    for t, c in zip(tpu, cpu, strict=True):
+        np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=1e-4, atol=1e-4)
+
+
 def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
     """bfloat16, on the chip: decode steps by meshlm's paged kernel, reading the pool in place, give the
     log-probs of the same tokens as the gather path (attention "xla") within bfloat16's rounding."""

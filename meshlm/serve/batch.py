@@ -241,6 +241,15 @@ class Decode(NamedTuple):
     allowed: np.ndarray
 
 
+class Mixed(NamedTuple):
+    """A prefill call and one decode step of other rows, run in one pass over the weights: the rows decoding take a
+    token while a prompt is prefilled, for little more than the prefill's own weight read. The decode's rows and
+    table are padded to the runner's widest (`Runner.mixed`), so one program serves each prefill shape."""
+
+    prefill: Prefill
+    decode: Decode
+
+
 class Speculate(NamedTuple):
     """One speculative step: `proposals` [rows, k] (-1: none; all -1 with a draft model, which proposes on the
     device) verified together."""

@@ -44,7 +44,9 @@ class EngineConfig:
     per device call with at most `max_queue` rows waiting. An engine step prefills at most `prefill_tokens` prompt
     tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
     decoding between its chunks, so that prompts stall them for no longer than that many tokens' prefill a step (a
-    scored prompt, which runs whole, excepted). `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the
+    scored prompt, which runs whole, excepted). `mixed_steps` runs one of a step's prefill calls together with a
+    decode step of the running rows, the weights read once for both (None: on a TPU, where the decode rows' attention
+    reads the pool in place; never with speculation). `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the
     compute dtype) and `attention` (None: the model's own choice) are vLLM's options of those names."""
 
     max_batch: int = 8
@@ -59,6 +61,7 @@ class EngineConfig:
     chunk: int = 4
     max_queue: int = 64
     prefill_tokens: int = PREFILL_TOKENS
+    mixed_steps: bool | None = None
     kv_cache_dtype: str | None = None
     attention: str | None = None
 
@@ -74,6 +77,8 @@ class EngineConfig:
             raise InputError(
                 f"prefix_caching must be true or false, got {self.prefix_caching!r}", param="prefix_caching"
             )
+        if self.mixed_steps not in (None, True, False):
+            raise InputError(f"mixed_steps must be true, false or None, got {self.mixed_steps!r}", param="mixed_steps")
         if self.kv_cache_dtype not in (None, "int8"):
             dtype_of(self.kv_cache_dtype)
         if self.attention not in (None, *ATTENTION_IMPLS):
@@ -98,6 +103,14 @@ class EngineConfig:
             least = LEAST["max_len"]
             raise InputError(f"max_len must be in [{least}, {model_context}] (the model's context), got {self.max_len}")
         return self.max_len or model_context
+
+    def mixes(self, backend: str, speculating: bool) -> bool:
+        """Whether a step runs a prefill call and a decode step in one pass (`mixed_steps`, or by default on a TPU);
+        InputError where they were asked for with speculation, whose steps verify proposals instead."""
+        if self.mixed_steps and speculating:
+            raise InputError("mixed_steps needs plain decoding: turn speculation (ngram, a draft model) off",
+                             param="mixed_steps")  # fmt: skip
+        return not speculating and (self.mixed_steps if self.mixed_steps is not None else backend == "tpu")
 
     def speculated(self, drafting: bool) -> int:
         """Tokens proposed per row and step: `speculate` when prompt lookup or a draft model (`drafting`)

@@ -362,15 +362,24 @@ class Engine:
 
     def step(self, chunk: int = 4) -> None:
         """Drop cancelled rows, admit what fits (prefill calls grouped by length), then decode up to `chunk`
-        tokens of every running row."""
+        tokens of every running row. Where the engine mixes (`EngineConfig.mixed_steps`), a one-row prefill call
+        and the running rows' first token run in one pass over the weights (`Runner.run_mixed`)."""
         check_chunk(chunk)
+        scheduler, runner = self.scheduler, self.runner
         with self._device:
-            self.scheduler.drop_finished()
-            self.scheduler.pool.recycle(self.runner.zero_pages)
-            for work in self.scheduler.schedule_prefill():
-                self.scheduler.update(work, self.runner.run(work.batch))
-            if (work := self.scheduler.schedule_decode(chunk)) is not None:
-                self.scheduler.update(work, self.runner.run(work.batch))
+            scheduler.drop_finished()
+            scheduler.pool.recycle(runner.zero_pages)
+            prefills = scheduler.schedule_prefill()
+            mixed = next((work for work in prefills if runner.mixes(work.batch)), None)
+            if mixed is not None and (rows := scheduler.schedule_decode(1)) is not None:
+                prefilled, decoded = runner.run_mixed(mixed.batch, rows.batch)
+                scheduler.update(mixed, prefilled, drop=False)
+                scheduler.update(rows, decoded)
+                prefills, chunk = [work for work in prefills if work is not mixed], chunk - 1
+            for work in prefills:
+                scheduler.update(work, runner.run(work.batch))
+            if chunk and (work := scheduler.schedule_decode(chunk)) is not None:
+                scheduler.update(work, runner.run(work.batch))
 
     def fail_all(self, error: str) -> None:
         """Fail every queued and running row and start from an empty cache (after a device failure, which may

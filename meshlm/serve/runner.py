@@ -32,6 +32,7 @@ from meshlm.param import axes_of, is_param
 from meshlm.serve.batch import (
     MAX_CHUNK,
     Decode,
+    Mixed,
     Prefill,
     Settings,
     Shapes,
@@ -41,7 +42,7 @@ from meshlm.serve.batch import (
     settings_for,
 )
 from meshlm.serve.config import EngineConfig
-from meshlm.serve.pages import pages_for
+from meshlm.serve.pages import PAD_PAGE, pages_for
 from meshlm.serve.params import TOP_LOGPROBS
 from meshlm.serve.sampler import (
     argmax,
@@ -178,27 +179,30 @@ def _prefill(
     prefix's last token again first (not written), for the logits that score the token after it. Row b
     runs adapter slot `adapter[b]` (0: the base alone), from now on; its first token is one `allowed[b]` allows
     (a bitmask, zeros: any)."""
-    b, params, draft_cache = batch, weights.params, state.draft_cache
+    b, draft_cache = batch, state.draft_cache
+    prompt = _prompt(b)
+    [x], cache = model.decode_spans(weights.params, (prompt,), state.cache, cfg, policy)
+    new, step = _prefilled(weights.params, x, b, cfg)
+    if draft is not None:
+        at = jnp.maximum(b.mask.sum(-1, dtype=jnp.int32) - 1, 0)  # each row's last real token
+        _, draft_cache = model.decode(weights.draft, b.tokens, draft_cache, b.table, prompt.length, *draft,
+                                      mask=b.mask, at=at, write_from=b.refed, whole_pages=True)  # fmt: skip
+    return DeviceState(cache, _scatter(state.rows, b.slots, new), draft_cache), step
+
+
+def _prompt(b: Prefill) -> model.Span:
+    """A prefill's rows as `model.decode_spans` runs them: a scored row's cached prefix's last token again first."""
+    return model.Span(b.tokens, b.table, b.start - b.refed, b.mask, b.refed, b.adapter, whole_pages=True)
+
+
+def _prefilled(params: model.Params, x: jax.Array, b: Prefill, cfg: ModelConfig) -> tuple[Rows, Step]:
+    """New rows from their prompts' final hidden states x [B, T, D] (`_prompt`): each row's first token chosen
+    (rows whose max_new is 0 are done without one), and the scores of its prompt's scored positions."""
     n_new = b.mask.sum(-1, dtype=jnp.int32)
     at = jnp.maximum(n_new - 1, 0)
     length = b.start - b.refed
-    x, cache = model.decode(params, b.tokens, state.cache, b.table, length, cfg, policy, mask=b.mask,
-                            write_from=b.refed, hidden=True, adapter_rows=b.adapter, whole_pages=True)  # fmt: skip
     scores = _prompt_scores(params, x, b.tokens, b.scored, cfg)
     logits = model.unembed(params, jnp.take_along_axis(x, at[:, None, None], axis=1), cfg)
-    if draft is not None:
-        _, draft_cache = model.decode(
-            weights.draft,
-            b.tokens,
-            draft_cache,
-            b.table,
-            length,
-            *draft,
-            mask=b.mask,
-            at=at,
-            write_from=b.refed,
-            whole_pages=True,
-        )
     zeros = jnp.zeros_like(b.start)
     # a new row's output counts start at zero (the slot's previous row's are overwritten)
     new = Rows(zeros, b.seen, zeros, b.settings.max_new <= 0, length + n_new, b.settings,
@@ -210,7 +214,7 @@ def _prefill(
     lp, ids, lps = scores
     step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted[:, None], done=new.done,
                 prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=lps)  # fmt: skip
-    return DeviceState(cache, _scatter(state.rows, b.slots, new), draft_cache), step
+    return new, step
 
 
 def _prompt_scores(
@@ -286,16 +290,47 @@ def _decode(
         i, active, cache, bufs = carry
         logits, cache = model.decode(params, active.token[:, None], cache, table, active.length, cfg, policy,
                                      adapter_rows=active.adapter)  # fmt: skip
-        out = _choose(logits[:, 0], active, cfg, allowed=allowed)
-        running = ~active.done
-        bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, (*out, running), strict=True))
-        active = _advance(active, out[0])._replace(length=active.length + running)
+        active, out = _decoded(logits[:, 0], active, cfg, allowed)
+        bufs = tuple(b.at[:, i].set(v) for b, v in zip(bufs, out, strict=True))
         return i + 1, active, cache, bufs
 
     _, active, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(0), active, state.cache, bufs))
     token, logprob, top_ids, top_logprobs, emitted = bufs
     step = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done)
     return state._replace(cache=cache, rows=_scatter(state.rows, batch.slots, active)), step
+
+
+def _decoded(logits: jax.Array, active: Rows, cfg: ModelConfig, allowed: jax.Array) -> tuple[Rows, tuple]:
+    """The rows after one decode step whose logits [B, V] choose each running row's next token (its input token
+    now in the cache), and what each produced: token, logprob, top ids, top logprobs, and whether it ran."""
+    out = _choose(logits, active, cfg, allowed=allowed)
+    running = ~active.done
+    return _advance(active, out[0])._replace(length=active.length + running), (*out, running)
+
+
+@partial(jax.jit, static_argnames=STATIC, donate_argnames="state")
+def _mixed(
+    weights: Weights,
+    state: DeviceState,
+    batch: Mixed,
+    *,
+    cfg: ModelConfig,
+    policy: model.Policy,
+    draft: tuple[ModelConfig, model.Policy] | None = None,
+) -> tuple[DeviceState, tuple[Step, Step]]:
+    """A prefill call and one decode step of other rows (`Mixed`) in one pass over the weights
+    (`model.decode_spans`): what `_prefill` and a one-token `_decode` do apart, the weights read once. (An
+    engine with a draft model or speculation runs none: `draft` is always None here.)"""
+    p, d = batch.prefill, batch.decode
+    active = _active(state.rows, d.slots)
+    rows = model.Span(active.token[:, None], d.table, active.length, adapter_rows=active.adapter)
+    (x, y), cache = model.decode_spans(weights.params, (_prompt(p), rows), state.cache, cfg, policy)
+    new, prefilled = _prefilled(weights.params, x, p, cfg)
+    active, out = _decoded(model.unembed(weights.params, y, cfg)[:, 0], active, cfg, d.allowed)
+    token, logprob, top_ids, top_logprobs, emitted = (o[:, None] for o in out)
+    decoded = Step(token, logprob, top_ids, top_logprobs, emitted=emitted, done=active.done)
+    slots = _scatter(_scatter(state.rows, p.slots, new), d.slots, active)
+    return state._replace(cache=cache, rows=slots), (prefilled, decoded)
 
 
 @partial(jax.jit, static_argnames=STATIC, donate_argnames="state")
@@ -499,6 +534,7 @@ class Runner:
     ):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.speculate = config.speculated(draft is not None)
+        self.mixing = config.mixes(mesh.devices.flat[0].platform, bool(self.speculate))  # see `run_mixed`
         self.rules = rules
         self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)
@@ -650,6 +686,10 @@ class Runner:
         nothing, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
         programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, w)) for b, t, w in self.shapes.prefill_shapes()]
+        if self.mixing:  # each one-row prefill's shape with the widest decode step
+            widest = decode_args(self.cfg, self.mesh, self.max_batch, self.shapes.max_pages)
+            programs += [(_mixed, Mixed(prefill_args(self.cfg, self.mesh, b, t, w), widest))
+                         for b, t, w in self.shapes.prefill_shapes() if b == self.shapes.prefill_rows(1)]  # fmt: skip
         for b in self.shapes.decode_batches():
             for n in self.shapes.page_buckets():
                 if self.speculate:
@@ -694,8 +734,10 @@ class Runner:
                 free,
             )
 
-    def _padding(self, batch: Prefill | Decode | Speculate) -> Prefill | Decode | Speculate:
+    def _padding(self, batch: Prefill | Decode | Speculate | Mixed) -> Prefill | Decode | Speculate | Mixed:
         """A batch of these shapes for padding rows only: slots out of range, everything else zeros (page 0)."""
+        if isinstance(batch, Mixed):
+            return Mixed(self._padding(batch.prefill), self._padding(batch.decode))
         zeros = lambda x: self._from_host(np.zeros(x.shape, x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else x
         padded = jax.tree.map(zeros, batch)
         return padded._replace(slots=self._from_host(np.full(batch.slots.shape, self.max_batch, np.int32)))
@@ -711,19 +753,43 @@ class Runner:
         return self.decode(batch) if isinstance(batch, Decode) else self.verify(batch)
 
     def prefill(self, batch: Prefill) -> Step:
+        return _prefilled_on_host(self._call(_prefill, self._prefill_on_device(batch)), batch)
+
+    def decode(self, batch: Decode) -> Step:
+        return _on_host(self._call(_decode, self._decode_on_device(batch)))
+
+    def mixes(self, batch: Prefill) -> bool:
+        """Whether this prefill call can run in one pass with a decode step (`run_mixed`): the engine mixes
+        (`EngineConfig.mixes`), and the call has a one-row prefill's shape (a prompt's chunk, or a prompt alone)."""
+        return self.mixing and batch.tokens.shape[0] == self.shapes.prefill_rows(1)
+
+    def run_mixed(self, prefill: Prefill, decode: Decode) -> tuple[Step, Step]:
+        """A prefill call (`mixes`) and one decode step (chunk 1) of other rows in one pass over the weights: what
+        each call's rows produced. The decode is padded to every slot and a whole row's pages, the one decode shape
+        the mixed programs are compiled for (a TPU's paged kernel reads no page past a row's length)."""
+        if decode.chunk != 1:
+            raise ValueError(f"a mixed step decodes one token, not {decode.chunk}")
+        B, n, k = self.max_batch, self.shapes.max_pages, len(decode.slots)
+        table = np.full((B, n), PAD_PAGE, np.int32)
+        table[:k, : decode.table.shape[1]] = decode.table
+        slots = np.full(B, self.max_batch, np.int32)
+        slots[:k] = decode.slots
+        allowed = np.zeros((B, decode.allowed.shape[1]), np.int32)
+        allowed[:k] = decode.allowed
+        widest = self._decode_on_device(Decode(slots, table, 1, allowed))
+        prefilled, decoded = self._call(_mixed, Mixed(self._prefill_on_device(prefill), widest))
+        return _prefilled_on_host(prefilled, prefill), _on_host(decoded)
+
+    def _prefill_on_device(self, batch: Prefill) -> Prefill:
         settings = batch.settings
         if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
             settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
-        out = self._call(_prefill, jax.tree.map(self._from_host, batch._replace(settings=settings)))
-        if not batch.scored.any():  # only a scoring prefill's prompt logprobs are worth the copy to the host
-            out = out._replace(prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
-        return _on_host(out)
+        return jax.tree.map(self._from_host, batch._replace(settings=settings))
 
-    def decode(self, batch: Decode) -> Step:
+    def _decode_on_device(self, batch: Decode) -> Decode:
         put = self._from_host  # the chunk, a scalar, goes as it is
-        on_device = batch._replace(slots=put(batch.slots), table=put(batch.table), chunk=np.int32(batch.chunk),
-                                   allowed=put(batch.allowed))  # fmt: skip
-        return _on_host(self._call(_decode, on_device))
+        return batch._replace(slots=put(batch.slots), table=put(batch.table), chunk=np.int32(batch.chunk),
+                              allowed=put(batch.allowed))  # fmt: skip
 
     def verify(self, batch: Speculate) -> Step:
         return _on_host(self._call(_speculate, jax.tree.map(self._from_host, batch)))
@@ -735,6 +801,13 @@ _zero_pages = jax.jit(kv_cache.KVCache.zero_pages, donate_argnums=0)
 def _on_host(out: Step) -> Step:
     """A step's outputs, copied to the host (the fields left out are None)."""
     return Step(*(None if x is None else to_host(x) for x in out))
+
+
+def _prefilled_on_host(out: Step, batch: Prefill) -> Step:
+    """A prefill's outputs on the host: its prompt logprobs only where it scored a row, worth the copy then."""
+    if not batch.scored.any():
+        out = out._replace(prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
+    return _on_host(out)
 
 
 class _CompileCounter:
@@ -778,15 +851,19 @@ def lower(
     params: Any = None,
     page_size: int,
 ) -> Any:
-    """The "prefill" (of `rows` prompts of `length` tokens) or "decode" program, lowered for abstract weights
-    (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages of `page_size` tokens and `rows` slots
-    of up to `width` pages: what the planner compiles for a target it does not have."""
+    """The "prefill" (of `rows` prompts of `length` tokens), "decode" or "mixed" (a one-row prefill of `length`
+    tokens and a decode step of `rows` rows) program, lowered for abstract weights (`params`, ShapeDtypeStructs
+    with shardings), a pool of `pages` pages of `page_size` tokens and `rows` slots of up to `width` pages: what
+    the planner compiles for a target it does not have."""
     state = DeviceState(*abstract_state(cfg, policy, mesh, pages, page_size, rows))
     if program == "prefill":
         fn, batch = _prefill, prefill_args(cfg, mesh, rows, length, width)
     elif program == "decode":
         fn, batch = _decode, decode_args(cfg, mesh, rows, width)
+    elif program == "mixed":
+        fn, batch = _mixed, Mixed(prefill_args(cfg, mesh, batch_ways(mesh), length, width),
+                                  decode_args(cfg, mesh, rows, width))  # fmt: skip
     else:
-        raise ValueError(f"program must be 'prefill' or 'decode', got {program!r}")
+        raise ValueError(f"program must be 'prefill', 'decode' or 'mixed', got {program!r}")
     with jax.set_mesh(mesh):
         return fn.lower(Weights(params), state, batch, cfg=cfg, policy=policy)

@@ -377,9 +377,10 @@ class Scheduler:
                     r.fail_from("the output constraint failed", e)
         return allowed
 
-    def update(self, scheduled: Scheduled, step: Step) -> None:
+    def update(self, scheduled: Scheduled, step: Step, drop: bool = True) -> None:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
-        cache); then free the rows that finished."""
+        cache); then free the rows that finished (unless not `drop`: a mixed step's first half, whose other
+        half's rows must keep their pages until they are taken in too)."""
         rows, batch = scheduled
         chunked = set()  # rows whose prefill ran one chunk of their prompt, not its last: no token yet
         if isinstance(batch, Prefill):
@@ -422,7 +423,8 @@ class Scheduler:
                 r.fail_from("generation failed for this request", e)
                 continue
             _notify(r)
-        self.drop_finished()
+        if drop:
+            self.drop_finished()
 
     def _take(self, r: Request, step: Step, i: int) -> None:
         """Row i's new tokens into its output and its constraint. An id past the tokenizer's never reaches the

@@ -116,8 +116,9 @@ def test_the_engine_on_the_chip_generates_the_cpus_greedy_tokens():
 
 
 def arrival_outputs(platform: str, mixed_steps: bool) -> tuple[list, int]:
-    """Greedy completions (float32) of two rows decoding when a 200-token prompt arrives, prefilled a 128-token page
-    a step, with or without `mixed_steps`; and how many steps ran a prefill and a decode step in one pass."""
+    """Greedy completions (float32) of prompts of 5 and 130 tokens, then of a 200-token one arriving while they
+    decode, prefilled a 128-token page a step, with or without `mixed_steps`; and how many steps ran a prefill and
+    a decode step in one pass."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, ENGINE_CFG.vocab_size, n).tolist() for n in (5, 130, 200)]
     with jax.default_matmul_precision("highest"):
@@ -139,7 +140,7 @@ def test_mixed_steps_on_the_chip_choose_the_cpus_tokens():
     """float32: a prompt's chunks prefilled in one pass with the decoding rows' steps on the chip (a paged kernel for
     the decode rows, the page kernels for the chunk) choose the tokens the CPU's engine chooses without mixing."""
     (tpu, mixed), (cpu, _) = arrival_outputs("tpu", True), arrival_outputs("cpu", False)
-    assert mixed == 2  # the prompt's two chunks, the second finishing it
+    assert mixed == 4  # with the first row decoding: the 130- and the 200-token prompts' two pieces each
     assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
     for t, c in zip(tpu, cpu, strict=True):
         np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=1e-4, atol=1e-4)

@@ -284,7 +284,7 @@ class Context(NamedTuple):
     dropout_key: jax.Array | None = None  # None: no dropout (inference)
     adapter_rows: jax.Array | None = None  # [B] each row's slot in `params["adapters"]` (an engine's adapters)
     whole_pages: bool = False  # each row's written tokens start a page (`decode`'s prompt): see `CacheView.write`
-    spans: tuple[SpanAttention, ...] = ()  # a mixed call's spans (`decode_spans`): tokens [N, 1], attention per span
+    spans: tuple[SpanAttention, ...] = ()  # a mixed call's spans (`decode_spans`): tokens [1, N], attention per span
 
 
 class SpanAttention(NamedTuple):
@@ -321,7 +321,7 @@ def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.A
 
 def _slot_delta(x: jax.Array, slots: Params, ctx: Context) -> jax.Array:
     """Each row's own adapter's update of x [B, T, in...], gathered from the adapter slots: once a row, so a
-    mixed call's tokens [N, 1, in...] take their span's rows' adapters span by span, not one copy a token."""
+    mixed call's tokens [1, N, in...] take their span's rows' adapters span by span."""
     if not ctx.spans:
         rows = ctx.adapter_rows
         return lora.row_delta(slots["a"][rows], slots["b"][rows], slots["scale"][rows], x)
@@ -330,18 +330,18 @@ def _slot_delta(x: jax.Array, slots: Params, ctx: Context) -> jax.Array:
 
 
 def _split(x: jax.Array, spans: tuple[SpanAttention, ...]) -> list[jax.Array]:
-    """A mixed call's tokens x [N, 1, ...] as each span's rows [B, T, ...] (its tokens lie row after row)."""
+    """A mixed call's tokens x [1, N, ...] as each span's rows [B, T, ...] (its tokens lie row after row)."""
     parts, start = [], 0
     for span in spans:
         B, T = span.view.slots.shape
-        parts.append(x[start : start + B * T].reshape(B, T, *x.shape[2:]))
+        parts.append(x[0, start : start + B * T].reshape(B, T, *x.shape[2:]))
         start += B * T
     return parts
 
 
 def _join(parts: list[jax.Array]) -> jax.Array:
-    """The spans' rows [B, T, ...] back as one mixed call's tokens [N, 1, ...] (`_split`'s inverse)."""
-    return jnp.concatenate([x.reshape(-1, 1, *x.shape[2:]) for x in parts])
+    """The spans' rows [B, T, ...] back as one mixed call's tokens [1, N, ...] (`_split`'s inverse)."""
+    return jnp.concatenate([x.reshape(1, -1, *x.shape[2:]) for x in parts], axis=1)
 
 
 def _qkv(h: jax.Array, layer: Layer, ctx: Context, name: str) -> jax.Array:
@@ -377,7 +377,7 @@ def attention(
     """Self-attention of h [B, T, D]; a `local` layer sees only the last `local_window` positions. With
     a cache, this layer's new keys/values are stored first and the queries attend over every cached slot
     (in place by a paged kernel for a decode step, else gathered). Each kind of layer runs the kernel
-    `ctx.kernels` names for it. A mixed call's tokens [N, 1, D] are projected together, each span's rows
+    `ctx.kernels` names for it. A mixed call's tokens [1, N, D] are projected together, each span's rows
     attending on their own (`decode_spans`)."""
     p = layer.params["attn"]
     q = apply_rotary(_qkv(h, layer, ctx, "q"), ctx.sin, ctx.cos, cfg)
@@ -669,9 +669,10 @@ def decode_spans(
 ) -> tuple[list[jax.Array], KVCache]:
     """Each span's final hidden states [B, T, d_model] and the pool with every span's keys and values written,
     from one pass over the layers: spans of different shapes (a prompt's chunk and a decode step's rows) read
-    the weights once between them. Their tokens are projected together, laid out one after another as [N, 1];
-    each span's rows attend by the kernel its own shape takes (`attention_kernels`: the decode step's rows by a
-    paged kernel on a TPU). The spans' rows must hold different pages, or their writes would meet."""
+    the weights once between them. Their tokens are projected together, laid out one after another as one packed
+    row [1, N]; each span's rows attend by the kernel its own shape takes (`attention_kernels`: the decode step's
+    rows by a paged kernel on a TPU). The spans' rows must hold different pages, or their writes would meet. The
+    one row cannot split over a mesh's batch axes: an engine mixes only on a mesh without them."""
     inputs = [span.inputs(cache) for span in spans]
     ctxs = [_context(params, pos, cfg, policy, view, None, s.adapter_rows, s.whole_pages)
             for s, (pos, view) in zip(spans, inputs, strict=True)]  # fmt: skip
@@ -680,8 +681,8 @@ def decode_spans(
         x, view = _run(params, spans[0].tokens, pos.query, ctx, cfg, policy, view)
         return [x], view.cache
     parts = tuple(SpanAttention(c, view._replace(cache=None)) for c, (_, view) in zip(ctxs, inputs, strict=True))
-    tokens = jnp.concatenate([s.tokens.reshape(-1, 1) for s in spans])
-    positions = jnp.concatenate([pos.query.reshape(-1, 1) for pos, _ in inputs])
+    tokens = jnp.concatenate([s.tokens.reshape(1, -1) for s in spans], axis=1)
+    positions = jnp.concatenate([pos.query.reshape(1, -1) for pos, _ in inputs], axis=1)
     sin, cos = rotary_tables(positions, cfg)
     ctx = Context(sin, cos, None, None, None, {}, spans=parts)  # the rest is each span's
     x, view = _run(params, tokens, positions, ctx, cfg, policy, inputs[0][1])

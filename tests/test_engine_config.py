@@ -48,6 +48,23 @@ def test_the_page_size_is_the_given_one_or_the_backends():
     assert EngineConfig(page_size=32).tokens_per_page("tpu") == 32
 
 
+def test_mixed_steps_default_to_a_tpu_and_are_refused_where_they_cannot_run():
+    assert EngineConfig().mixes("tpu", speculating=False, batch_ways=1)
+    assert not EngineConfig().mixes("cpu", speculating=False, batch_ways=1)
+    assert EngineConfig(mixed_steps=True).mixes("cpu", speculating=False, batch_ways=1)
+    assert not EngineConfig(mixed_steps=False).mixes("tpu", speculating=False, batch_ways=1)
+    # where a mixed step cannot run, the default quietly does not mix, and asking for it is refused
+    assert not EngineConfig().mixes("tpu", speculating=True, batch_ways=1)
+    assert not EngineConfig().mixes("tpu", speculating=False, batch_ways=2)
+    with pytest.raises(ValueError, match="mixed_steps needs speculation .* off") as caught:
+        EngineConfig(mixed_steps=True).mixes("tpu", speculating=True, batch_ways=1)
+    assert caught.value.param == "mixed_steps"
+    with pytest.raises(ValueError, match="mixed_steps needs a mesh without batch axes"):
+        EngineConfig(mixed_steps=True).mixes("tpu", speculating=False, batch_ways=2)
+    with pytest.raises(ValueError, match="mixed_steps must be true, false or None"):
+        EngineConfig(mixed_steps="yes")
+
+
 def test_it_imports_no_jax():
     code = "import sys, meshlm.serve.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -104,13 +104,16 @@ class EngineConfig:
             raise InputError(f"max_len must be in [{least}, {model_context}] (the model's context), got {self.max_len}")
         return self.max_len or model_context
 
-    def mixes(self, backend: str, speculating: bool) -> bool:
-        """Whether a step runs a prefill call and a decode step in one pass (`mixed_steps`, or by default on a TPU);
-        InputError where they were asked for with speculation, whose steps verify proposals instead."""
-        if self.mixed_steps and speculating:
-            raise InputError("mixed_steps needs plain decoding: turn speculation (ngram, a draft model) off",
-                             param="mixed_steps")  # fmt: skip
-        return not speculating and (self.mixed_steps if self.mixed_steps is not None else backend == "tpu")
+    def mixes(self, backend: str, speculating: bool, batch_ways: int) -> bool:
+        """Whether a step runs a prefill call and a decode step in one pass (`mixed_steps`, or by default on a TPU):
+        never with speculation, whose steps verify proposals instead, nor on a mesh whose batch axes split rows
+        (`batch_ways` > 1: a mixed pass runs its tokens as one row); InputError where they were asked for so."""
+        why = "speculation (ngram, a draft model) off" if speculating else "a mesh without batch axes (data, fsdp)"
+        if speculating or batch_ways > 1:
+            if self.mixed_steps:
+                raise InputError(f"mixed_steps needs {why}", param="mixed_steps")
+            return False
+        return self.mixed_steps if self.mixed_steps is not None else backend == "tpu"
 
     def speculated(self, drafting: bool) -> int:
         """Tokens proposed per row and step: `speculate` when prompt lookup or a draft model (`drafting`)

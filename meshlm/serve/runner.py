@@ -534,7 +534,7 @@ class Runner:
     ):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.speculate = config.speculated(draft is not None)
-        self.mixing = config.mixes(mesh.devices.flat[0].platform, bool(self.speculate))  # see `run_mixed`
+        self.mixing = config.mixes(mesh.devices.flat[0].platform, bool(self.speculate), batch_ways(mesh))  # run_mixed
         self.rules = rules
         self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)

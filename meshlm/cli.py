@@ -664,7 +664,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run a step's one-row prefill call and the running rows' next token in one pass over the weights "
-        "(default: on a TPU, without speculation)",
+        "(default: on a TPU whose paged kernel serves the model; never with speculation or batch axes in --mesh)",
     )
     p.add_argument(
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"

@@ -49,18 +49,23 @@ def test_the_page_size_is_the_given_one_or_the_backends():
 
 
 def test_mixed_steps_default_to_a_tpu_and_are_refused_where_they_cannot_run():
-    assert EngineConfig().mixes("tpu", speculating=False, batch_ways=1)
-    assert not EngineConfig().mixes("cpu", speculating=False, batch_ways=1)
-    assert EngineConfig(mixed_steps=True).mixes("cpu", speculating=False, batch_ways=1)
-    assert not EngineConfig(mixed_steps=False).mixes("tpu", speculating=False, batch_ways=1)
+    plain = dict(speculating=False, batch_ways=1)
+    assert EngineConfig().mixes("tpu", paged=True, **plain)
+    # the default mixes where a TPU's paged kernel reads the pool in place, not where a decode step gathers it
+    assert not EngineConfig().mixes("tpu", paged=False, **plain)
+    assert not EngineConfig().mixes("cpu", paged=False, **plain)
+    assert EngineConfig(mixed_steps=True).mixes("cpu", paged=False, **plain)
+    assert not EngineConfig(mixed_steps=False).mixes("tpu", paged=True, **plain)
     # where a mixed step cannot run, the default quietly does not mix, and asking for it is refused
-    assert not EngineConfig().mixes("tpu", speculating=True, batch_ways=1)
-    assert not EngineConfig().mixes("tpu", speculating=False, batch_ways=2)
+    assert not EngineConfig().mixes("tpu", paged=True, speculating=True, batch_ways=1)
+    assert not EngineConfig().mixes("tpu", paged=True, speculating=False, batch_ways=2)
     with pytest.raises(ValueError, match="mixed_steps needs speculation .* off") as caught:
-        EngineConfig(mixed_steps=True).mixes("tpu", speculating=True, batch_ways=1)
+        EngineConfig(mixed_steps=True).mixes("tpu", paged=True, speculating=True, batch_ways=1)
     assert caught.value.param == "mixed_steps"
     with pytest.raises(ValueError, match="mixed_steps needs a mesh without batch axes"):
-        EngineConfig(mixed_steps=True).mixes("tpu", speculating=False, batch_ways=2)
+        EngineConfig(mixed_steps=True).mixes("tpu", paged=True, speculating=False, batch_ways=2)
+    with pytest.raises(ValueError, match="mixed_steps needs speculation"):  # prompt lookup: when made, not later
+        EngineConfig(mixed_steps=True, ngram=2)
     with pytest.raises(ValueError, match="mixed_steps must be true, false or None"):
         EngineConfig(mixed_steps="yes")
 

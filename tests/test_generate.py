@@ -12,7 +12,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import meshlm
-from meshlm import cli, kv_cache, model
+from meshlm import cli, config, kv_cache, model
 from meshlm.serve import sampler as gen
 from meshlm.serve.batch import settings_for
 from meshlm.serve.params import SamplingParams
@@ -122,6 +122,43 @@ def test_a_mixed_call_of_a_prompts_chunk_and_decoding_rows_equals_the_full_forwa
         _, apart = jax.jit(lambda p, c, s=span: model.decode_spans(p, (s,), c, cfg, policy))(params, apart)
     for got, want in zip(mixed[:2], apart[:2], strict=True):  # keys and values (a float pool has no scales)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
+MIXED_VARIANTS = {  # what a mixed call's spans each keep their own: learned positions and local windows, a t5 bias
+    "gpt-neo": (config.preset("gpt-neo-125m").replace(n_layer=2, d_model=64, n_head=2, d_ff=128, vocab_size=512,
+                                                        n_vocab_used=500, max_seq_len=64, local_window=5), None),
+    "t5": (config.preset("test-tiny").replace(position="t5", rotary_dim=0), None),
+    "int8 pool": (config.preset("test-tiny"), "int8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", sorted(MIXED_VARIANTS))
+def test_a_mixed_call_gives_each_span_what_it_gives_alone(variant):
+    """`model.decode_spans` of a prompt's 8-token chunk and a decode step of two rows against each span run alone,
+    for the family's other position schemes and attention windows and over an int8 pool: the same hidden states,
+    and the same pool after."""
+    cfg, kv = MIXED_VARIANTS[variant]
+    policy = model.Policy(kv_cache_dtype=kv)
+    params = model.init(cfg, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, cfg.n_vocab_used, (3, 16))
+    table = np.array([[3, 8, 1, 12], [6, 2, 10, 4], [9, 5, 11, 7]], np.int32)
+    held = np.array([4, 9, 7], np.int32)
+    cache = kv_cache.init_cache(cfg, 16, 4, policy.kv_dtype)
+    first = np.where(np.arange(12) < held[:, None], tokens[:, :12], 0)
+    opening = model.Span(jnp.asarray(first), table, np.zeros(3, np.int32), jnp.asarray(np.arange(12) < held[:, None]))
+    [_], cache = model.decode_spans(params, (opening,), cache, cfg, policy)
+    chunk = model.Span(jnp.asarray(tokens[:1, 4:12]), table[:1], held[:1], whole_pages=True)
+    step = model.Span(jnp.asarray(np.stack([tokens[1, 9:10], tokens[2, 7:8]])), table[1:], held[1:])
+    run = lambda c, *spans: jax.jit(lambda c: model.decode_spans(params, spans, c, cfg, policy))(c)
+    (x_chunk, x_step), mixed = run(cache, chunk, step)
+    [alone_chunk], apart = run(cache, chunk)
+    [alone_step], apart = run(apart, step)
+    np.testing.assert_allclose(x_chunk, alone_chunk, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(x_step, alone_step, atol=1e-5, rtol=0)
+    for got, want in zip(mixed, apart, strict=True):
+        if want is not None:
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow

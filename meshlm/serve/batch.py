@@ -244,7 +244,7 @@ class Decode(NamedTuple):
 class Mixed(NamedTuple):
     """A prefill call and one decode step of other rows, run in one pass over the weights: the rows decoding take a
     token while a prompt is prefilled, for little more than the prefill's own weight read. The decode's rows and
-    table are padded to the runner's widest (`Runner.mixed`), so one program serves each prefill shape."""
+    table are padded to the runner's widest (`Runner.run_mixed`), so one program serves each prefill shape."""
 
     prefill: Prefill
     decode: Decode

@@ -24,6 +24,10 @@ LEAST = {"max_batch": 1, "max_len": 2, "kv_tokens": 1, "page_size": 1, "ngram": 
          "max_adapters": 0, "max_lora_rank": 1, "chunk": 1, "max_queue": 1, "prefill_tokens": 1}  # fmt: skip
 
 
+MIXED_NEEDS = {"speculating": "mixed_steps needs speculation (ngram, a draft model) off",
+               "batch axes": "mixed_steps needs a mesh without batch axes (data, fsdp)"}  # fmt: skip
+
+
 def check_prefill_tokens(prefill_tokens: int, page_size: int) -> None:
     """A step's prompt tokens hold at least a page: a prompt is prefilled in whole pages."""
     if prefill_tokens < page_size:
@@ -45,9 +49,10 @@ class EngineConfig:
     tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
     decoding between its chunks, so that prompts stall them for no longer than that many tokens' prefill a step (a
     scored prompt, which runs whole, excepted). `mixed_steps` runs one of a step's prefill calls together with a
-    decode step of the running rows, the weights read once for both (None: on a TPU, where the decode rows' attention
-    reads the pool in place; never with speculation). `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the
-    compute dtype) and `attention` (None: the model's own choice) are vLLM's options of those names."""
+    decode step of the running rows, the weights read once for both (None: on a TPU whose paged kernel reads the
+    decode rows' pool in place in every layer; never with speculation nor on a mesh with batch axes).
+    `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention` (None: the
+    model's own choice) are vLLM's options of those names."""
 
     max_batch: int = 8
     max_len: int | None = None
@@ -79,6 +84,8 @@ class EngineConfig:
             )
         if self.mixed_steps not in (None, True, False):
             raise InputError(f"mixed_steps must be true, false or None, got {self.mixed_steps!r}", param="mixed_steps")
+        if self.mixed_steps and self.ngram:
+            raise InputError(MIXED_NEEDS["speculating"], param="mixed_steps")
         if self.kv_cache_dtype not in (None, "int8"):
             dtype_of(self.kv_cache_dtype)
         if self.attention not in (None, *ATTENTION_IMPLS):
@@ -104,16 +111,17 @@ class EngineConfig:
             raise InputError(f"max_len must be in [{least}, {model_context}] (the model's context), got {self.max_len}")
         return self.max_len or model_context
 
-    def mixes(self, backend: str, speculating: bool, batch_ways: int) -> bool:
-        """Whether a step runs a prefill call and a decode step in one pass (`mixed_steps`, or by default on a TPU):
-        never with speculation, whose steps verify proposals instead, nor on a mesh whose batch axes split rows
-        (`batch_ways` > 1: a mixed pass runs its tokens as one row); InputError where they were asked for so."""
-        why = "speculation (ngram, a draft model) off" if speculating else "a mesh without batch axes (data, fsdp)"
+    def mixes(self, backend: str, paged: bool, speculating: bool, batch_ways: int) -> bool:
+        """Whether a step runs a prefill call and a decode step in one pass: `mixed_steps`, or by default on a TPU
+        whose decode steps read the pool in place in every layer (`paged`: a mixed step's decode rows run over every
+        slot's and page's table, which a gather would copy whole). Never with speculation, whose steps verify
+        proposals instead, nor on a mesh whose batch axes split rows (`batch_ways` > 1: a mixed pass runs its tokens
+        as one row); InputError where they were asked for so."""
         if speculating or batch_ways > 1:
             if self.mixed_steps:
-                raise InputError(f"mixed_steps needs {why}", param="mixed_steps")
+                raise InputError(MIXED_NEEDS["speculating" if speculating else "batch axes"], param="mixed_steps")
             return False
-        return self.mixed_steps if self.mixed_steps is not None else backend == "tpu"
+        return self.mixed_steps if self.mixed_steps is not None else backend == "tpu" and paged
 
     def speculated(self, drafting: bool) -> int:
         """Tokens proposed per row and step: `speculate` when prompt lookup or a draft model (`drafting`)

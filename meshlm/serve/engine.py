@@ -374,10 +374,11 @@ class Engine:
             if mixed is not None and (rows := scheduler.schedule_decode(1)) is not None:
                 prefilled, decoded = runner.run_mixed(mixed.batch, rows.batch)
                 scheduler.update(mixed, prefilled, drop=False)
-                scheduler.update(rows, decoded)
+                scheduler.update(rows, decoded, drop=False)
                 prefills, chunk = [work for work in prefills if work is not mixed], chunk - 1
-            for work in prefills:
-                scheduler.update(work, runner.run(work.batch))
+            for work in prefills:  # each row keeps its slot and pages until every call that holds it has run
+                scheduler.update(work, runner.run(work.batch), drop=False)
+            scheduler.drop_finished()
             if chunk and (work := scheduler.schedule_decode(chunk)) is not None:
                 scheduler.update(work, runner.run(work.batch))
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from meshlm import kv_cache, lora, model, quant
 from meshlm.config import InputError, ModelConfig, dtype_of
 from meshlm.footprint import Footprint, OutOfMemory, free_memory, gib
+from meshlm.kv_dma import MAX_PAGE_COPIES
 from meshlm.param import axes_of, is_param
 from meshlm.serve.batch import (
     MAX_CHUNK,
@@ -128,10 +129,11 @@ def _choose(
 
 
 def _active(rows: Rows, slots: jax.Array) -> Rows:
-    """The rows in `slots`; padding (slots out of range) comes back done."""
+    """The rows in `slots`; padding (slots out of range) comes back done and holding no tokens, so that attention
+    reads none for it (not the last slot's, which the clipped gather gives it)."""
     padding = slots >= rows.token.shape[0]
     active = jax.tree.map(lambda x: x.at[slots].get(mode="clip"), rows)
-    return active._replace(done=active.done | padding)
+    return active._replace(done=active.done | padding, length=jnp.where(padding, 0, active.length))
 
 
 def _scatter(rows: Rows, slots: jax.Array, new: Rows) -> Rows:
@@ -154,9 +156,9 @@ class DeviceState(NamedTuple):
     draft_cache: kv_cache.KVCache | None = None
 
 
-# Every compiled step takes the weights, the device state and its batch whole (`Prefill`, `Decode` or
-# `Speculate` of device arrays), with the static configs (`draft`: the draft model's config and policy), and
-# returns the updated state and what each row produced (a `Step` of device arrays).
+# Every compiled step takes the weights, the device state and its batch whole (`Prefill`, `Decode`, `Speculate` or
+# `Mixed` of device arrays), with the static configs (`draft`: the draft model's config and policy), and returns the
+# updated state and what each row produced (a `Step` of device arrays; a mixed step, its prefill's and its decode's).
 STATIC = ("cfg", "policy", "draft")
 Out = tuple[DeviceState, Step]
 
@@ -534,7 +536,6 @@ class Runner:
     ):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.speculate = config.speculated(draft is not None)
-        self.mixing = config.mixes(mesh.devices.flat[0].platform, bool(self.speculate), batch_ways(mesh))  # run_mixed
         self.rules = rules
         self.draft = None if draft is None else draft._replace(params=place(draft.params, draft.cfg, mesh, rules))
         params = place(params, cfg, mesh, rules)
@@ -543,6 +544,8 @@ class Runner:
         self.shapes = Shapes.of(config.max_batch, config.context(cfg.max_seq_len), page_size, batch_ways(mesh))
         self.max_batch, self.page_size = self.shapes.max_batch, page_size  # the slots: max_rows in a bucket
         self.max_rows = config.max_batch
+        platform = mesh.devices.flat[0].platform
+        self.mixing = config.mixes(platform, self._paged_decode(), bool(self.speculate), batch_ways(mesh))  # run_mixed
         free, slots = free_memory(self._local_device()), self._slot_bytes()
         chosen = config.kv_tokens is not None
         kv_tokens = config.kv_tokens if chosen else self._default_kv_tokens(None if free is None else free - sum(slots))
@@ -590,6 +593,13 @@ class Runner:
 
         draft = 0 if self.draft is None else per_token(self.draft.cfg, self.draft.policy)
         return per_token(self.cfg, self.policy) + draft
+
+    def _paged_decode(self) -> bool:
+        """Whether every layer of a decode step reads the pool in place by a paged kernel (`attention.resolve`)."""
+        with jax.set_mesh(self.mesh):
+            kernels = model.attention_kernels(self.cfg, self.policy, (self.max_batch, 1), self.shapes.max_len,
+                                              self.cfg.position == "t5", True, self.policy.kv_dtype)  # fmt: skip
+        return all(kernel.paged for kernel in kernels.values())
 
     def _local_device(self) -> jax.Device:
         return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
@@ -671,8 +681,9 @@ class Runner:
         options = dict(cfg=self.cfg, policy=self.policy, draft=self.draft[1:] if drafting else None)
         return weights, DeviceState(self.cache, self.rows, self.draft_cache), options
 
-    def _call(self, fn: Any, batch: Prefill | Decode | Speculate) -> Step:
-        """Run a compiled step on the pools and the slots, which it updates in place; what it produced."""
+    def _call(self, fn: Any, batch: Prefill | Decode | Speculate | Mixed) -> Any:
+        """Run a compiled step on the pools and the slots, which it updates in place; what it produced (a `Step`, or
+        a mixed step's two)."""
         weights, state, options = self._inputs()
         with jax.set_mesh(self.mesh):
             (self.cache, self.rows, self.draft_cache), out = fn(weights, state, batch, **options)
@@ -681,15 +692,15 @@ class Runner:
     # compiling ------------------------------------------------------------------------------------
 
     def warm_up(self) -> tuple[int, float]:
-        """Compile every prefill and decode shape the engine can use (on as many threads as there are CPU
+        """Compile every prefill, decode (and mixed) shape the engine can use (on as many threads as there are CPU
         cores: XLA compiles outside Python's lock), then run each once on padding rows, which write
         nothing, so the first requests find every program loaded; (shapes, seconds)."""
         began = time.perf_counter()
         programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, w)) for b, t, w in self.shapes.prefill_shapes()]
-        if self.mixing:  # each one-row prefill's shape with the widest decode step
+        if self.mixing:  # each prefill shape that mixes (`_mixable`) with the widest decode step
             widest = decode_args(self.cfg, self.mesh, self.max_batch, self.shapes.max_pages)
             programs += [(_mixed, Mixed(prefill_args(self.cfg, self.mesh, b, t, w), widest))
-                         for b, t, w in self.shapes.prefill_shapes() if b == self.shapes.prefill_rows(1)]  # fmt: skip
+                         for b, t, w in self.shapes.prefill_shapes() if self._mixable(b, t)]  # fmt: skip
         for b in self.shapes.decode_batches():
             for n in self.shapes.page_buckets():
                 if self.speculate:
@@ -760,13 +771,20 @@ class Runner:
 
     def mixes(self, batch: Prefill) -> bool:
         """Whether this prefill call can run in one pass with a decode step (`run_mixed`): the engine mixes
-        (`EngineConfig.mixes`), and the call has a one-row prefill's shape (a prompt's chunk, or a prompt alone)."""
-        return self.mixing and batch.tokens.shape[0] == self.shapes.prefill_rows(1)
+        (`EngineConfig.mixes`), and the call's shape does (`_mixable`)."""
+        return self.mixing and self._mixable(*batch.tokens.shape)
+
+    def _mixable(self, rows: int, length: int) -> bool:
+        """Whether a prefill of `rows` x `length` tokens has a mixed program: one row (a prompt's chunk, or a prompt
+        alone), of at most `kv_dma.MAX_PAGE_COPIES` pages, which it writes by DMA as the decode rows' kernel reads
+        the pool (a scatter would leave the pool in a layout that kernel copies it out of in every layer)."""
+        return rows == self.shapes.prefill_rows(1) and length <= MAX_PAGE_COPIES * self.page_size
 
     def run_mixed(self, prefill: Prefill, decode: Decode) -> tuple[Step, Step]:
         """A prefill call (`mixes`) and one decode step (chunk 1) of other rows in one pass over the weights: what
         each call's rows produced. The decode is padded to every slot and a whole row's pages, the one decode shape
-        the mixed programs are compiled for (a TPU's paged kernel reads no page past a row's length)."""
+        the mixed programs are compiled for (the paged kernel reads no page past a row's length, and a padding row
+        holds none)."""
         if decode.chunk != 1:
             raise ValueError(f"a mixed step decodes one token, not {decode.chunk}")
         B, n, k = self.max_batch, self.shapes.max_pages, len(decode.slots)
@@ -852,17 +870,16 @@ def lower(
     page_size: int,
 ) -> Any:
     """The "prefill" (of `rows` prompts of `length` tokens), "decode" or "mixed" (a one-row prefill of `length`
-    tokens and a decode step of `rows` rows) program, lowered for abstract weights (`params`, ShapeDtypeStructs
-    with shardings), a pool of `pages` pages of `page_size` tokens and `rows` slots of up to `width` pages: what
-    the planner compiles for a target it does not have."""
+    tokens and a decode step of `rows` rows, on a mesh without batch axes) program, lowered for abstract weights
+    (`params`, ShapeDtypeStructs with shardings), a pool of `pages` pages of `page_size` tokens and `rows` slots of
+    up to `width` pages: what the planner compiles for a target it does not have."""
     state = DeviceState(*abstract_state(cfg, policy, mesh, pages, page_size, rows))
     if program == "prefill":
         fn, batch = _prefill, prefill_args(cfg, mesh, rows, length, width)
     elif program == "decode":
         fn, batch = _decode, decode_args(cfg, mesh, rows, width)
     elif program == "mixed":
-        fn, batch = _mixed, Mixed(prefill_args(cfg, mesh, batch_ways(mesh), length, width),
-                                  decode_args(cfg, mesh, rows, width))  # fmt: skip
+        fn, batch = _mixed, Mixed(prefill_args(cfg, mesh, 1, length, width), decode_args(cfg, mesh, rows, width))
     else:
         raise ValueError(f"program must be 'prefill', 'decode' or 'mixed', got {program!r}")
     with jax.set_mesh(mesh):

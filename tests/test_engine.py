@@ -130,6 +130,26 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_decodes
     assert engine.runner.compiles_since_warm_up == 0 or not mixed_steps
 
 
+def test_each_one_row_prefill_of_a_step_mixes_with_one_of_its_decode_tokens(lm, hf_tiny):
+    """Mixed steps: two prompts of different buckets arriving together run as two one-row prefill calls, and each runs
+    in one pass with one of the decoding row's tokens (two of the step's three); every row equals transformers."""
+    engine = lm.engine(max_batch=4, page_size=PAGE, kv_tokens=FOUR_ROWS_KV, prefill_tokens=64, mixed_steps=True)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(1, 512, n).tolist() for n in (6, 5, 50)]
+    mixed = []
+    run_mixed = engine.runner.run_mixed
+    engine.runner.run_mixed = lambda prefill, decode: mixed.append(prefill.tokens.shape) or run_mixed(prefill, decode)
+    a = engine.add_request(prompts[0], greedy(12))
+    engine.step(3)
+    rows = engine.add_requests(prompts[1:], [greedy(5)] * 2)
+    engine.step(3)
+    assert sorted(mixed) == [(1, 16), (1, 64)] and len(a.output.tokens) == 1 + 3 + 3
+    while engine.has_work():
+        engine.step(3)
+    for prompt, n, r in zip(prompts, (12, 5, 5), (a, *rows), strict=True):
+        assert r.output.tokens == hf_greedy(hf_tiny, prompt, n)[0]
+
+
 def test_max_batch_rows_run_at_once_not_the_compiled_batch_it_rounds_to(lm):
     """max_batch 3 compiles batches of 4 (a power of two) but runs 3 rows at once, with a pool for 3: a fourth
     waits, as the plan (`meshlm plan --serve`) counts it, and runs once a row finishes."""

@@ -362,22 +362,21 @@ class Engine:
 
     def step(self, chunk: int = 4) -> None:
         """Drop cancelled rows, admit what fits (prefill calls grouped by length), then decode up to `chunk`
-        tokens of every running row. Where the engine mixes (`EngineConfig.mixed_steps`), a one-row prefill call
-        and the running rows' first token run in one pass over the weights (`Runner.run_mixed`)."""
+        tokens of every running row. Where the engine mixes (`EngineConfig.mixed_steps`), each one-row prefill call
+        runs in one pass over the weights with one of those tokens (`Runner.run_mixed`), while the chunk lasts."""
         check_chunk(chunk)
         scheduler, runner = self.scheduler, self.runner
         with self._device:
             scheduler.drop_finished()
             scheduler.pool.recycle(runner.zero_pages)
-            prefills = scheduler.schedule_prefill()
-            mixed = next((work for work in prefills if runner.mixes(work.batch)), None)
-            if mixed is not None and (rows := scheduler.schedule_decode(1)) is not None:
-                prefilled, decoded = runner.run_mixed(mixed.batch, rows.batch)
-                scheduler.update(mixed, prefilled, drop=False)
-                scheduler.update(rows, decoded, drop=False)
-                prefills, chunk = [work for work in prefills if work is not mixed], chunk - 1
-            for work in prefills:  # each row keeps its slot and pages until every call that holds it has run
-                scheduler.update(work, runner.run(work.batch), drop=False)
+            for work in scheduler.schedule_prefill():  # each row keeps its slot and pages until the step's calls ran
+                if chunk and runner.mixes(work.batch) and (rows := scheduler.schedule_decode(1)) is not None:
+                    prefilled, decoded = runner.run_mixed(work.batch, rows.batch)
+                    scheduler.update(rows, decoded, drop=False)
+                    chunk -= 1
+                else:
+                    prefilled = runner.run(work.batch)
+                scheduler.update(work, prefilled, drop=False)
             scheduler.drop_finished()
             if chunk and (work := scheduler.schedule_decode(chunk)) is not None:
                 scheduler.update(work, runner.run(work.batch))

@@ -236,8 +236,9 @@ class Scheduler:
 
     @property
     def decoding(self) -> list[Request]:
-        """The rows that decode: holding a slot, their prompts prefilled."""
-        return [r for r in self.slots if r is not None and not r.prefilling]
+        """The rows that decode: holding a slot, their prompts prefilled, not finished (a row that finished within
+        this step keeps its slot until the step's calls have all run)."""
+        return [r for r in self.slots if r is not None and not r.prefilling and not r.finished]
 
     def has_work(self) -> bool:
         return bool(self.queue) or bool(self.running)

@@ -663,8 +663,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--mixed-steps",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run a step's one-row prefill call and the running rows' next token in one pass over the weights "
-        "(default: on a TPU whose paged kernel serves the model; never with speculation or batch axes in --mesh)",
+        help="run each of a step's one-row prefill calls and one of the running rows' tokens in one pass over the "
+        "weights (default: on a TPU whose paged kernel serves the model; never with speculation or batch axes)",
     )
     p.add_argument(
         "--max-len", type=int, default=None, help="prompt + completion tokens per request at most (default: context)"

@@ -48,9 +48,9 @@ class EngineConfig:
     per device call with at most `max_queue` rows waiting. An engine step prefills at most `prefill_tokens` prompt
     tokens: a longer prompt is prefilled a chunk a step (whole pages, at most that many tokens), the running rows
     decoding between its chunks, so that prompts stall them for no longer than that many tokens' prefill a step (a
-    scored prompt, which runs whole, excepted). `mixed_steps` runs one of a step's prefill calls together with a
-    decode step of the running rows, the weights read once for both (None: on a TPU whose paged kernel reads the
-    decode rows' pool in place in every layer; never with speculation nor on a mesh with batch axes).
+    scored prompt, which runs whole, excepted). `mixed_steps` runs each of a step's one-row prefill calls together
+    with one of its decode tokens of the running rows, the weights read once for both (None: on a TPU whose paged
+    kernel reads the decode rows' pool in place in every layer; never with speculation nor on a mesh with batch axes).
     `kv_cache_dtype` ("int8": half a bfloat16 pool's bytes; None: the compute dtype) and `attention` (None: the
     model's own choice) are vLLM's options of those names."""
 

@@ -380,8 +380,8 @@ class Scheduler:
 
     def update(self, scheduled: Scheduled, step: Step, drop: bool = True) -> None:
         """Take in what a batch produced: each row's new tokens (and a prefill's prompt into the prefix
-        cache); then free the rows that finished (unless not `drop`: a mixed step's first half, whose other
-        half's rows must keep their pages until they are taken in too)."""
+        cache); then free the rows that finished (unless not `drop`: an engine step's calls before its last, whose
+        rows keep their slots and pages until every call of the step has run)."""
         rows, batch = scheduled
         chunked = set()  # rows whose prefill ran one chunk of their prompt, not its last: no token yet
         if isinstance(batch, Prefill):

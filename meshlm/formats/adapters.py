@@ -245,7 +245,7 @@ def load(path: str | Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str
     axes = lora.placed_axes(model.projections(cfg), adapter)
     arrays = jax.tree.map(lambda x: x.astype(dtype_of(dtype)) if x.ndim > 1 else x, adapter)
     shardings = plan(arrays, axes, mesh)
-    return jax.tree.map(from_host, arrays, shardings)
+    return from_host(arrays, shardings)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -578,7 +578,7 @@ class Runner:
         compiled program serves every slot and adapter."""
         slots = self.params["adapters"]
         one = jax.tree.map(lambda x: x.sharding.update(spec=(x.sharding.spec[:1] + x.sharding.spec[2:])), slots)
-        weights = jax.tree.map(lambda w, s, x: from_host(np.asarray(w, x.dtype), s), weights, one, slots)
+        weights = from_host(jax.tree.map(lambda w, x: np.asarray(w, x.dtype), weights, slots), one)
         with jax.set_mesh(self.mesh):
             self.params = {**self.params, "adapters": _write_slot(slots, np.int32(slot), weights)}
 
@@ -658,7 +658,7 @@ class Runner:
         V = self.cfg.vocab_size
         host = Rows(zeros, np.zeros((B, V), bool), zeros, np.ones(B, bool), zeros, settings, np.zeros((B, V), np.int32),
                     zeros)  # fmt: skip
-        self.rows = jax.tree.map(self._from_host, host)
+        self.rows = self._from_host(host)
 
     def zero_pages(self, pages: Sequence[int]) -> None:
         """Zero `pages` of the pool (and of the draft's) in place: a failed row's, which may hold NaN. One
@@ -670,9 +670,15 @@ class Runner:
             if self.draft_cache is not None:
                 self.draft_cache = _zero_pages(self.draft_cache, ids)
 
-    def _from_host(self, x: np.ndarray) -> jax.Array:
-        """A host array split over the batch axes (the same on every process when there are several)."""
-        return from_host(np.asarray(x), _batch_sharding(self.mesh, np.ndim(x)))
+    def _from_host(self, tree: Any) -> Any:
+        """Host arrays split over the batch axes (the same on every process when there are several), in one
+        transfer; a scalar (a decode's chunk) stays on the host, where the compiled steps take it."""
+        leaves, structure = jax.tree.flatten(tree)
+        put = [i for i, x in enumerate(leaves) if np.ndim(x)]
+        arrays = [np.asarray(leaves[i]) for i in put]
+        for i, x in zip(put, from_host(arrays, [_batch_sharding(self.mesh, x.ndim) for x in arrays]), strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(structure, leaves)
 
     def _inputs(self) -> tuple[Weights, DeviceState, dict[str, Any]]:
         """What every compiled step takes besides its batch: the weights, the device state, the static configs."""
@@ -749,9 +755,9 @@ class Runner:
         """A batch of these shapes for padding rows only: slots out of range, everything else zeros (page 0)."""
         if isinstance(batch, Mixed):
             return Mixed(self._padding(batch.prefill), self._padding(batch.decode))
-        zeros = lambda x: self._from_host(np.zeros(x.shape, x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else x
+        zeros = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
         padded = jax.tree.map(zeros, batch)
-        return padded._replace(slots=self._from_host(np.full(batch.slots.shape, self.max_batch, np.int32)))
+        return self._from_host(padded._replace(slots=np.full(batch.slots.shape, self.max_batch, np.int32)))
 
     # requests -------------------------------------------------------------------------------------
 
@@ -764,10 +770,10 @@ class Runner:
         return self.decode(batch) if isinstance(batch, Decode) else self.verify(batch)
 
     def prefill(self, batch: Prefill) -> Step:
-        return _prefilled_on_host(self._call(_prefill, self._prefill_on_device(batch)), batch)
+        return _prefilled_on_host(self._call(_prefill, self._from_host(self._agreed(batch))), batch)
 
     def decode(self, batch: Decode) -> Step:
-        return _on_host(self._call(_decode, self._decode_on_device(batch)))
+        return to_host(self._call(_decode, self._from_host(_scalar_chunk(batch))))
 
     def mixes(self, batch: Prefill) -> bool:
         """Whether this prefill call can run in one pass with a decode step (`run_mixed`): the engine mixes
@@ -794,38 +800,35 @@ class Runner:
         slots[:k] = decode.slots
         allowed = np.zeros((B, decode.allowed.shape[1]), np.int32)
         allowed[:k] = decode.allowed
-        widest = self._decode_on_device(Decode(slots, table, 1, allowed))
-        prefilled, decoded = self._call(_mixed, Mixed(self._prefill_on_device(prefill), widest))
-        return _prefilled_on_host(prefilled, prefill), _on_host(decoded)
+        widest = _scalar_chunk(Decode(slots, table, 1, allowed))
+        prefilled, decoded = self._call(_mixed, self._from_host(Mixed(self._agreed(prefill), widest)))
+        return _prefilled_on_host(prefilled, prefill), to_host(decoded)
 
-    def _prefill_on_device(self, batch: Prefill) -> Prefill:
-        settings = batch.settings
-        if jax.process_count() > 1:  # a row without a seed draws one on each process: all take process 0's
-            settings = settings._replace(seed=multihost_utils.broadcast_one_to_all(settings.seed))
-        return jax.tree.map(self._from_host, batch._replace(settings=settings))
-
-    def _decode_on_device(self, batch: Decode) -> Decode:
-        put = self._from_host  # the chunk, a scalar, goes as it is
-        return batch._replace(slots=put(batch.slots), table=put(batch.table), chunk=np.int32(batch.chunk),
-                              allowed=put(batch.allowed))  # fmt: skip
+    def _agreed(self, batch: Prefill) -> Prefill:
+        """A prefill whose rows without a seed, which draw one on each process, take process 0's."""
+        if jax.process_count() == 1:
+            return batch
+        seed = multihost_utils.broadcast_one_to_all(batch.settings.seed)
+        return batch._replace(settings=batch.settings._replace(seed=seed))
 
     def verify(self, batch: Speculate) -> Step:
-        return _on_host(self._call(_speculate, jax.tree.map(self._from_host, batch)))
+        return to_host(self._call(_speculate, self._from_host(batch)))
 
 
 _zero_pages = jax.jit(kv_cache.KVCache.zero_pages, donate_argnums=0)
 
 
-def _on_host(out: Step) -> Step:
-    """A step's outputs, copied to the host (the fields left out are None)."""
-    return Step(*(None if x is None else to_host(x) for x in out))
+def _scalar_chunk(batch: Decode) -> Decode:
+    """The chunk as the compiled steps take it: a host scalar, not a static number (one program serves every
+    chunk) nor a device array."""
+    return batch._replace(chunk=np.int32(batch.chunk))
 
 
 def _prefilled_on_host(out: Step, batch: Prefill) -> Step:
     """A prefill's outputs on the host: its prompt logprobs only where it scored a row, worth the copy then."""
     if not batch.scored.any():
         out = out._replace(prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
-    return _on_host(out)
+    return to_host(out)
 
 
 class _CompileCounter:

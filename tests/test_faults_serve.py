@@ -87,6 +87,8 @@ def taken_port() -> Iterator[int]:
         (["--adapter-root", "."], ["--adapter-root needs --allow-runtime-adapters"]),
         (["--allow-runtime-adapters", "--adapter-root", "no-such-folder"], ["--adapter-root no-such-folder"]),
         (["--model-name", "tiny", "--adapter", "tiny=."], ["'tiny' is the served model's own name"]),
+        (["--mixed-steps", "--draft", "."], ["--mixed-steps with --draft", "speculation"]),
+        (["--mixed-steps", "--mesh", "data=2,model=4"], ["--mixed-steps on mesh data=2,model=4", "batch axes"]),
     ],
 )
 def test_impossible_settings_are_refused_before_the_model_loads(serve: Serve, args: list[str], words: list[str]):

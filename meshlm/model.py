@@ -146,12 +146,12 @@ def projections(cfg: ModelConfig) -> dict[str, lora.Projection]:
     return {role: lora.Projection(projection(table, role), n_in) for role, (_, n_in) in PROJECTION_PATHS.items()}
 
 
-def logical_axes(cfg: ModelConfig, quantize: str | None = None) -> Params:
+def logical_axes(cfg: ModelConfig, quantize: str | None = None, heads_first: bool | None = None) -> Params:
     """The pytree of logical axis names, same structure as the parameters (with the projections'
-    quantized arrays, when given)."""
+    quantized arrays, when given; int8's `heads_first` or not, None: as `quant.heads_first_here`)."""
     table = param_table(cfg)
     axes = axes_of(table)
-    return axes if quantize is None else quant.projection_axes(axes, table, PROJECTION_PATHS, quantize)
+    return axes if quantize is None else quant.projection_axes(axes, table, PROJECTION_PATHS, quantize, heads_first)
 
 
 def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.config import QUANTIZED, ConfigError, dtype_of
+from meshlm.sharding import traced_backend
 
 NF4_BLOCK = 64  # bitsandbytes' and QLoRA's block size
 NF4_OFFSET = 0.9677083  # bitsandbytes' `create_normal_map` offset: the outermost quantile used
@@ -53,26 +54,35 @@ def nf4_code() -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Int8Weight:
-    """A weight [layers, in..., out...] as int8 codes and float32 scales [layers, out...]. The codes are stored
-    [layers, out[:-1]..., in..., out[-1]] (`_heads_first`): a projection to heads [in, heads, head_dim] keeps
-    each head's [in, head_dim] matrix whole, in the TPU's int8 tiles of 32 rows, so that its products read the
-    weights where they lie (stored [in, 16 heads, 256], GPT-J-6B's q, k and v went through a copy of all their
-    layers at every decode call on a v5e, 4 ms). `dense` rebuilds one layer's weight (the model's scan slices off
-    `layers`; vmap it for all of them)."""
+    """A weight [layers, in..., out...] as int8 codes of that shape and float32 scales [layers, out...]; with
+    `heads_first` (on a TPU: `heads_first_here`) the codes are stored [layers, out[:-1]..., in..., out[-1]]. `dense`
+    rebuilds one layer's weight (the model's scan slices off `layers`; vmap it for all of them)."""
 
     codes: jax.Array
     scale: jax.Array
+    heads_first: bool = field(default=False, metadata={"static": True})
 
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         n_out = self.scale.ndim  # one layer's weight: the scale covers the output dims
         n_in = self.codes.ndim - n_out
-        order = (*range(n_out - 1, n_out - 1 + n_in), *range(n_out - 1), self.codes.ndim - 1)
-        codes = jnp.transpose(self.codes, order)  # back to [in..., out...]
+        codes = self.codes
+        if self.heads_first:  # back to [in..., out...]
+            codes = jnp.transpose(codes, (*range(n_out - 1, n_out - 1 + n_in), *range(n_out - 1), codes.ndim - 1))
         return (codes.astype(jnp.float32) * self.scale.reshape((1,) * n_in + self.scale.shape)).astype(dtype)
 
 
+def heads_first_here() -> bool:
+    """Whether int8 codes are stored heads first for the devices of the program being traced (`traced_backend`):
+    on a TPU, where a projection to heads [in, heads, head_dim] then keeps each head's [in, head_dim] matrix whole
+    in the chip's int8 tiles of 32 rows, and its products read the weights where they lie (stored [in, 16 heads,
+    256], GPT-J-6B's q, k and v went through a copy of all their layers at every decode call on a v5e, 4 ms of a
+    16-row call's 17). Elsewhere the products read [in, heads x head_dim] as one matrix, which heads first would
+    transpose at every step (8 rows of int8 decode on a CPU: 144 -> 160 ms a call)."""
+    return traced_backend() == "tpu"
+
+
 def _heads_first(codes: jax.Array, n_in: int) -> jax.Array:
-    """Stacked codes [layers, in..., out...] as `Int8Weight` stores them: [layers, out[:-1]..., in..., out[-1]]."""
+    """Stacked codes [layers, in..., out...] heads first: [layers, out[:-1]..., in..., out[-1]]."""
     return jnp.transpose(codes, (0, *range(1 + n_in, codes.ndim - 1), *range(1, 1 + n_in), codes.ndim - 1))
 
 
@@ -119,15 +129,17 @@ def kind_of(w: jax.Array | QuantizedWeight) -> str | None:
     return {Int8Weight: "int8", NF4Weight: "nf4"}.get(type(w))
 
 
-def quantize(w: jax.Array, kind: str, n_in: int) -> QuantizedWeight:
-    """Quantize stacked weights w [layers, in..., out...] (`n_in` input dimensions) to `kind`."""
+def quantize(w: jax.Array, kind: str, n_in: int, heads_first: bool | None = None) -> QuantizedWeight:
+    """Quantize stacked weights w [layers, in..., out...] (`n_in` input dimensions) to `kind` (int8's codes
+    `heads_first` or not; None: `heads_first_here`)."""
     w = w.astype(jnp.float32)
     if kind == "int8":
         in_axes = tuple(range(1, 1 + n_in))
         scale = jnp.max(jnp.abs(w), axis=in_axes) / 127
         safe = jnp.where(scale == 0, 1.0, scale)
         codes = jnp.clip(jnp.round(w / jnp.expand_dims(safe, in_axes)), -127, 127).astype(jnp.int8)
-        return Int8Weight(_heads_first(codes, n_in), scale)
+        first = heads_first_here() if heads_first is None else heads_first
+        return Int8Weight(_heads_first(codes, n_in) if first else codes, scale, first)
     if kind == "nf4":
         layers, in_shape, out_shape = w.shape[0], w.shape[1 : 1 + n_in], w.shape[1 + n_in :]
         blocks = math.prod(in_shape) // NF4_BLOCK
@@ -151,7 +163,7 @@ def quantize_into(
     weight [in..., out...], quantized. Both kinds quantize within one layer (int8's scales are per output
     channel, NF4's blocks run along one layer's inputs), so a stack filled layer by layer equals the
     stack quantized whole; a loader needs only one layer in float at a time."""
-    one = quantize(w[None], kind, n_in)
+    one = quantize(w[None], kind, n_in, getattr(stack, "heads_first", None))
     return jax.tree.map(lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, layer, 0), stack, one)
 
 
@@ -167,13 +179,17 @@ def check(kind: str, name: str, shape: tuple[int, ...], n_in: int) -> None:
         )
 
 
-def quantized_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], kind: str, n_in: int) -> QuantizedWeight:
+def quantized_axes(
+    axes: tuple[str | None, ...], shape: tuple[int, ...], kind: str, n_in: int, heads_first: bool | None = None
+) -> QuantizedWeight:
     """Logical axis names of a quantized weight's arrays, from the float weight's (stacked) names and
-    shape: the codes keep the weight's names, the scales its output dims'; NF4's blocks take the first
-    input dim's name."""
+    shape: the codes keep the weight's names (int8's in their order, `quantize`'s `heads_first`), the scales
+    their output dims'; NF4's blocks take the first input dim's name."""
     layers, inputs, outputs = axes[:1], axes[1 : 1 + n_in], axes[1 + n_in :]
     if kind == "int8":
-        return Int8Weight((*layers, *outputs[:-1], *inputs, *outputs[-1:]), (*layers, *outputs))
+        first = heads_first_here() if heads_first is None else heads_first
+        codes = (*layers, *outputs[:-1], *inputs, *outputs[-1:]) if first else axes
+        return Int8Weight(codes, (*layers, *outputs), first)
     return NF4Weight((*layers, inputs[0], None, *outputs), (*layers, inputs[0], *outputs), tuple(shape[1 : 1 + n_in]))
 
 
@@ -213,11 +229,11 @@ def dequantize_projections(params: Any, projections: Projections, dtype: str = "
     return _replace(params, projections, lambda _, w, n_in: jax.vmap(lambda one: dense(one, dt))(w))
 
 
-def projection_axes(axes: Any, table: Any, projections: Projections, kind: str) -> Any:
+def projection_axes(axes: Any, table: Any, projections: Projections, kind: str, heads_first: bool | None = None) -> Any:
     """The logical axis names `axes` of a parameter tree with its projections' replaced by their quantized
     arrays' (`quantized_axes`); `table` gives each projection's float shape."""
     shape = lambda role: weight(table, projections[role][0]).shape
-    return _replace(axes, projections, lambda role, a, n_in: quantized_axes(a, shape(role), kind, n_in))
+    return _replace(axes, projections, lambda role, a, n_in: quantized_axes(a, shape(role), kind, n_in, heads_first))
 
 
 def check_projections(table: Any, projections: Projections, kind: str) -> None:

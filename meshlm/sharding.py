@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshlm.config import ConfigError
 
@@ -111,6 +112,12 @@ def make_mesh(spec: str | Mesh | None = None, devices: list[Any] | None = None) 
     sizes = parse_mesh_spec(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def using(mesh: Mesh | AbstractMesh) -> AbstractContextManager:
+    """`mesh` as the traced program's (`traced_backend`): `jax.set_mesh` for a mesh of devices, else the abstract
+    mesh of a target without devices (a GPU plan's)."""
+    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else jax.sharding.use_abstract_mesh(mesh)
 
 
 def traced_backend() -> str:

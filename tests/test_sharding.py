@@ -93,8 +93,7 @@ def test_an_engine_on_an_fsdp_mesh_holds_its_weights_whole_over_the_batch_axes(q
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]:
         used = {a for part in leaf.sharding.spec if part for a in ((part,) if isinstance(part, str) else part)}
         assert not used & {"data", "fsdp"}, jax.tree_util.keystr(path)
-    q = engine.runner.params["layers"]["attn"]["q"]  # int8 codes are stored heads first (`quant.Int8Weight`)
-    heads = q.codes.sharding.spec[1] if quantize else q.sharding.spec[2]
+    heads = jax.tree.leaves(engine.runner.params["layers"]["attn"]["q"])[0].sharding.spec[2]
     assert heads == "model"  # still split over the model axis
     prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :9].tolist()]
     greedy = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 2

@@ -21,7 +21,7 @@ import numpy as np
 
 from meshlm import model, quant
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.sharding import plan, to_host
+from meshlm.sharding import plan, to_host, using
 
 Index = tuple[slice, ...]
 # read(index) -> that slice of one parameter, in meshlm's layout, as a numpy array
@@ -121,8 +121,9 @@ def projection_streams(
     one layer at a time (layer i from make(*args_of(i), i)) and laid out by `model.logical_axes(cfg,
     quantize=kind)`. The peak is the quantized stack plus one layer in float and its quantization."""
     quant.check_projections(model.param_table(cfg), model.PROJECTION_PATHS, kind)
-    quantized = model.abstract_params(cfg, dtype, kind)
-    targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
+    with using(mesh):  # int8 codes are laid out for the mesh's chips (`quant.heads_first_here`)
+        quantized = model.abstract_params(cfg, dtype, kind)
+        targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
 
     return {
         model.projection_name(role): stack_stream(

@@ -64,6 +64,7 @@ from meshlm.sharding import (
     plan,
     shard_bytes,
     to_host,
+    using,
     with_shardings,
 )
 
@@ -433,7 +434,7 @@ def abstract_state(
 ) -> tuple[kv_cache.KVCache, Rows]:
     """Shapes and shardings of the engine's KV pool and slots, without allocating them (for the planner; its
     targets without devices, a GPU's, give an AbstractMesh)."""
-    with jax.set_mesh(mesh) if isinstance(mesh, Mesh) else jax.sharding.use_abstract_mesh(mesh):
+    with using(mesh):
         cache = jax.eval_shape(partial(kv_cache.init_cache, cfg, pages, page_size, policy.kv_dtype))
     axes = (kv_cache.CACHE_AXES,) * 2 + (kv_cache.SCALE_AXES,) * 2  # keys, values, and an int8 pool's scales
     cache = kv_cache.KVCache(*(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -461,7 +462,8 @@ def abstract_adapter_slots(
 def weight_axes(params: model.Params, cfg: ModelConfig) -> model.Params:
     """The logical axis names of the weights an engine is given: the base's (its projections quantized as
     they are stored) and an unmerged adapter's."""
-    axes = model.logical_axes(cfg, quantize=quant.kind_of(model.projection(params, "q")))
+    q = model.projection(params, "q")  # int8 codes keep the order they were stored in
+    axes = model.logical_axes(cfg, quantize=quant.kind_of(q), heads_first=getattr(q, "heads_first", None))
     if "lora" in params:
         axes["lora"] = lora.placed_axes(model.projections(cfg), params["lora"])
     return axes

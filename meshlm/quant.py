@@ -77,7 +77,7 @@ def heads_first_here() -> bool:
     in the chip's int8 tiles of 32 rows, and its products read the weights where they lie (stored [in, 16 heads,
     256], GPT-J-6B's q, k and v went through a copy of all their layers at every decode call on a v5e, 4 ms of a
     16-row call's 17). Elsewhere the products read [in, heads x head_dim] as one matrix, which heads first would
-    transpose at every step (8 rows of int8 decode on a CPU: 144 -> 160 ms a call)."""
+    transpose at every step (8 rows of int8 decode on a CPU: 1.07-1.09x the time, `benchmarks/int8_layout.py`)."""
     return traced_backend() == "tpu"
 
 

@@ -413,7 +413,7 @@ def _check_mixing(draft: str | None, mesh: str | None) -> None:
     if draft:
         raise ConfigError(f"--mixed-steps with --draft: {MIXED_NEEDS['speculating']}")
     if batch_ways(make_mesh(mesh)) > 1:
-        raise ConfigError(f"--mixed-steps on mesh {mesh or 'data=<every device>'}: {MIXED_NEEDS['batch axes']}")
+        raise ConfigError(f"--mixed-steps on mesh {mesh}: {MIXED_NEEDS['batch axes']}")
 
 
 def _engine_config(flags: dict[str, str], **fields: Any) -> EngineConfig:

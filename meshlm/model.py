@@ -159,13 +159,16 @@ def init(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Params:
     return init_table(param_table(cfg), key, dtype)
 
 
-def abstract_params(cfg: ModelConfig, dtype: str = "float32", quantize: str | None = None) -> Params:
-    """ShapeDtypeStructs of the parameters as stored (with `quantize`, the projections quantized),
-    computed without allocating anything."""
+def abstract_params(
+    cfg: ModelConfig, dtype: str = "float32", quantize: str | None = None, heads_first: bool | None = None
+) -> Params:
+    """ShapeDtypeStructs of the parameters as stored (with `quantize`, the projections quantized, int8's codes
+    `heads_first` or not: None, as `quant.heads_first_here`), computed without allocating anything."""
     abstract = jax.eval_shape(lambda: init(cfg, jax.random.key(0), dtype))
     if quantize is None:
         return abstract
-    return jax.eval_shape(lambda p: quant.quantize_projections(p, PROJECTION_PATHS, quantize), abstract)
+    quantized = lambda p: quant.quantize_projections(p, PROJECTION_PATHS, quantize, heads_first)
+    return jax.eval_shape(quantized, abstract)
 
 
 def param_name(path: tuple[Any, ...]) -> str:

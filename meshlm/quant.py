@@ -217,10 +217,10 @@ def _replace(tree: Any, projections: Projections, fn: Callable[[str, Any, int], 
     return tree
 
 
-def quantize_projections(params: Any, projections: Projections, kind: str) -> Any:
+def quantize_projections(params: Any, projections: Projections, kind: str, heads_first: bool | None = None) -> Any:
     """`params` with the projections' weights quantized to `kind`. Under `jax.jit` with `out_shardings` from
     `projection_axes`, each device quantizes its shard."""
-    return _replace(params, projections, lambda _, w, n_in: quantize(w, kind, n_in))
+    return _replace(params, projections, lambda _, w, n_in: quantize(w, kind, n_in, heads_first))
 
 
 def dequantize_projections(params: Any, projections: Projections, dtype: str = "float32") -> Any:

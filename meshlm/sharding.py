@@ -242,13 +242,13 @@ def to_host(tree: Any) -> Any:
     """Arrays (possibly sharded, possibly multi-host) as numpy arrays on this host. Every copy starts before the
     first is awaited, so a step's dozen outputs cost about one round trip to the device, not one each."""
     for x in jax.tree.leaves(tree):
-        if x.is_fully_addressable:
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
             x.copy_to_host_async()
     return jax.tree.map(_gathered, tree)
 
 
-def _gathered(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
+def _gathered(x: jax.Array | np.ndarray) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -256,12 +256,13 @@ def _gathered(x: jax.Array) -> np.ndarray:
 
 
 def from_host(tree: Any, shardings: Any) -> Any:
-    """Global arrays from numpy arrays that every process holds in full (`shardings`: one, or a matching tree).
-    With one process all go in one batched transfer (`jax.device_put`), not one at a time."""
+    """Global arrays from numpy arrays that every process holds in full (`shardings`: one, or a tree of them that
+    is a prefix of `tree`'s). With one process all go in one batched transfer (`jax.device_put`), not one at a time."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
     if not isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(from_host, tree, shardings)
+        is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)
+        return jax.tree.map(lambda s, t: from_host(t, s), shardings, tree, is_leaf=is_sharding)
     return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, shardings, lambda index: x[index]), tree)
 
 

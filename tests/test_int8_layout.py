@@ -44,9 +44,11 @@ def test_int8_codes_are_stored_heads_first_only_for_a_tpu():
     at every step there. A mesh of TPU chips (here a topology's, ahead of time) stores them heads first."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     from meshlm import planner
+    from meshlm.sharding import make_mesh
 
     cfg = config.preset("test-tiny")
-    assert not model.projection(model.abstract_params(cfg, "float32", "int8"), "q").heads_first
+    with jax.set_mesh(make_mesh("data=1", jax.devices("cpu")[:1])):  # a CPU mesh, whatever the default backend
+        assert not model.projection(model.abstract_params(cfg, "float32", "int8"), "q").heads_first
     with jax.set_mesh(planner.target("tpu:v5e:2x2").mesh("data=1")):
         assert model.projection(model.abstract_params(cfg, "float32", "int8"), "q").heads_first
 
@@ -67,12 +69,16 @@ def test_a_tpus_decode_reads_int8_projections_where_they_lie(monkeypatch: pytest
     mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16", kv_cache_dtype="int8")
     page = EngineConfig().tokens_per_page("tpu")
-    with jax.set_mesh(mesh):  # the codes laid out for the mesh's TPU chips: heads first
-        params = model.abstract_params(cfg, "bfloat16", "int8")
-        params = with_shardings(params, plan(params, model.logical_axes(cfg, "int8"), mesh, SERVING))
-        assert model.projection(params, "q").heads_first
-        lowered = runner.lower("decode", cfg, policy, mesh, rows=16, pages=65, width=4, params=params,
-                               page_size=page, length=2 * page)  # fmt: skip
-        text = lowered.compile().as_text()
-    copies = re.findall(r"copy(?:-start)?\(%weights_params__layers\w+codes", text)
-    assert not copies, copies
+
+    def copies_of_codes(heads_first: bool) -> list[str]:
+        with jax.set_mesh(mesh):
+            params = model.abstract_params(cfg, "bfloat16", "int8", heads_first)
+            axes = model.logical_axes(cfg, "int8", heads_first)
+            params = with_shardings(params, plan(params, axes, mesh, SERVING))
+            lowered = runner.lower("decode", cfg, policy, mesh, rows=16, pages=65, width=4, params=params,
+                                   page_size=page, length=2 * page)  # fmt: skip
+            text = lowered.compile().as_text()
+        return re.findall(r"copy(?:-start)?\(%weights_params__layers\w+codes", text)
+
+    assert len(copies_of_codes(False)) == 3  # q, k and v in the weight's order: what the check finds
+    assert not copies_of_codes(True)

@@ -654,12 +654,11 @@ class Runner:
 
         self.cache = pool(self.cfg, self.policy)
         self.draft_cache = None if self.draft is None else pool(self.draft.cfg, self.draft.policy)
-        B = self.max_batch
-        zeros = np.zeros(B, np.int32)
-        settings = settings_for([], B)._replace(max_new=zeros)
-        V = self.cfg.vocab_size
-        host = Rows(zeros, np.zeros((B, V), bool), zeros, np.ones(B, bool), zeros, settings, np.zeros((B, V), np.int32),
-                    zeros)  # fmt: skip
+        B, V = self.max_batch, self.cfg.vocab_size
+        zeros = lambda: np.zeros(B, np.int32)  # one array a field: the steps donate each slot field's buffer
+        settings = settings_for([], B)._replace(max_new=zeros())
+        host = Rows(zeros(), np.zeros((B, V), bool), zeros(), np.ones(B, bool), zeros(), settings,
+                    np.zeros((B, V), np.int32), zeros())  # fmt: skip
         self.rows = self._from_host(host)
 
     def zero_pages(self, pages: Sequence[int]) -> None:

@@ -66,9 +66,18 @@ class Int8Weight:
         n_out = self.scale.ndim  # one layer's weight: the scale covers the output dims
         n_in = self.codes.ndim - n_out
         codes = self.codes
-        if self.heads_first:  # back to [in..., out...]
-            codes = jnp.transpose(codes, (*range(n_out - 1, n_out - 1 + n_in), *range(n_out - 1), codes.ndim - 1))
+        if self.heads_first:  # back to [in..., out...]: the inverse of the stack's order, without its layers
+            codes = jnp.transpose(codes, tuple(np.argsort(_heads_first_order(codes.ndim + 1, n_in))[1:] - 1))
         return (codes.astype(jnp.float32) * self.scale.reshape((1,) * n_in + self.scale.shape)).astype(dtype)
+
+
+def _heads_first(heads_first: bool | None) -> bool:
+    return heads_first_here() if heads_first is None else heads_first
+
+
+def _heads_first_order(ndim: int, n_in: int) -> tuple[int, ...]:
+    """The dimensions of stacked codes [layers, in..., out...] heads first: [layers, out[:-1]..., in..., out[-1]]."""
+    return (0, *range(1 + n_in, ndim - 1), *range(1, 1 + n_in), ndim - 1)
 
 
 def heads_first_here() -> bool:
@@ -79,11 +88,6 @@ def heads_first_here() -> bool:
     16-row call's 17). Elsewhere the products read [in, heads x head_dim] as one matrix, which heads first would
     transpose at every step (8 rows of int8 decode on a CPU: 1.07-1.09x the time, `benchmarks/int8_layout.py`)."""
     return traced_backend() == "tpu"
-
-
-def _heads_first(codes: jax.Array, n_in: int) -> jax.Array:
-    """Stacked codes [layers, in..., out...] heads first: [layers, out[:-1]..., in..., out[-1]]."""
-    return jnp.transpose(codes, (0, *range(1 + n_in, codes.ndim - 1), *range(1, 1 + n_in), codes.ndim - 1))
 
 
 @jax.tree_util.register_dataclass
@@ -138,8 +142,8 @@ def quantize(w: jax.Array, kind: str, n_in: int, heads_first: bool | None = None
         scale = jnp.max(jnp.abs(w), axis=in_axes) / 127
         safe = jnp.where(scale == 0, 1.0, scale)
         codes = jnp.clip(jnp.round(w / jnp.expand_dims(safe, in_axes)), -127, 127).astype(jnp.int8)
-        first = heads_first_here() if heads_first is None else heads_first
-        return Int8Weight(_heads_first(codes, n_in) if first else codes, scale, first)
+        first = _heads_first(heads_first)
+        return Int8Weight(jnp.transpose(codes, _heads_first_order(codes.ndim, n_in)) if first else codes, scale, first)
     if kind == "nf4":
         layers, in_shape, out_shape = w.shape[0], w.shape[1 : 1 + n_in], w.shape[1 + n_in :]
         blocks = math.prod(in_shape) // NF4_BLOCK
@@ -187,8 +191,8 @@ def quantized_axes(
     their output dims'; NF4's blocks take the first input dim's name."""
     layers, inputs, outputs = axes[:1], axes[1 : 1 + n_in], axes[1 + n_in :]
     if kind == "int8":
-        first = heads_first_here() if heads_first is None else heads_first
-        codes = (*layers, *outputs[:-1], *inputs, *outputs[-1:]) if first else axes
+        first = _heads_first(heads_first)
+        codes = tuple(axes[i] for i in _heads_first_order(len(axes), n_in)) if first else axes
         return Int8Weight(codes, (*layers, *outputs), first)
     return NF4Weight((*layers, inputs[0], None, *outputs), (*layers, inputs[0], *outputs), tuple(shape[1 : 1 + n_in]))
 

@@ -25,7 +25,7 @@ from meshlm.attention import Kernel, dense, mesh_shards, resolve, splash
 from meshlm.config import PROJECTIONS, REMAT_NAMES, ModelConfig, Policy, dtype_of, remat_names
 from meshlm.kv_cache import NOT_WRITTEN, CacheView, KVCache
 from meshlm.param import Param, axes_of, init_table
-from meshlm.sharding import constrain, embedding_lookup
+from meshlm.sharding import TRAINING, Rules, constrain, embedding_lookup, plan, using, with_shardings
 
 Params = dict[str, Any]
 
@@ -169,6 +169,16 @@ def abstract_params(
         return abstract
     quantized = lambda p: quant.quantize_projections(p, PROJECTION_PATHS, quantize, heads_first)
     return jax.eval_shape(quantized, abstract)
+
+
+def placed_params(
+    cfg: ModelConfig, mesh: Any, dtype: str = "float32", quantize: str | None = None, rules: Rules = TRAINING
+) -> Params:
+    """`abstract_params` with the shardings `rules` give their logical axes on `mesh` (a mesh of devices, or a
+    plan's abstract one), int8 codes laid out for the mesh's chips (`quant.heads_first_here`)."""
+    with using(mesh):
+        abstract = abstract_params(cfg, dtype, quantize)
+        return with_shardings(abstract, plan(abstract, logical_axes(cfg, quantize=quantize), mesh, rules))
 
 
 def param_name(path: tuple[Any, ...]) -> str:

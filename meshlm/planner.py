@@ -40,10 +40,7 @@ from meshlm.sharding import (
     batch_ways,
     make_mesh,
     parse_mesh_spec,
-    plan,
     shard_bytes,
-    using,
-    with_shardings,
 )
 
 # JAX preallocates this share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION) and runs programs within it.
@@ -502,9 +499,7 @@ def fit_serve(
     adapters, lora_rank = engine.max_adapters or 0, engine.max_lora_rank or DEFAULT_LORA_RANK
     page_size = engine.tokens_per_page(tgt.platform)
     policy = model.Policy(param_dtype=dtype, compute_dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype)
-    with using(mesh):  # int8 codes are laid out for the target's chips (`quant.heads_first_here`)
-        params = model.abstract_params(cfg, dtype, quantize)
-        params = with_shardings(params, plan(params, model.logical_axes(cfg, quantize=quantize), mesh, SERVING))
+    params = model.placed_params(cfg, mesh, dtype, quantize, SERVING)
     slots = runner.abstract_adapter_slots(cfg, policy, mesh, adapters + 1, lora_rank) if adapters else {}
     params = {**params, "adapters": slots} if slots else params
     ways = batch_ways(mesh)

@@ -29,7 +29,7 @@ from meshlm.config import ConfigError, LoraConfig, ModelConfig, Policy, TrainCon
 from meshlm.lora import base_storage
 from meshlm.objectives import OBJECTIVES, Inputs, Result, rollout_keys, sequence_logps, target_weights
 from meshlm.optim import lr_schedule, make_optimizer, schedule_count, trainable_abstract, trainable_axes
-from meshlm.sharding import batch_ways, named_sharding, plan, using, with_shardings
+from meshlm.sharding import batch_ways, named_sharding, plan, with_shardings
 
 
 class TrainState(NamedTuple):
@@ -373,9 +373,7 @@ def _frozen_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shard
         return with_shardings(model.abstract_params(model_cfg, cfg.param_dtype), shardings.params)
     if kind == "base":
         dtype, quantize = base_storage(cfg)
-        with using(mesh):  # int8 codes laid out as the base was loaded (`quant.heads_first_here`)
-            base = model.abstract_params(model_cfg, dtype, quantize)
-            return with_shardings(base, plan(base, model.logical_axes(model_cfg, quantize=quantize), mesh))
+        return model.placed_params(model_cfg, mesh, dtype, quantize)  # int8 codes laid out as the base was loaded
     return None
 
 

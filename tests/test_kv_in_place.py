@@ -240,7 +240,7 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
     from meshlm import planner
     from meshlm.serve import runner
     from meshlm.serve.config import EngineConfig
-    from meshlm.sharding import SERVING, plan, with_shardings
+    from meshlm.sharding import SERVING
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # not the lock of a libtpu in another test process
     # heads of 128 lanes, the TPU paged kernel's width; and GPT-J-6B's 16 of 256, where XLA's gather of a
@@ -250,8 +250,7 @@ def test_the_engines_programs_for_a_tpu_never_copy_the_pool(
     cfg = config.preset("gptj-tiny").replace(**sizes, vocab_size=1024, n_vocab_used=1000)
     mesh = planner.target("tpu:v5e:2x2").mesh("data=1")
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16", kv_cache_dtype=kv)
-    params = model.abstract_params(cfg, "bfloat16")
-    params = with_shardings(params, plan(params, model.logical_axes(cfg), mesh, SERVING))
+    params = model.placed_params(cfg, mesh, "bfloat16", rules=SERVING)
     rows, width, page = 4, 4, EngineConfig().tokens_per_page("tpu")
     pages = rows * width + 1
     # at the highest matmul precision (the tpu tier's parity tests set it), under which Mosaic refused JAX's paged

@@ -51,7 +51,6 @@ from meshlm.config import (
 )
 from meshlm.formats.slices import Index, Placed, SliceReader, SliceSource
 from meshlm.paths import as_path, has_path, local_folder, read_json
-from meshlm.sharding import plan, with_shardings
 from meshlm.tokenizer import TOKENIZER_FILES, copy_files
 
 FORMAT_VERSION = 1
@@ -397,9 +396,7 @@ def restore_params(
     """Restore a checkpoint's parameters onto `mesh` in `dtype`, whatever mesh saved them."""
     path = _absolute(resolve(path))
     cfg = ModelConfig.from_dict(model_description(path)["model"])
-    abstract = model.abstract_params(cfg, dtype)
-    target = with_shardings(abstract, plan(abstract, model.logical_axes(cfg), mesh))
-    return cfg, restore_tree(path / "params", target)
+    return cfg, restore_tree(path / "params", model.placed_params(cfg, mesh, dtype))
 
 
 def restore_tree(folder: str | Path, target: Any = None) -> Any:

@@ -21,7 +21,7 @@ import numpy as np
 
 from meshlm import model, quant
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.sharding import plan, to_host, using
+from meshlm.sharding import plan, to_host
 
 Index = tuple[slice, ...]
 # read(index) -> that slice of one parameter, in meshlm's layout, as a numpy array
@@ -121,9 +121,8 @@ def projection_streams(
     one layer at a time (layer i from make(*args_of(i), i)) and laid out by `model.logical_axes(cfg,
     quantize=kind)`. The peak is the quantized stack plus one layer in float and its quantization."""
     quant.check_projections(model.param_table(cfg), model.PROJECTION_PATHS, kind)
-    with using(mesh):  # int8 codes are laid out for the mesh's chips (`quant.heads_first_here`)
-        quantized = model.abstract_params(cfg, dtype, kind)
-        targets = plan(quantized, model.logical_axes(cfg, quantize=kind), mesh)
+    quantized = model.placed_params(cfg, mesh, dtype, kind)
+    targets = jax.tree.map(lambda a: a.sharding, quantized)
 
     return {
         model.projection_name(role): stack_stream(

@@ -130,12 +130,17 @@ class CacheView(NamedTuple):
         pages, offsets = self.slots // self.cache.page_size, self.slots % self.cache.page_size
         by_dma = self.by_dma(whole_pages)
 
-        def put(pool: jax.Array, new: jax.Array) -> jax.Array:  # new [B, T, H, K] keys or values, [B, T, H] scales
+        pages_by_dma = by_dma and self.slots.shape[1] > 1
+        if pages_by_dma:  # heads major from here, as a page holds them: [B, H, T, K]
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:  # new keys or values [B, T, H, K] (or [B, H, T, K]
+            # by pages), scales [B, T, H] (or [B, H, T])
             new = new.astype(pool.dtype)
-            if by_dma and self.slots.shape[1] == 1:
-                return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
-            if by_dma:
+            if pages_by_dma:
                 return write_pages(pool, new, layer, self.slots, written)
+            if by_dma:
+                return write_tokens(pool, new[:, 0], layer, pages[:, 0], offsets[:, 0], written[:, 0])
             dropped = jnp.where(written, pages, self.cache.k.shape[2])  # out of range: the scatter drops it
             if pool.ndim == 4:  # scales, page-major
                 return pool.at[layer, dropped, :, offsets].set(new, mode="drop")
@@ -161,19 +166,21 @@ class CacheView(NamedTuple):
         (`kv_dma.read_pages`) where the call writes by DMA (`by_dma`), else one gather."""
         by_dma = self.by_dma(whole_pages)
 
-        def pages_of(pool: jax.Array) -> jax.Array:  # [B, n, H, page_size, K], or [B, n, H, page_size] of scales
+        def pages_of(pool: jax.Array) -> jax.Array:  # [B, H, n, page_size, K], or [B, H, n, page_size] of scales
             if by_dma:
                 return read_pages(pool, layer, self.table)
-            return pool[layer, self.table] if pool.ndim == 4 else jnp.moveaxis(pool[:, layer, self.table], 0, 2)
+            return jnp.moveaxis(pool[layer, self.table], 2, 1) if pool.ndim == 4 else jnp.moveaxis(
+                pool[:, layer, self.table], 0, 1)  # fmt: skip
 
         def gather(pool: jax.Array, scale: jax.Array | None) -> jax.Array:
             pages = pages_of(pool)
             if scale is not None:
                 pages = dequantize(pages, pages_of(scale), dtype)
-            B, n, H, size, K = pages.shape
-            pages = jnp.swapaxes(pages, 2, 3).reshape(B, n * size, H, K).astype(dtype)
-            held = jnp.arange(n * size)[None, :, None, None] < self.lengths[:, None, None, None]
-            return constrain(jnp.where(held, pages, 0), ("batch", "cache_seq", "act_heads", None))
+            B, H, n, size, K = pages.shape
+            held = jnp.arange(n * size)[None, None, :, None] < self.lengths[:, None, None, None]
+            keys = jnp.where(held, pages.reshape(B, H, n * size, K).astype(dtype), 0)
+            # [B, S, H, K] as attention takes them, laid out heads major as read: no copy of the pages
+            return constrain(jnp.swapaxes(keys, 1, 2), ("batch", "cache_seq", "act_heads", None))
 
         c = self.cache
         return gather(c.k, c.k_scale), gather(c.v, c.v_scale)

@@ -22,6 +22,8 @@ A prompt's attention reads its rows' pages back (`read_pages`) a page per DMA to
 from the pool, for heads of 256 lanes, split the whole pool into two 128-lane halves first, in every layer
 of every prefill call (GPT-J-6B on a v5e: 2 x 6.5 ms a layer and call at 16 rows, 5.8 of the 6.7 s to their
 first token).
+Both move a prompt's tokens heads major ([B, H, tokens, K]), as a page holds them: token major, XLA laid each
+layer's pages out again around the DMAs (a v5e's mixed step of GPT-J-6B with a 10-page chunk: 2 x 40 us a layer).
 An int8 pool's scales ([L, pages, H, page_size] float32, page-major: `kv_cache.KVCache`) move by the same
 kernels: a page's scales are [H, page_size], one lane a token, so a decode step's tile is the whole page.
 Off a TPU the kernels run in Pallas' TPU interpreter (`pltpu.force_tpu_interpret_mode`), as the tests do.
@@ -143,11 +145,11 @@ MAX_PAGE_COPIES = 64  # pages a row's prompt writes at most by `write_pages` (it
 
 def _pages_kernel(layer_ref, pages_ref, new_ref, pool_ref, out_ref, sems, *, chunks: int):
     """Row b = program b: each of its chunks of page_size new tokens that holds a written one, DMA'd to its page
-    (a chunk is new_ref[b, j], [H, page_size, K]: whole trailing tiles, as the page's, whatever the page size)."""
+    (a chunk is new_ref[b, :, j], [H, page_size, K]: whole trailing tiles, as the page's, whatever the page size)."""
     del pool_ref  # the same buffer as out_ref (aliased)
     b, layer = pl.program_id(0), layer_ref[0]
     copies = [
-        pltpu.make_async_copy(new_ref.at[b, j], _page(out_ref, layer, jnp.maximum(pages_ref[b, j], 0)), sems.at[j])
+        pltpu.make_async_copy(new_ref.at[b, :, j], _page(out_ref, layer, jnp.maximum(pages_ref[b, j], 0)), sems.at[j])
         for j in range(chunks)
     ]
     for j, copy in enumerate(copies):
@@ -175,11 +177,11 @@ def _write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.A
 
 
 def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Array, written: jax.Array) -> jax.Array:
-    """pool [H, L, pages, page_size, K] with each row's written tokens of new [B, T, H, K] stored at their flat
-    `slots` [B, T] (page * page_size + offset) of `layer`; in place where the pool is donated. A row's written
-    tokens are consecutive from a page's first slot (a prompt after a cached prefix of whole pages), in at most
-    MAX_PAGE_COPIES pages; what a row does not write is padding. Or an int8 pool's scales [L, pages, H,
-    page_size] with new [B, T, H]."""
+    """pool [H, L, pages, page_size, K] with each row's written tokens of new [B, H, T, K] (heads major, as a page
+    holds them) stored at their flat `slots` [B, T] (page * page_size + offset) of `layer`; in place where the pool
+    is donated. A row's written tokens are consecutive from a page's first slot (a prompt after a cached prefix of
+    whole pages), in at most MAX_PAGE_COPIES pages; what a row does not write is padding. Or an int8 pool's scales
+    [L, pages, H, page_size] with new [B, H, T]."""
     size = pool.shape[3]
     T = slots.shape[1]
     chunks = -(-T // size)
@@ -187,28 +189,29 @@ def write_pages(pool: jax.Array, new: jax.Array, layer: jax.Array, slots: jax.Ar
     starts = first[:, None] + size * jnp.arange(chunks)
     held = size * jnp.arange(chunks) < written.sum(axis=1, keepdims=True)
     pages = jnp.where(held, jnp.take_along_axis(slots, jnp.minimum(starts, T - 1), axis=1) // size, NO_PAGE)
-    at = jnp.minimum(first[:, None] + jnp.arange(chunks * size), T - 1)  # the written tokens first, in whole pages
-    at = at.reshape(*at.shape, *(1,) * (new.ndim - 2))
-    new = jnp.take_along_axis(new, at, axis=1)  # [B, chunks * size, H(, K)]
-    new = jnp.moveaxis(new.reshape(new.shape[0], chunks, size, *new.shape[2:]), 3, 2)  # [B, chunks, H, size(, K)]
-    axes = (_pool_axes(pool), (None, None, "act_heads", None, None)[: new.ndim], (), (None, None))
+    # the written tokens first, in whole pages: each row's window of its own (a gather of single tokens was
+    # relaid out twice on a TPU)
+    padded = jnp.pad(new, [(0, 0), (0, 0), (0, chunks * size)] + [(0, 0)] * (new.ndim - 3))
+    new = jax.vmap(lambda row, at: jax.lax.dynamic_slice_in_dim(row, at, chunks * size, axis=1))(padded, first)
+    new = new.reshape(*new.shape[:2], chunks, size, *new.shape[3:])  # [B, H, chunks, size(, K)]
+    axes = (_pool_axes(pool), (None, "act_heads", None, None, None)[: new.ndim], (), (None, None))
     return over_heads(_write_pages, axes, _pool_axes(pool), pool, new, layer, pages.astype(jnp.int32))
 
 
 def _read_kernel(layer_ref, table_ref, pool_ref, out_ref, sem, *, width: int):
-    """Row b = program b: each page of its table ([H, page_size, K], or its scales) DMA'd from the pool to out[b, j],
-    all in flight on one semaphore, then awaited."""
+    """Row b = program b: each page of its table ([H, page_size, K], or its scales) DMA'd from the pool to
+    out[b, :, j], all in flight on one semaphore, then awaited."""
     b, layer = pl.program_id(0), layer_ref[0]
 
     def copy(j: jax.Array) -> pltpu.AsyncCopyDescriptor:
-        return pltpu.make_async_copy(_page(pool_ref, layer, table_ref[b, j]), out_ref.at[b, j], sem)
+        return pltpu.make_async_copy(_page(pool_ref, layer, table_ref[b, j]), out_ref.at[b, :, j], sem)
 
     jax.lax.fori_loop(0, width, lambda j, _: copy(j).start(), None)
     jax.lax.fori_loop(0, width, lambda j, _: copy(j).wait(), None)
 
 
 def _read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
-    page = (pool.shape[0], *pool.shape[3:]) if pool.ndim == 5 else pool.shape[2:]  # [H, page_size(, K)]
+    H = pool.shape[0] if pool.ndim == 5 else pool.shape[2]  # a page: [H, page_size(, K)] = [H, *pool.shape[3:]]
     B, width = table.shape
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
@@ -220,13 +223,14 @@ def _read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Arra
             out_specs=anywhere,
             scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         ),
-        out_shape=jax.ShapeDtypeStruct((B, width, *page), pool.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, H, width, *pool.shape[3:]), pool.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     )(layer.reshape(1).astype(jnp.int32), table.astype(jnp.int32), pool)
 
 
 def read_pages(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
-    """The pages of `table` [B, n] of `layer` of pool [H, L, pages, page_size, K], as [B, n, H, page_size, K] (of an
-    int8 pool's scales [L, pages, H, page_size], as [B, n, H, page_size])."""
-    out_axes = (None, None, "act_heads", None, None)[: pool.ndim]
+    """The pages of `table` [B, n] of `layer` of pool [H, L, pages, page_size, K], as [B, H, n, page_size, K] (of an
+    int8 pool's scales [L, pages, H, page_size], as [B, H, n, page_size]): heads major, so that a row's tokens of a
+    head lie one after another, [n * page_size, K] as attention's products take them."""
+    out_axes = (None, "act_heads", None, None, None)[: pool.ndim]
     return over_heads(_read_pages, (_pool_axes(pool), (), (None, None)), out_axes, pool, layer, table)

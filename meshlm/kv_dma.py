@@ -145,7 +145,8 @@ MAX_PAGE_COPIES = 64  # pages a row's prompt writes at most by `write_pages` (it
 
 def _pages_kernel(layer_ref, pages_ref, new_ref, pool_ref, out_ref, sems, *, chunks: int):
     """Row b = program b: each of its chunks of page_size new tokens that holds a written one, DMA'd to its page
-    (a chunk is new_ref[b, :, j], [H, page_size, K]: whole trailing tiles, as the page's, whatever the page size)."""
+    (a chunk is new_ref[b, :, j], [H, page_size, K]: whole trailing tiles, as the page's, whatever the page size; of
+    scales [H, page_size], a row of lanes per head, strided)."""
     del pool_ref  # the same buffer as out_ref (aliased)
     b, layer = pl.program_id(0), layer_ref[0]
     copies = [

@@ -78,7 +78,7 @@ class LanguageModel:
     ):
         self.config = config
         self.params = params
-        self.quantized = quantized  # "int8" or "nf4" when the projections are stored quantized
+        self.quantized = quantized  # "int8", "w8a8" or "nf4" when the projections are stored quantized
         self.mesh = mesh
         self.dtype = dtype
         self.policy = model.Policy(param_dtype=dtype, compute_dtype=dtype)
@@ -364,7 +364,7 @@ def load(
     `tokenizer` (for text) is a tokenizer.json or .tiktoken file, or a model folder; by default the
     checkpoint's own tokenizer.json (Pythia's GPT-NeoX BPE, for one), else GPT-2 BPE. It is read on
     first use (`lm.tokenizer`), so models used token by token need none.
-    `quantize` ("int8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
+    `quantize` ("int8", "w8a8" or "nf4") stores the six projections' weights quantized (`meshlm.quant`), the
     rest in `dtype`. `adapter` is a LoRA adapter to run with the model unmerged: a PEFT adapter folder
     or a meshlm LoRA run (or one of its steps). A LoRA run given as `path` loads its base (quantized as it
     was trained, unless `quantize` says otherwise) with its adapter. `adapters` (name -> folder) are LoRA

@@ -388,7 +388,8 @@ class Policy:
 
 # The projections every architecture of the family has, by role: what LoRA adapters and quantization act on.
 PROJECTIONS = ("q", "k", "v", "out", "fc_in", "fc_out")
-QUANTIZED = ("int8", "nf4")  # frozen-base storage besides the floating dtypes
+QUANTIZED = ("int8", "nf4", "w8a8")  # projections' storage besides the floating dtypes (w8a8: `meshlm.quant`)
+TRAINABLE_QUANTIZED = ("int8", "nf4")  # a frozen base's: w8a8 rounds the activations, which has no gradient
 
 
 @dataclass(frozen=True)
@@ -748,6 +749,11 @@ class TrainConfig:
                 "the adapter switched off (no second copy), so leave dpo.reference out"
             )
         if self.base_dtype is not None:
+            if self.base_dtype in QUANTIZED and self.base_dtype not in TRAINABLE_QUANTIZED:
+                raise ConfigError(
+                    f"train config: base_dtype {self.base_dtype!r} rounds the activations, which has no gradient; "
+                    f"train over one of {list(TRAINABLE_QUANTIZED)} and serve it as {self.base_dtype}"
+                )
             if self.base_dtype not in QUANTIZED:
                 dtype_of(self.base_dtype)
             if self.lora is None:

@@ -123,7 +123,7 @@ class MeshLM(TemplateLM):
     "data=2,fsdp=2,model=2", which works inside lm-eval's comma-separated model_args too), dtype,
     batch_size, max_length (defaults to the model's context), max_gen_toks, tokenizer (a tokenizer.json or
     .tiktoken file, or a model folder; default: the model's own, as `LanguageModel.tokenizer`), adapter
-    (a LoRA adapter: a PEFT folder or a meshlm LoRA run) and quantize ("int8" or "nf4"), as `meshlm.load`.
+    (a LoRA adapter: a PEFT folder or a meshlm LoRA run) and quantize ("int8", "w8a8" or "nf4"), as `meshlm.load`.
     """
 
     def __init__(

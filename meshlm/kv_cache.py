@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from meshlm.config import ModelConfig, dtype_of
 from meshlm.kv_dma import MAX_PAGE_COPIES, read_pages, write_pages, write_tokens
 from meshlm.paged_attention import paged_attention
+from meshlm.quant import absmax_int8
 from meshlm.sharding import constrain, traced_backend
 
 
@@ -92,14 +93,6 @@ def init_cache(cfg: ModelConfig, pages: int, page_size: int, dtype: str = "float
     return KVCache(*pools, *scales)
 
 
-def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] as int8 in [-127, 127] and its scales [...] (x = q * scale, to half a step)."""
-    x = x.astype(jnp.float32)
-    top = jnp.max(jnp.abs(x), axis=-1)
-    q = jnp.rint(x * (127 / jnp.where(top > 0, top, 1.0))[..., None]).astype(jnp.int8)
-    return q, top / 127
-
-
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """q [..., K] int8 with its scales [...] as `dtype`."""
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
@@ -148,7 +141,7 @@ class CacheView(NamedTuple):
 
         if not self.cache.quantized:
             return self._replace(cache=KVCache(put(self.cache.k, k), put(self.cache.v, v)))
-        (qk, sk), (qv, sv) = quantize(k), quantize(v)
+        (qk, sk), (qv, sv) = absmax_int8(k), absmax_int8(v)
         c = self.cache
         return self._replace(cache=KVCache(put(c.k, qk), put(c.v, qv), put(c.k_scale, sk), put(c.v_scale, sv)))
 

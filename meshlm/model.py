@@ -321,7 +321,7 @@ class Layer(NamedTuple):
 def linear(x: jax.Array, w: Any, role: str, layer: Layer, ctx: Context) -> jax.Array:
     """Projection `role` of x [B, T, in...] by w [in..., out...] (a float array, or quantized and
     rebuilt here one layer at a time), plus the adapter's update of dropout(x) where it targets `role`."""
-    y = jnp.tensordot(x, quant.dense(w, x.dtype), PROJECTION_PATHS[role][1])
+    y = quant.times(x, w, PROJECTION_PATHS[role][1])
     if role in layer.slots:
         y = y + _slot_delta(x, layer.slots[role], ctx)
     if role not in layer.adapter:

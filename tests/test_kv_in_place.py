@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from meshlm import config, kv_cache, kv_dma, model
+from meshlm import config, kv_cache, kv_dma, model, quant
 
 CFG = config.preset("test-tiny")
 ROWS, PAGES_PER_ROW, PAGE = 4, 4, 16
@@ -38,7 +38,7 @@ def arguments(kv: str = "float32") -> tuple:
     shape = kv_cache.init_cache(CFG, ROWS * PAGES_PER_ROW + 1, PAGE).k.shape
     k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(2))
     if kv == "int8":
-        (k, k_scale), (v, v_scale) = kv_cache.quantize(k), kv_cache.quantize(v)
+        (k, k_scale), (v, v_scale) = quant.absmax_int8(k), quant.absmax_int8(v)
         cache = kv_cache.KVCache(k, v, *(jnp.transpose(s, (1, 2, 0, 3)) for s in (k_scale, v_scale)))  # page-major
     else:
         cache = kv_cache.KVCache(k, v)

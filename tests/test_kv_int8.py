@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm import config, kv_cache, model
+from meshlm import config, kv_cache, model, quant
 from meshlm.serve.config import EngineConfig
 
 
 def test_quantize_rounds_each_vector_to_half_a_step():
     x = jax.random.normal(jax.random.key(0), (3, 5, 64)) * jnp.asarray([0.01, 1.0, 300.0])[:, None, None]
     x = x.at[0, 0].set(0.0)  # a zero vector: scale 0, and no NaN
-    q, scale = kv_cache.quantize(x)
+    q, scale = quant.absmax_int8(x)
     assert q.dtype == jnp.int8 and int(jnp.abs(q.astype(jnp.int32)).max()) == 127 and scale.shape == (3, 5)
     back = kv_cache.dequantize(q, scale, jnp.float32)
     step = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127
@@ -79,7 +79,7 @@ def test_the_paged_kernels_read_an_int8_pool_as_the_gather_path(kernel, mesh, dt
     B, H, K, pages, size = 8, 4, 128, 20, 16
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (B, H, K)) / np.sqrt(K)
-    (k, ks), (v, vs) = (kv_cache.quantize(jax.random.normal(key, (H, pages, size, K))) for key in keys[1:])
+    (k, ks), (v, vs) = (quant.absmax_int8(jax.random.normal(key, (H, pages, size, K))) for key in keys[1:])
     ks, vs = (s.at[:, 0].set(jnp.nan) for s in (ks, vs))
     lengths = jnp.asarray([1, 16, 17, 32, 0, 5, 20, 31], jnp.int32)
     table = np.random.default_rng(1).permutation(np.arange(1, pages))[: B * 2].reshape(B, 2)

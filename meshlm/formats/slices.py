@@ -60,7 +60,7 @@ def place(
     """The parameters of `cfg` from `source`, as global arrays sharded over `mesh` by the logical-axis
     rules: each device's shard is read from the source directly, so no host holds the whole model.
 
-    With `quantize` ("int8" or "nf4") the six projections are read and quantized one layer at a time
+    With `quantize` ("int8", "w8a8" or "nf4") the six projections are read and quantized one layer at a time
     into their quantized stacks (`quantize_stream`), so the devices hold the quantized model plus one
     layer of one projection in float, never a whole float projection."""
     abstract = model.abstract_params(cfg, dtype)

@@ -90,7 +90,13 @@ def test_a_dpo_run_on_the_chip_matches_the_cpu(tmp_path):
 ENGINE_CFG = CFG8.replace(n_head=2, d_model=256, d_ff=512, max_seq_len=320)
 
 
-def engine_outputs(platform: str, dtype: str, attention: str | None = None, kv_cache_dtype: str | None = None) -> list:
+def engine_outputs(
+    platform: str,
+    dtype: str,
+    attention: str | None = None,
+    kv_cache_dtype: str | None = None,
+    quantize: str | None = None,
+) -> list:
     """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
     step a token, both by `meshlm.kv_dma`'s kernels on a TPU), then of one that shares the longest one's first
     page (a prefill after a cached prefix) and scores its prompt (its cached last token run again, not written),
@@ -98,7 +104,8 @@ def engine_outputs(platform: str, dtype: str, attention: str | None = None, kv_c
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, ENGINE_CFG.vocab_size, n).tolist() for n in (5, 130, 200)]
     with jax.default_matmul_precision("highest"):
-        lm = api.from_config(ENGINE_CFG, make_mesh("data=1", jax.devices(platform)[:1]), dtype, seed=0)
+        mesh = make_mesh("data=1", jax.devices(platform)[:1])
+        lm = api.from_config(ENGINE_CFG, mesh, dtype, seed=0, quantize=quantize)
         engine = lm.engine(max_batch=4, max_len=300, attention=attention, kv_cache_dtype=kv_cache_dtype)
         greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)
         first = engine.generate(prompts, [greedy] * len(prompts))
@@ -161,6 +168,16 @@ def test_an_int8_pool_on_the_chip_serves_what_it_serves_on_the_cpu():
     place (the scales written by the DMA kernels), on the CPU the gather path dequantizes them; both quantize the
     same keys and values, so they choose the same tokens, their log-probs within a rounding step's effect."""
     tpu, cpu = (engine_outputs(platform, "float32", kv_cache_dtype="int8") for platform in ("tpu", "cpu"))
+    assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
+    for t, c in zip(tpu, cpu, strict=True):
+        np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=0, atol=2e-3)
+
+
+def test_w8a8_projections_on_the_chip_serve_what_they_serve_on_the_cpu():
+    """float32 compute over w8a8 projections: the chip's matrix unit multiplies the int8 codes and the per-token int8
+    activations into int32 exactly, as the CPU does, so both choose the same tokens, their log-probs within what the
+    order of float32 rounding moves (an activation on a rounding boundary may take the next code)."""
+    tpu, cpu = (engine_outputs(platform, "float32", quantize="w8a8") for platform in ("tpu", "cpu"))
     assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
     for t, c in zip(tpu, cpu, strict=True):
         np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=0, atol=2e-3)

@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("checkpoint", nargs="?", default=None)
     ap.add_argument("--preset", help="random weights of this preset made in place (no checkpoint)")
     ap.add_argument("--dtype", default="bfloat16", help="with --preset")
-    ap.add_argument("--quantize", default=None, help="with --preset: int8 or nf4 projections")
+    ap.add_argument("--quantize", default=None, help="with --preset: int8, w8a8 or nf4 projections")
     ap.add_argument("--kv-cache-dtype", default=None, help="int8, or the compute dtype when not given")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=32.0, help="Poisson arrivals, requests/s")

@@ -27,7 +27,7 @@ from family import torch_model  # benchmarks/family.py and timing.py, beside thi
 from timing import best_time
 
 from meshlm import api, config, model, optim, train_step
-from meshlm.config import QUANTIZED
+from meshlm.config import TRAINABLE_QUANTIZED
 from meshlm.data import default_weights
 from meshlm.lora import adapter_size, init_adapter
 from meshlm.sharding import make_mesh
@@ -46,7 +46,7 @@ def meshlm_step(
     cfg: config.ModelConfig, lora: config.LoraConfig, base_dtype: str, tokens: np.ndarray
 ) -> tuple[Callable[[], None], int]:
     """One LoRA optimizer step over the whole batch as `meshlm train` runs it, and the trainable count."""
-    quantize = base_dtype if base_dtype in QUANTIZED else None
+    quantize = base_dtype if base_dtype in TRAINABLE_QUANTIZED else None
     tcfg = config.TrainConfig(
         model=cfg, batch_size=len(tokens), lora=lora, base_dtype=base_dtype, warmup_steps=0, anneal_steps=10
     )
@@ -127,7 +127,7 @@ def main() -> None:
         "--base-dtype",
         nargs="+",
         default=["float32"],
-        choices=["float32", "bfloat16", *QUANTIZED],
+        choices=["float32", "bfloat16", *TRAINABLE_QUANTIZED],
         help="meshlm's frozen base storage, one run each (the peft peer is always fp32)",
     )
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per timed run")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm import api, config, model, planner, train_step
-from meshlm.config import QUANTIZED
+from meshlm.config import TRAINABLE_QUANTIZED
 from meshlm.data import default_weights
 from meshlm.footprint import Footprint, gib
 from meshlm.lora import init_adapter
@@ -111,7 +111,7 @@ def cpu_run(cfg: config.ModelConfig, lora: config.LoraConfig, base: str, micro_b
     program = train_step.step_program(lora_config(cfg, lora, base, micro_batch, seq), cfg, mesh, seq)
     compiled = program.compile()
     used = Footprint.of(compiled)
-    quantize = base if base in QUANTIZED else None
+    quantize = base if base in TRAINABLE_QUANTIZED else None
     frozen = jax.device_put(
         api.from_config(cfg, mesh, "bfloat16", seed=0, quantize=quantize).params, program.frozen_shardings
     )
@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--targets", nargs="+", default=["q", "k", "v", "out"], choices=list(config.PROJECTIONS))
-    parser.add_argument("--bases", nargs="+", default=["bfloat16", "int8", "nf4"], choices=["bfloat16", *QUANTIZED])
+    bases = ["bfloat16", *TRAINABLE_QUANTIZED]
+    parser.add_argument("--bases", nargs="+", default=bases, choices=bases)
     parser.add_argument("--max-batch", type=int, default=32, help="largest micro-batch tried by doubling")
     parser.add_argument("--cpu-preset", default="gptj-tiny")
     parser.add_argument("--cpu-batch", type=int, default=4)

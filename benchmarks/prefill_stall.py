@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gptj-tiny", help="a preset (random weights made in place)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default=None, help="int8 or nf4 projections")
+    p.add_argument("--quantize", default=None, help="int8, w8a8 or nf4 projections")
     p.add_argument("--kv-cache-dtype", default=None, help="int8, or the compute dtype when not given")
     p.add_argument("--rows", type=int, default=4, help="rows decoding when the prompt arrives")
     p.add_argument("--context", type=int, default=64, help="prompt tokens of each decoding row")

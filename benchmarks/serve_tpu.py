@@ -204,7 +204,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--folder", type=Path, help="a Hugging Face folder (random weights written if none); without it, "
                    "the engine part's weights are random, made in place, and --requests must be 0")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default=None, help="int8 or nf4 projections, as meshlm serve's --quantize")
+    p.add_argument("--quantize", default=None, help="int8, w8a8 or nf4 projections, as meshlm serve's --quantize")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the compute dtype) or int8")
     p.add_argument("--rows", default="1,8,16", help="engine part: concurrent rows, comma-separated")
     p.add_argument("--context", type=int, default=512, help="engine part: prompt tokens per row")

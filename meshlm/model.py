@@ -25,7 +25,7 @@ from meshlm.attention import Kernel, dense, mesh_shards, resolve, splash
 from meshlm.config import PROJECTIONS, REMAT_NAMES, ModelConfig, Policy, dtype_of, remat_names
 from meshlm.kv_cache import NOT_WRITTEN, CacheView, KVCache
 from meshlm.param import Param, axes_of, init_table
-from meshlm.sharding import TRAINING, Rules, constrain, embedding_lookup, plan, using, with_shardings
+from meshlm.sharding import TRAINING, Rules, constrain, embedding_lookup, plan, traced_backend, using, with_shardings
 
 Params = dict[str, Any]
 
@@ -404,10 +404,11 @@ def attention(
         assert cache is not None
         parts = []
         for span, qs, ks, vs in zip(ctx.spans, *(_split(t, ctx.spans) for t in (q, k, v)), strict=True):
-            # each span's part its own array, laid out for its own kernels: the packed row's values, heads major for
-            # the prompt's page writes and token major for the decode rows', were copied whole from one to the other
-            # on a TPU, in every layer (the int8 quantization's reduction then read the slow layout)
-            qs, ks, vs = jax.lax.optimization_barrier((qs, ks, vs))
+            if traced_backend() == "tpu":
+                # each span's part its own array, laid out for its own kernels: the packed row's values, heads major
+                # for the prompt's page writes and token major for the decode rows', were copied whole from one to
+                # the other, in every layer (the int8 quantization's reduction then read the slow layout)
+                qs, ks, vs = jax.lax.optimization_barrier((qs, ks, vs))
             view = span.view._replace(cache=cache.cache)
             out, view = _attend_rows(qs, ks, vs, h.dtype, layer, cfg, policy, span.ctx, view)
             cache = cache._replace(cache=view.cache)

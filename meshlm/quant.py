@@ -8,12 +8,12 @@ jitted matmul: the whole model is never held dequantized.
 
 - int8: `codes = round(w / s)` with `s = max|w| / 127` over the input dimensions, one scale per output
   channel (LLM.int8()'s vector-wise absmax, without its outlier decomposition).
-- w8a8 (serving only): int8's codes, and each product quantizes its activations too, per token by their absmax over
+- w8a8 (inference only): int8's codes, and each product quantizes its activations too, per token by their absmax over
   the input dimensions (`absmax_int8`), multiplying int8 by int8 into int32 (`Int8Weight.times`). A TPU v5e's
   matrix unit does twice as many int8 operations as bfloat16 ones: GPT-J-6B's MLP over 272 tokens ran 1.55x as
   fast as with the weights dequantized to bfloat16, 1.92x over 1,024 (`benchmarks/int8_matmul.py`); a decode step,
-  bound by reading the weights, gains nothing. The price is the activations' rounding: 2.7% relative error of a
-  layer's output there, against weight-only int8's, on Gaussian activations; a model whose activations have
+  bound by reading the weights, gains nothing. The price is the activations' rounding: 2.7% relative error of the
+  8-layer MLP stack's output there, against weight-only int8's, on Gaussian activations; a model whose activations have
   outlier features (LLM.int8()) loses more. Rounding has no gradient, so a trained base is never w8a8.
 - NF4 (Dettmers et al. 2023, "QLoRA", section 3 and appendix; bitsandbytes' `quantize_4bit`): each block
   of `NF4_BLOCK` consecutive input weights of one output channel is scaled by its absmax to [-1, 1]

@@ -57,7 +57,7 @@ def test_int8_codes_are_stored_heads_first_only_for_a_tpu():
 def test_a_tpus_decode_reads_int8_projections_where_they_lie(monkeypatch: pytest.MonkeyPatch):
     """Ahead of time for a v5e, GPT-J-6B's 16 heads of 256 over 4 layers with int8 projections: the engine's decode
     program copies no projection's codes (a stacked [layers, 4096, 16, 256] q, k and v were each copied to another
-    layout before the loop of steps)."""
+    layout before the loop of steps), nor with w8a8's, whose int8 by int8 products take the codes as they lie."""
     pytest.importorskip("libtpu", reason="TPU topologies come from libtpu (pip install 'meshlm[tpu]')")
     from meshlm import planner
     from meshlm.serve import runner
@@ -70,10 +70,10 @@ def test_a_tpus_decode_reads_int8_projections_where_they_lie(monkeypatch: pytest
     policy = model.Policy(param_dtype="bfloat16", compute_dtype="bfloat16", kv_cache_dtype="int8")
     page = EngineConfig().tokens_per_page("tpu")
 
-    def copies_of_codes(heads_first: bool) -> list[str]:
+    def copies_of_codes(heads_first: bool, kind: str = "int8") -> list[str]:
         with jax.set_mesh(mesh):
-            params = model.abstract_params(cfg, "bfloat16", "int8", heads_first)
-            axes = model.logical_axes(cfg, "int8", heads_first)
+            params = model.abstract_params(cfg, "bfloat16", kind, heads_first)
+            axes = model.logical_axes(cfg, kind, heads_first)
             params = with_shardings(params, plan(params, axes, mesh, SERVING))
             lowered = runner.lower("decode", cfg, policy, mesh, rows=16, pages=65, width=4, params=params,
                                    page_size=page, length=2 * page)  # fmt: skip
@@ -82,3 +82,4 @@ def test_a_tpus_decode_reads_int8_projections_where_they_lie(monkeypatch: pytest
 
     assert len(copies_of_codes(False)) == 3  # q, k and v in the weight's order: what the check finds
     assert not copies_of_codes(True)
+    assert not copies_of_codes(True, "w8a8")

@@ -84,10 +84,11 @@ def test_the_rule_sets_differ_only_where_parameters_lie():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "w8a8"])
 def test_an_engine_on_an_fsdp_mesh_holds_its_weights_whole_over_the_batch_axes(quantize):
     """The model is laid out for training (ZeRO-3 over fsdp); its engine lays the weights out by the
-    serving rules, split over `model` only, and generates the one-device model's greedy tokens."""
+    serving rules, split over `model` only, and generates the one-device model's greedy tokens (w8a8: each token's
+    largest activation and the int32 sums of products reduced over `model`, exactly)."""
     lm = meshlm.from_config(CFG, mesh="data=2,fsdp=2,model=2", seed=3, quantize=quantize)
     engine = lm.engine(max_batch=2, max_len=32, kv_tokens=64)
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]:

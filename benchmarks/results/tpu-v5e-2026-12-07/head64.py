@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm import kv_cache
+from meshlm import kv_cache, quant
 from meshlm.attention import Kernel, dense
 from meshlm.paged_attention import paged_attention
 
@@ -69,7 +69,7 @@ def main():
                 k = jax.random.normal(kk, shape, jnp.float32)
                 v = jax.random.normal(kv, shape, jnp.float32)
                 if pool_dtype == "int8":
-                    (qk, sk), (qv, sv) = kv_cache.quantize(k), kv_cache.quantize(v)
+                    (qk, sk), (qv, sv) = quant.absmax_int8(k), quant.absmax_int8(v)
                     # scales [H, L, P, size] -> page-major [L, P, H, size]
                     return kv_cache.KVCache(qk, qv, jnp.moveaxis(sk, 0, 2), jnp.moveaxis(sv, 0, 2))
                 return kv_cache.KVCache(k.astype(compute), v.astype(compute))

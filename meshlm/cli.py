@@ -46,8 +46,8 @@ def _add_model_options(p: argparse.ArgumentParser, named_adapters: bool = False)
     """Mesh, dtype, quantization and a LoRA adapter; with `named_adapters` (a server), --adapter NAME=DIR
     may be repeated, each adapter served under its own name."""
     _add_mesh_dtype(p)
-    quantized = "store the projections' weights quantized (w8a8: int8's, and the products' activations int8 too)"
-    p.add_argument("--quantize", choices=QUANTIZED, default=None, help=quantized)
+    quantize_help = "store the projections' weights quantized (w8a8: int8's, and the products' activations int8 too)"
+    p.add_argument("--quantize", choices=QUANTIZED, default=None, help=quantize_help)
     if not named_adapters:
         p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter: a PEFT folder or a meshlm LoRA run")
         return

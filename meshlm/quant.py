@@ -163,7 +163,7 @@ def dense(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
 def times(x: jax.Array, w: jax.Array | QuantizedWeight, n_in: int) -> jax.Array:
     """x [..., in...] times one layer's weight w [in..., out...] (`n_in` input dims): in x's dtype, or int8 by int8
     for a w8a8 weight."""
-    if isinstance(w, Int8Weight) and w.activations:
+    if kind_of(w) == "w8a8":
         return w.times(x)
     return jnp.tensordot(x, dense(w, x.dtype), n_in)
 

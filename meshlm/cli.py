@@ -357,8 +357,8 @@ def _serve(args: argparse.Namespace) -> None:
         prefix_caching=not args.no_prefix_caching,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )  # fmt: skip
-    if args.mixed_steps:  # what the engine refuses when it is built, here before the model loads
-        _check_mixing(args.draft, args.mesh)
+    if args.mixed_steps:
+        _check_mixing(engine, args.draft, args.mesh)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
@@ -406,15 +406,15 @@ def _serve(args: argparse.Namespace) -> None:
         )
 
 
-def _check_mixing(draft: str | None, mesh: str | None) -> None:
-    """`--mixed-steps` where the engine could not mix: with a draft model, or on a mesh whose batch axes split rows."""
-    from meshlm.serve.config import MIXED_NEEDS
+def _check_mixing(engine: EngineConfig, draft: str | None, mesh: str | None) -> None:
+    """What `EngineConfig.mixes` refuses when the engine is built (`--mixed-steps` with a draft model, or on a mesh
+    whose batch axes split rows), here before the model loads."""
     from meshlm.sharding import batch_ways, make_mesh
 
-    if draft:
-        raise ConfigError(f"--mixed-steps with --draft: {MIXED_NEEDS['speculating']}")
-    if batch_ways(make_mesh(mesh)) > 1:
-        raise ConfigError(f"--mixed-steps on mesh {mesh}: {MIXED_NEEDS['batch axes']}")
+    try:
+        engine.mixes("", paged=False, speculating=bool(draft), batch_ways=batch_ways(make_mesh(mesh)))
+    except InputError as e:
+        raise ConfigError(f"--mixed-steps {'with --draft' if draft else f'on mesh {mesh}'}: {e}") from None
 
 
 def _engine_config(flags: dict[str, str], **fields: Any) -> EngineConfig:

@@ -96,6 +96,7 @@ def engine_outputs(
     attention: str | None = None,
     kv_cache_dtype: str | None = None,
     quantize: str | None = None,
+    top: int = 0,
 ) -> list:
     """Greedy completions of prompts of 5 to 200 tokens (past a page of 128: a prefill writes whole pages, a decode
     step a token, both by `meshlm.kv_dma`'s kernels on a TPU), then of one that shares the longest one's first
@@ -107,7 +108,7 @@ def engine_outputs(
         mesh = make_mesh("data=1", jax.devices(platform)[:1])
         lm = api.from_config(ENGINE_CFG, mesh, dtype, seed=0, quantize=quantize)
         engine = lm.engine(max_batch=4, max_len=300, attention=attention, kv_cache_dtype=kv_cache_dtype)
-        greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=0)
+        greedy = lm.sampling(40, temperature=0.0, ignore_eos=True, logprobs=top)
         first = engine.generate(prompts, [greedy] * len(prompts))
         shared = prompts[2][:150] + rng.integers(1, ENGINE_CFG.vocab_size, 20).tolist()
         return first + engine.generate([shared], [greedy.replace(prompt_logprobs=0)])
@@ -175,9 +176,27 @@ def test_an_int8_pool_on_the_chip_serves_what_it_serves_on_the_cpu():
 
 def test_w8a8_projections_on_the_chip_serve_what_they_serve_on_the_cpu():
     """float32 compute over w8a8 projections: the chip's matrix unit multiplies the int8 codes and the per-token int8
-    activations into int32 exactly, as the CPU does, so both choose the same tokens, their log-probs within what the
-    order of float32 rounding moves (an activation on a rounding boundary may take the next code)."""
-    tpu, cpu = (engine_outputs(platform, "float32", quantize="w8a8") for platform in ("tpu", "cpu"))
-    assert [c.tokens for c in tpu] == [c.tokens for c in cpu]
+    activations into int32 exactly, as the CPU does. But a float32 activation may differ from the CPU's in its last
+    bits (the order of rounding, the transcendentals), and one on a rounding boundary then takes the next code. So
+    the chip's log-probs move by less than the activations' rounding itself moves them (the CPU's w8a8 against its
+    float weights), on the scored prompt (teacher-forced: nothing can part there) and on the generated tokens, and a
+    greedy row parts from the CPU's only where the CPU's two best tokens nearly tie, the chip taking the second. A
+    fault of layout or scale moves them by far more."""
+    # Measured 2026-12-07 (v5e, JAX 0.10.2): the prompt's log-probs moved 0.0072 at most (mean 0.0018) against the
+    # rounding's 0.0138 (0.0049); the first row parted at its sixth token, where the CPU's two best lie 0.0011 apart.
+    # On the CPU, activations perturbed by 1e-5 of themselves before their rounding move them 0.0070 (0.0013).
+    tpu, cpu = (engine_outputs(platform, "float32", quantize="w8a8", top=2) for platform in ("tpu", "cpu"))
+    exact = engine_outputs("cpu", "float32")
+
+    def prompt_gap(a: list, b: list) -> np.ndarray:
+        return np.abs(np.array(a[-1].prompt_logprobs[1:]) - np.array(b[-1].prompt_logprobs[1:]))
+
+    chip, rounding = prompt_gap(tpu, cpu), prompt_gap(cpu, exact)
+    assert chip.max() < rounding.max() and chip.mean() < 0.5 * rounding.mean(), (chip, rounding)
     for t, c in zip(tpu, cpu, strict=True):
-        np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=0, atol=2e-3)
+        same = next((i for i, (a, b) in enumerate(zip(t.tokens, c.tokens, strict=True)) if a != b), len(c.tokens))
+        np.testing.assert_allclose(t.logprobs[:same], c.logprobs[:same], rtol=0, atol=2 * rounding.max())
+        if same < len(c.tokens):
+            (best, best_lp), (second, second_lp) = c.top_logprobs[same][:2]
+            assert (best, second) == (c.tokens[same], t.tokens[same]), (same, c.top_logprobs[same], t.tokens[same])
+            assert best_lp - second_lp < rounding.max(), (same, c.top_logprobs[same])

@@ -3,7 +3,7 @@ step when a 1,024-token prompt arrives, prefilled 256 tokens a step, each chunk 
 token. Prints each call kind's times (ms) over the prompt's steps, twice (after a pass that compiles), then
 profiles one mixed call into FOLDER (read it with benchmarks/profile_ops.py).
 
-    python mixed_profile.py PRESET FOLDER
+    python mixed_profile.py PRESET FOLDER [QUANTIZE]
 """
 
 import sys
@@ -17,7 +17,8 @@ from meshlm.config import preset
 from meshlm.sharding import make_mesh
 
 name, folder = sys.argv[1], sys.argv[2]
-lm = meshlm.from_config(preset(name), make_mesh(None), "bfloat16", seed=0, quantize="int8")
+quantize = sys.argv[3] if len(sys.argv) > 3 else "int8"
+lm = meshlm.from_config(preset(name), make_mesh(None), "bfloat16", seed=0, quantize=quantize)
 engine = lm.engine(
     max_batch=16,
     max_len=min(1280, lm.config.max_seq_len),

@@ -411,8 +411,9 @@ def _check_mixing(engine: EngineConfig, draft: str | None, mesh: str | None) -> 
     whose batch axes split rows), here before the model loads."""
     from meshlm.sharding import batch_ways, make_mesh
 
+    ways = 1 if draft else batch_ways(make_mesh(mesh))  # a draft is refused before any device is touched
     try:
-        engine.mixes("", paged=False, speculating=bool(draft), batch_ways=batch_ways(make_mesh(mesh)))
+        engine.mixes("", paged=False, speculating=bool(draft), batch_ways=ways)
     except InputError as e:
         raise ConfigError(f"--mixed-steps {'with --draft' if draft else f'on mesh {mesh}'}: {e}") from None
 

@@ -179,9 +179,10 @@ def test_w8a8_projections_on_the_chip_serve_what_they_serve_on_the_cpu():
     activations into int32 exactly, as the CPU does. But a float32 activation may differ from the CPU's in its last
     bits (the order of rounding, the transcendentals), and one on a rounding boundary then takes the next code. So
     the chip's log-probs move by less than the activations' rounding itself moves them (the CPU's w8a8 against its
-    float weights), on the scored prompt (teacher-forced: nothing can part there) and on the generated tokens, and a
-    greedy row parts from the CPU's only where the CPU's two best tokens nearly tie, the chip taking the second. A
-    fault of layout or scale moves them by far more."""
+    float weights) on the scored prompt (teacher-forced: nothing can part there), within twice that on the generated
+    tokens before any parting (40 of them, each moved by the ones before), and a greedy row parts from the CPU's only
+    where the CPU's two best tokens nearly tie, the chip taking the second. A fault of layout or scale moves them by
+    far more."""
     # Measured 2026-12-07 (v5e, JAX 0.10.2): the prompt's log-probs moved 0.0072 at most (mean 0.0018) against the
     # rounding's 0.0138 (0.0049); the first row parted at its sixth token, where the CPU's two best lie 0.0011 apart.
     # On the CPU, activations perturbed by 1e-5 of themselves before their rounding move them 0.0070 (0.0013).

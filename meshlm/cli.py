@@ -608,7 +608,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="gptj-tiny")
     _add_mesh_dtype(p)
     _add_distributed(p)
-    p.set_defaults(handler=cmd_demo)
+    p.set_defaults(handler=cmd_demo, compiles=True)
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -652,7 +652,7 @@ def _sample_parser(sub: argparse._SubParsersAction) -> None:
     _add_sampling(p)
     _add_tokenizer(p)
     _add_model_options(p)
-    p.set_defaults(handler=cmd_sample)
+    p.set_defaults(handler=cmd_sample, compiles=True)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -739,7 +739,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_chat_template(p)
     _add_tokenizer(p)
     _add_model_options(p, named_adapters=True)
-    p.set_defaults(handler=cmd_serve)
+    p.set_defaults(handler=cmd_serve, compiles=True)
 
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -763,7 +763,7 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="write the results as JSON to this file")
     _add_model_options(p)
     _add_distributed(p)
-    p.set_defaults(handler=cmd_eval)
+    p.set_defaults(handler=cmd_eval, compiles=True)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -800,7 +800,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", metavar="DIR", help="local folder for the metrics (default: the run folder)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     _add_distributed(p)
-    p.set_defaults(handler=cmd_train)
+    p.set_defaults(handler=cmd_train, compiles=True)
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -834,7 +834,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-adapters", type=int, default=0, help="--serve: LoRA adapter slots (as meshlm serve's)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="--serve: the adapter slots' rank (default 16)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="--serve: as meshlm serve's")
-    p.set_defaults(handler=cmd_plan)
+    p.set_defaults(handler=cmd_plan, compiles=True)
 
 
 def _prepare_parser(sub: argparse._SubParsersAction) -> None:
@@ -938,7 +938,7 @@ def _merge_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", default="meshlm", choices=["meshlm", "hf"], help="format written (default meshlm)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision written")
     p.add_argument("--seed-config", default=None, help="the seed's run JSON, for a seed checkpoint as the base")
-    p.set_defaults(handler=cmd_merge)
+    p.set_defaults(handler=cmd_merge, compiles=True)
 
 
 def _export_adapter_parser(sub: argparse._SubParsersAction) -> None:
@@ -981,7 +981,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    _keep_compiled_programs()
+    if getattr(args, "compiles", False):
+        _keep_compiled_programs()
     try:
         if getattr(args, "coordinator", None) is not None or hasattr(args, "process_id"):
             from meshlm import distributed
@@ -1004,15 +1005,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _keep_compiled_programs() -> None:
-    """Keep XLA's compiled programs between runs (JAX's persistent compilation cache): a server compiles every shape
-    it serves before it answers (GPT-J-6B on a v5e: 40 shapes in about 150 s), which a restart, or the next command
-    on the same model and settings, then reads back. In `JAX_COMPILATION_CACHE_DIR` where it is set (empty: none
-    kept), else in meshlm's cache folder (`MESHLM_CACHE`, else ~/.cache/meshlm) under xla/."""
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        import jax
+    """Keep XLA's compiled programs between runs of the commands that compile (JAX's persistent compilation cache),
+    so that a server's restart, or the next command on the same model and settings, reads them back instead of
+    compiling them again: in meshlm's cache folder's xla/ unless JAX already has a folder (JAX_COMPILATION_CACHE_DIR,
+    read at its import; empty keeps none). docs/serving.md says what is kept and what is not."""
+    import jax
 
-        from meshlm.paths import cache_dir
+    from meshlm.paths import cache_dir
 
+    if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 

@@ -154,12 +154,17 @@ def test_mixed_steps_on_the_chip_choose_the_cpus_tokens():
         np.testing.assert_allclose(t.logprobs, c.logprobs, rtol=1e-4, atol=1e-4)
 
 
+def parted_at(one: list[int], other: list[int]) -> int:
+    """The first position where two greedy rows of one length choose different tokens (their length if none)."""
+    return next((i for i, (a, b) in enumerate(zip(one, other, strict=True)) if a != b), len(one))
+
+
 def test_the_paged_kernel_on_the_chip_reads_what_the_gather_path_reads():
     """bfloat16, on the chip: decode steps by meshlm's paged kernel, reading the pool in place, give the
     log-probs of the same tokens as the gather path (attention "xla") within bfloat16's rounding."""
     paged, gathered = engine_outputs("tpu", "bfloat16"), engine_outputs("tpu", "bfloat16", attention="xla")
     for p, g in zip(paged, gathered, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(p.tokens, g.tokens, strict=True)) if a != b), len(p.tokens))
+        same = parted_at(p.tokens, g.tokens)
         assert same >= 8, (p.tokens, g.tokens)  # bf16 rounding may flip a near tie later in a random model
         np.testing.assert_allclose(p.logprobs[:same], g.logprobs[:same], atol=0.05)
 
@@ -195,7 +200,7 @@ def test_w8a8_projections_on_the_chip_serve_what_they_serve_on_the_cpu():
     chip, rounding = prompt_gap(tpu, cpu), prompt_gap(cpu, exact)
     assert chip.max() < rounding.max() and chip.mean() < 0.5 * rounding.mean(), (chip, rounding)
     for t, c in zip(tpu, cpu, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(t.tokens, c.tokens, strict=True)) if a != b), len(c.tokens))
+        same = parted_at(t.tokens, c.tokens)
         np.testing.assert_allclose(t.logprobs[:same], c.logprobs[:same], rtol=0, atol=2 * rounding.max())
         if same < len(c.tokens):
             (best, best_lp), (second, second_lp) = c.top_logprobs[same][:2]

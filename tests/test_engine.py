@@ -269,6 +269,24 @@ def test_every_shape_is_compiled_by_warm_up(lm, monkeypatch):
     assert engine.runner.compiles_since_warm_up == 0
 
 
+@pytest.mark.slow
+def test_a_second_warm_up_reads_its_shapes_back_from_the_compilation_cache(lm):
+    """What `meshlm serve` reports on a restart: the suite keeps JAX's persistent cache in a folder of its own, here
+    every program however quickly compiled, so an engine of the same settings as one warmed up before finds each
+    of its shapes there."""
+    kept = jax.config.jax_persistent_cache_min_compile_time_secs
+    assert jax.config.jax_compilation_cache_dir, "the suite's conftest sets a compilation cache folder"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        lm.engine(**ONE_ROW).warm_up()
+        jax.clear_caches()  # as a new process starts: JAX's in-memory caches would serve the same programs
+        again = lm.engine(**ONE_ROW)
+        shapes, _ = again.warm_up()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", kept)
+    assert again.snapshot().cached_shapes == shapes > 0
+
+
 def test_one_compile_listener_per_process_counts_into_each_warmed_runner_while_it_lives(monkeypatch):
     """JAX keeps a monitoring listener for the life of the process: however many warm-ups, one is registered; a
     runner counts the compilations since its latest warm-up, and one that is collected is no longer counted into."""

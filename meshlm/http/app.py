@@ -248,7 +248,9 @@ def serve(
             flush=True,
         )
         shapes, seconds = engine.warm_up()
-        print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s", flush=True)
+        cached = engine.snapshot().cached_shapes
+        read_back = f" ({cached} read back from the compilation cache)" if cached else ""
+        print(f"meshlm serve: compiled {shapes} shapes in {seconds:.1f} s{read_back}", flush=True)
         where = _where(sock)
         try:
             sock.listen(BACKLOG)

@@ -90,6 +90,7 @@ async def health(request: HTTPRequest) -> dict[str, Any]:
         "prefill_calls": s.prefill_calls,
         "compiled_shapes": s.compiled_shapes,
         "compile_seconds": round(s.compile_seconds, 2),
+        "cached_shapes": s.cached_shapes,
         "compiles_since_warm_up": s.compiles_since_warm_up,
     }
 

@@ -81,6 +81,7 @@ class Snapshot:
     accepted: int  # of which kept
     compiled_shapes: int
     compile_seconds: float
+    cached_shapes: int  # of the compiled shapes, those JAX's persistent compilation cache served (a restart's)
     compiles_since_warm_up: int
 
     @property
@@ -355,7 +356,8 @@ class Engine:
             prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate, tokens_generated=s.tokens_generated,
             prompt_tokens=s.prompt_tokens, tokens_per_second=s.tokens_per_second(), prefill_calls=s.prefill_calls,
             decode_calls=s.decode_calls, proposed=s.proposed, accepted=s.accepted, compiled_shapes=r.compiled_shapes,
-            compile_seconds=r.compile_seconds, compiles_since_warm_up=r.compiles_since_warm_up,
+            compile_seconds=r.compile_seconds, cached_shapes=r.cached_shapes,
+            compiles_since_warm_up=r.compiles_since_warm_up,
         )  # fmt: skip
 
     # stepping -------------------------------------------------------------------------------------

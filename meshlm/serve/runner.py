@@ -10,11 +10,12 @@ it knows nothing of requests, queues or pages' owners. `lower` gives the planner
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
@@ -554,7 +555,7 @@ class Runner:
         self.kv_tokens = max(kv_tokens, page_size)
         self.n_pages = pages_for(self.kv_tokens, page_size) + 1  # page 0 is padding's
         self._check_memory(self.n_pages * page_size * self.kv_bytes_per_token(), slots, free, chosen)
-        self.compiled_shapes, self.compile_seconds = 0, 0.0
+        self.compiled_shapes, self.compile_seconds, self.cached_shapes = 0, 0.0, 0
         self.compiles_since_warm_up = 0  # XLA compilations in this process since `warm_up` (0 when serving as designed)
         self.reset()
 
@@ -701,7 +702,8 @@ class Runner:
     def warm_up(self) -> tuple[int, float]:
         """Compile every prefill, decode (and mixed) shape the engine can use (on as many threads as there are CPU
         cores: XLA compiles outside Python's lock), then run each once on padding rows, which write
-        nothing, so the first requests find every program loaded; (shapes, seconds)."""
+        nothing, so the first requests find every program loaded; (shapes, seconds). `cached_shapes`: how many
+        of them JAX's persistent compilation cache served (a restart's, where `meshlm` keeps it)."""
         began = time.perf_counter()
         programs = [(_prefill, prefill_args(self.cfg, self.mesh, b, t, w)) for b, t, w in self.shapes.prefill_shapes()]
         if self.mixing:  # each prefill shape that mixes (`_mixable`) with the widest decode step
@@ -723,7 +725,7 @@ class Runner:
                 return Footprint.of(lowered.compile())
 
         free = free_memory(self._local_device())
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        with _cache_hits() as hits, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             try:  # the steps of the most rows first: a server they do not fit is refused after one compile
                 for step in pool.map(compile, lowered[::-1]):
                     self._check_working_memory(step, free)
@@ -736,7 +738,7 @@ class Runner:
         if "adapters" in self.params:  # slot 0 (the base's) is zeros: writing zeros there compiles the write
             self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
         seconds = time.perf_counter() - began
-        self.compiled_shapes, self.compile_seconds = len(programs), seconds
+        self.compiled_shapes, self.compile_seconds, self.cached_shapes = len(programs), seconds, len(hits)
         _COMPILES.count_into(self)
         return len(programs), seconds
 
@@ -858,6 +860,23 @@ class _CompileCounter:
 
 
 _COMPILES = _CompileCounter()
+
+
+@contextlib.contextmanager
+def _cache_hits() -> Iterator[list[str]]:
+    """The compilations JAX's persistent compilation cache serves while inside, one entry each (appended from the
+    threads that compile)."""
+    hits: list[str] = []
+
+    def listen(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
 
 
 def lower(

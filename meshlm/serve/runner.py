@@ -10,12 +10,11 @@ it knows nothing of requests, queues or pages' owners. `lower` gives the planner
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
@@ -725,20 +724,23 @@ class Runner:
                 return Footprint.of(lowered.compile())
 
         free = free_memory(self._local_device())
-        with _cache_hits() as hits, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        _COMPILES.listen()
+        hits = _COMPILES.cache_hits  # the process's: this warm-up's own, unless another compiles beside it
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             try:  # the steps of the most rows first: a server they do not fit is refused after one compile
                 for step in pool.map(compile, lowered[::-1]):
                     self._check_working_memory(step, free)
             except BaseException:  # a refusal or Ctrl-C: the programs not started yet are dropped
                 pool.shutdown(cancel_futures=True)
                 raise
+        self.cached_shapes = _COMPILES.cache_hits - hits
         for fn, batch in programs:
             jax.block_until_ready(self._call(fn, self._padding(batch)))
         self.zero_pages([])  # compiles it
         if "adapters" in self.params:  # slot 0 (the base's) is zeros: writing zeros there compiles the write
             self.write_adapter(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:]), self.params["adapters"]))
         seconds = time.perf_counter() - began
-        self.compiled_shapes, self.compile_seconds, self.cached_shapes = len(programs), seconds, len(hits)
+        self.compiled_shapes, self.compile_seconds = len(programs), seconds
         _COMPILES.count_into(self)
         return len(programs), seconds
 
@@ -836,47 +838,43 @@ def _prefilled_on_host(out: Step, batch: Prefill) -> Step:
 
 class _CompileCounter:
     """Counts every XLA compilation in this process into each runner warmed up, from its latest `warm_up` on
-    and while it lives. JAX keeps a monitoring listener for the life of the process, so there is one listener,
-    registered on the first warm-up; a runner is held weakly and leaves when it is collected."""
+    and while it lives, and the compilations JAX's persistent compilation cache served (`cache_hits`, process-wide:
+    a warm-up reads it before and after its compiles). JAX keeps a monitoring listener for the life of the process
+    (and changes its list of them unlocked), so each listener is registered once, on the first warm-up; a runner is
+    held weakly and leaves when it is collected."""
 
     def __init__(self) -> None:
         self._runners: weakref.WeakSet[Runner] = weakref.WeakSet()
         self._lock = threading.Lock()  # compilations report from the threads that compile
         self._listening = False
+        self.cache_hits = 0
+
+    def listen(self) -> None:
+        with self._lock:
+            if not self._listening:
+                jax.monitoring.register_event_duration_secs_listener(self._compiled)
+                jax.monitoring.register_event_listener(self._event)
+                self._listening = True
 
     def count_into(self, runner: Runner) -> None:
+        self.listen()
         with self._lock:
             runner.compiles_since_warm_up = 0
             self._runners.add(runner)
-            if not self._listening:
-                jax.monitoring.register_event_duration_secs_listener(self._listen)
-                self._listening = True
 
-    def _listen(self, event: str, seconds: float, **_: Any) -> None:
+    def _compiled(self, event: str, seconds: float, **_: Any) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             with self._lock:
                 for runner in self._runners:
                     runner.compiles_since_warm_up += 1
 
+    def _event(self, event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            with self._lock:
+                self.cache_hits += 1
+
 
 _COMPILES = _CompileCounter()
-
-
-@contextlib.contextmanager
-def _cache_hits() -> Iterator[list[str]]:
-    """The compilations JAX's persistent compilation cache serves while inside, one entry each (appended from the
-    threads that compile)."""
-    hits: list[str] = []
-
-    def listen(event: str, **_: Any) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            hits.append(event)
-
-    jax.monitoring.register_event_listener(listen)
-    try:
-        yield hits
-    finally:
-        jax.monitoring.unregister_event_listener(listen)
 
 
 def lower(

@@ -160,7 +160,7 @@ def test_an_engine_on_an_int8_cache_serves_what_a_float_cache_serves(lm):
     cfg = lm.config
     assert int8_engine.kv_bytes_per_token() == bytes_per_token(cfg, "int8")
     assert float_engine.kv_bytes_per_token() == bytes_per_token(cfg, "float32")
-    agreement, gap = drift(float_engine, int8_engine)
+    [(agreement, gap)] = drift(float_engine, int8_engine)
     assert int8_engine.runner.cache.k.dtype == jnp.int8
     print(f"greedy agreement {agreement:.3f}, largest logprob gap {gap:.4f}")
     assert 0 < gap < ENGINE_TOLERANCE

@@ -55,8 +55,7 @@ def test_an_engine_on_w8a8_projections_serves_near_its_float_model(hf_tiny):
     models = {kind: meshlm.load(hf_tiny.path, quantize=kind) for kind in (None, "int8", "w8a8")}
     assert models["w8a8"].params["layers"]["mlp"]["fc_in"]["w"].activations
     engines = {kind: lm.engine(max_batch=4) for kind, lm in models.items()}
-    agreement, gap = drift(engines[None], engines["w8a8"])
-    _, weight_only_gap = drift(engines[None], engines["int8"])
+    (agreement, gap), (_, weight_only_gap) = drift(engines[None], engines["w8a8"], engines["int8"])
     print(f"greedy agreement {agreement:.3f}, largest logprob gap {gap:.4f} (int8 {weight_only_gap:.4f})")
     assert weight_only_gap < gap < TOLERANCE
     assert agreement >= TOKEN_AGREEMENT

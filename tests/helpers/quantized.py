@@ -9,15 +9,20 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 SCORED = SamplingParams(max_new_tokens=0, temperature=0.0, prompt_logprobs=0)
 
 
-def drift(reference, engine) -> tuple[float, float]:
-    """Over PROMPTS: the share of positions where `engine`'s greedy tokens are `reference`'s, and the largest gap
-    between the two engines' prompt logprobs over the reference's greedy texts (once one greedy token differs, the
-    rest of that row follows another text, so the gap is measured on one text for both)."""
+def drift(reference, *engines) -> list[tuple[float, float]]:
+    """Over PROMPTS, for each of `engines`: the share of positions where its greedy tokens are `reference`'s, and the
+    largest gap between its prompt logprobs and the reference's over the reference's greedy texts (once one greedy
+    token differs, the rest of that row follows another text, so the gap is measured on one text for both). The
+    reference generates and scores once for all."""
     want = reference.generate(PROMPTS, [GREEDY] * len(PROMPTS))
-    got = engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))
-    same = [a == b for w, g in zip(want, got, strict=True) for a, b in zip(w.tokens, g.tokens, strict=True)]
     texts = [p + w.tokens for p, w in zip(PROMPTS, want, strict=True)]
-    exact, other = (e.generate(texts, [SCORED] * len(texts)) for e in (reference, engine))
-    gap = max(abs(a - b) for x, y in zip(exact, other, strict=True)
-              for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True))  # fmt: skip
-    return float(np.mean(same)), gap
+    exact = reference.generate(texts, [SCORED] * len(texts))
+    measures = []
+    for engine in engines:
+        got = engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))
+        same = [a == b for w, g in zip(want, got, strict=True) for a, b in zip(w.tokens, g.tokens, strict=True)]
+        other = engine.generate(texts, [SCORED] * len(texts))
+        gap = max(abs(a - b) for x, y in zip(exact, other, strict=True)
+                  for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True))  # fmt: skip
+        measures.append((float(np.mean(same)), gap))
+    return measures
